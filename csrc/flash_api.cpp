@@ -1,0 +1,141 @@
+// The one file that sees torch: checks the tensors handed over by flash_cutlass/interface.py,
+// fills FwdParams and dispatches to the compiled kernels. User-facing argument errors are
+// raised in Python first; the checks here keep a direct call from launching on bad memory.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cmath>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "flash_cutlass/dispatch.h"
+#include "flash_cutlass/params.h"
+
+// setup.py passes the compiled targets as a bare list, e.g. sm_80,sm_90,compute_90.
+#define FLASH_CUTLASS_STRINGIFY_LIST(...) #__VA_ARGS__
+#define FLASH_CUTLASS_STRINGIFY(...) FLASH_CUTLASS_STRINGIFY_LIST(__VA_ARGS__)
+#ifdef FLASH_CUTLASS_ARCHS
+#define FLASH_CUTLASS_ARCHS_STRING FLASH_CUTLASS_STRINGIFY(FLASH_CUTLASS_ARCHS)
+#else
+#define FLASH_CUTLASS_ARCHS_STRING ""
+#endif
+
+namespace flash_cutlass {
+namespace {
+
+constexpr int64_t kAlignElems = 8;  // 16 bytes of fp16/bf16: the width of every global copy
+
+void check_operand(const at::Tensor& t, const char* name, int64_t rank) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.dim() == rank, name, " must have ", rank, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
+  for (int64_t d = 0; d + 1 < rank; ++d) {
+    TORCH_CHECK(t.stride(d) % kAlignElems == 0 || t.size(d) <= 1, name, " stride ", d, " (", t.stride(d),
+                ") must be a multiple of 8 elements");
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+DType dtype_of(const at::Tensor& t) {
+  if (t.scalar_type() == at::kHalf) return DType::kFloat16;
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16, got ", t.scalar_type());
+  return DType::kBFloat16;
+}
+
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+             double softmax_scale, bool causal) {
+  check_operand(q, "q", 4);
+  check_operand(k, "k", 4);
+  check_operand(v, "v", 4);
+  check_operand(out, "out", 4);
+  const DType dtype = dtype_of(q);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &out}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, k, v and out must share one dtype");
+    TORCH_CHECK(t->device() == q.device(), "q, k, v and out must be on one device");
+  }
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
+  const int64_t seqlen_k = k.size(1), heads_k = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch, "k and v must have q's batch size");
+  TORCH_CHECK(v.size(1) == seqlen_k && v.size(2) == heads_k, "v must have k's seqlen and heads");
+  TORCH_CHECK(k.size(3) == head_dim && v.size(3) == head_dim, "k and v must have q's head_dim");
+  TORCH_CHECK(heads_k > 0 && heads % heads_k == 0, "heads (", heads, ") must be a multiple of heads_k (", heads_k, ")");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  TORCH_CHECK(head_dim % kAlignElems == 0, "head_dim must be a multiple of 8, got ", head_dim);
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == heads &&
+                  lse.size(2) == seqlen_q,
+              "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
+  TORCH_CHECK(dtype_compiled(dtype), "dtype ", q.scalar_type(),
+              " was not compiled in (build flag FLASH_CUTLASS_DTYPES)");
+  const int kernel_hdim = kernel_head_dim(static_cast<int>(head_dim));
+  TORCH_CHECK(kernel_hdim != 0, "head_dim ", head_dim,
+              " exceeds every compiled head dim (build flag FLASH_CUTLASS_HEAD_DIMS)");
+  if (batch == 0 || seqlen_q == 0 || heads == 0) return;
+  TORCH_CHECK(seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
+  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "sequence lengths must be < 2^31");
+
+  FwdParams params;
+  params.q = q.data_ptr();
+  params.k = k.data_ptr();
+  params.v = v.data_ptr();
+  params.out = out.data_ptr();
+  params.lse = lse.data_ptr<float>();
+  params.q_batch_stride = q.stride(0);
+  params.q_row_stride = q.stride(1);
+  params.q_head_stride = q.stride(2);
+  params.k_batch_stride = k.stride(0);
+  params.k_row_stride = k.stride(1);
+  params.k_head_stride = k.stride(2);
+  params.v_batch_stride = v.stride(0);
+  params.v_row_stride = v.stride(1);
+  params.v_head_stride = v.stride(2);
+  params.out_batch_stride = out.stride(0);
+  params.out_row_stride = out.stride(1);
+  params.out_head_stride = out.stride(2);
+  params.batch = static_cast<int>(batch);
+  params.seqlen_q = static_cast<int>(seqlen_q);
+  params.seqlen_k = static_cast<int>(seqlen_k);
+  params.heads = static_cast<int>(heads);
+  params.heads_k = static_cast<int>(heads_k);
+  params.head_dim = static_cast<int>(head_dim);
+  params.softmax_scale = static_cast<float>(softmax_scale);
+  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  params.causal = causal;
+
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const cudaError_t status = run_fwd_sm80(params, dtype, kernel_hdim, stream);
+  TORCH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
+}
+
+std::vector<int64_t> compiled_head_dims() {
+  std::vector<int64_t> dims;
+  for (int d : kCompiledHeadDims) {
+    if (d != 0) dims.push_back(d);
+  }
+  return dims;
+}
+
+std::vector<std::string> compiled_dtypes() {
+  std::vector<std::string> names;
+  if (kCompiledFloat16) names.emplace_back("float16");
+  if (kCompiledBFloat16) names.emplace_back("bfloat16");
+  return names;
+}
+
+}  // namespace
+}  // namespace flash_cutlass
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flash_cutlass CUDA kernels (internal; use the flash_cutlass package)";
+  m.def("forward", &flash_cutlass::forward, "Attention forward into preallocated out and lse",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"));
+  m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
+  m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);
+  m.attr("compiled_archs") = std::string(FLASH_CUTLASS_ARCHS_STRING);
+}

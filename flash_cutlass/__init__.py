@@ -1,0 +1,23 @@
+"""flash_cutlass: exact FlashAttention for PyTorch, hand-written CUDA kernels on CUTLASS/CuTe.
+
+    out, lse = flash_cutlass.flash_forward(q, k, v, softmax_scale=None, causal=False)
+
+CUDA tensors (fp16/bf16, compute capability >= 8.0) run the compiled kernels; CPU tensors run
+the slow pure-PyTorch reference in flash_cutlass.reference with the same semantics.
+"""
+
+from flash_cutlass._version import __version__
+from flash_cutlass.interface import (
+    compiled_archs,
+    compiled_dtypes,
+    compiled_head_dims,
+    flash_forward,
+)
+
+__all__ = [
+    "__version__",
+    "compiled_archs",
+    "compiled_dtypes",
+    "compiled_head_dims",
+    "flash_forward",
+]

@@ -1,0 +1,196 @@
+"""Argument checking and normalization for the public entry points.
+
+Every rejected input raises before any kernel launch, with a message that names the argument
+and says what is accepted. CUDA tensors run the compiled kernels; CPU tensors run the slow
+pure-PyTorch path in flash_cutlass.reference with the same semantics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from flash_cutlass import reference
+
+try:
+    from flash_cutlass import _C
+except ImportError as error:  # the package stays importable (CPU path) without the build
+    _C = None
+    _EXTENSION_ERROR: Optional[ImportError] = error
+else:
+    _EXTENSION_ERROR = None
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+_ALIGN_ELEMS = 8  # 16 bytes of fp16/bf16: the width of every global memory access
+
+
+def _extension():
+    if _C is None:
+        raise RuntimeError(
+            "flash_cutlass's CUDA extension is not built or failed to load "
+            f"({_EXTENSION_ERROR}); build it with: pip install --no-build-isolation -e ."
+        )
+    return _C
+
+
+def compiled_head_dims() -> Tuple[int, ...]:
+    """Head dims compiled into the extension; a call runs in the smallest one >= its head_dim."""
+    return tuple(_extension().compiled_head_dims())
+
+
+def compiled_dtypes() -> Tuple[torch.dtype, ...]:
+    """Input dtypes compiled into the extension."""
+    return tuple(getattr(torch, name) for name in _extension().compiled_dtypes())
+
+
+def compiled_archs() -> Tuple[str, ...]:
+    """Targets the kernels were compiled for, e.g. ('sm_80', 'sm_90', 'compute_90')."""
+    return tuple(a for a in _extension().compiled_archs.split(",") if a)
+
+
+def check_compute_capability(capability: Tuple[int, int], archs: Tuple[str, ...], device: str = "cuda") -> None:
+    """Raises unless a GPU of this compute capability can run kernels compiled for `archs`.
+
+    Machine code for sm_XY runs on X.Y' with Y' >= Y; PTX for compute_XY JIT-compiles on any
+    capability >= X.Y.
+    """
+    major, minor = capability
+    if (major, minor) < (8, 0):
+        raise RuntimeError(
+            f"flash_cutlass needs a GPU of compute capability 8.0 or newer (Ampere, Ada, Hopper); "
+            f"{device} has {major}.{minor}"
+        )
+    for arch in archs:
+        kind, _, number = arch.partition("_")
+        arch_major, arch_minor = int(number[:-1]), int(number[-1])
+        if kind == "sm" and arch_major == major and arch_minor <= minor:
+            return
+        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
+            return
+    raise RuntimeError(
+        f"flash_cutlass was built for {', '.join(archs)}, which cannot run on {device} "
+        f"(compute capability {major}.{minor}); rebuild with FLASH_CUTLASS_CUDA_ARCHS={major}{minor}"
+    )
+
+
+def _check_tensor(t, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}; "
+            f"pass {name}.contiguous()"
+        )
+
+
+def check_forward_inputs(q, k, v, softmax_scale, causal) -> None:
+    """Validates the arguments of flash_forward; raises TypeError/ValueError naming the argument."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_tensor(t, name)
+    for t, name in ((k, "k"), (v, "v")):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k and v must be on one device")
+    batch, _, heads, head_dim = q.shape
+    _, seqlen_k, heads_k, _ = k.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"k and v must have q's batch size {batch}, got k {k.shape[0]} and v {v.shape[0]}")
+    if tuple(v.shape[:3]) != (batch, seqlen_k, heads_k):
+        raise ValueError(f"v must have k's (batch, seqlen_k, heads_k) = {tuple(k.shape[:3])}, got {tuple(v.shape[:3])}")
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        raise ValueError(f"k and v must have q's head_dim {head_dim}, got k {k.shape[3]} and v {v.shape[3]}")
+    if head_dim == 0 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if heads_k == 0 or heads % heads_k != 0:
+        raise ValueError(
+            f"the heads of q ({heads}) must be a multiple of the heads of k and v (heads_k = {heads_k}) "
+            "for grouped-query attention"
+        )
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t itself if every global access can be 16 bytes wide, else a contiguous copy."""
+    strides_ok = all(s % _ALIGN_ELEMS == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+    if strides_ok and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous()
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    """head_dim rounded up to a multiple of 8 (zero columns are added in that case); the C++
+    side runs it in the smallest compiled head dim that holds it."""
+    padded = -(-head_dim // _ALIGN_ELEMS) * _ALIGN_ELEMS
+    for compiled in compiled_head_dims():
+        if compiled >= padded:
+            return padded
+    raise RuntimeError(
+        f"head_dim {head_dim} needs a kernel of head dim >= {padded}, but this build compiled only "
+        f"{compiled_head_dims()}; rebuild with FLASH_CUTLASS_HEAD_DIMS including a larger one"
+    )
+
+
+def forward_into(q, k, v, out, lse, softmax_scale: float, causal: bool) -> None:
+    """Runs the CUDA forward kernel into preallocated out (like q) and lse (fp32, batch x heads x
+    seqlen_q). q, k, v must already be valid kernel inputs: CUDA, head_dim a multiple of 8 and at
+    most a compiled head dim, 16-byte aligned strides. flash_forward is the checked entry point."""
+    _extension().forward(q, k, v, out, lse, float(softmax_scale), bool(causal))
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.dtype not in compiled_dtypes():
+        raise RuntimeError(
+            f"dtype {q.dtype} was not compiled into this build (compiled: {compiled_dtypes()}); "
+            "rebuild with FLASH_CUTLASS_DTYPES including it"
+        )
+    check_compute_capability(torch.cuda.get_device_capability(q.device), compiled_archs(), str(q.device))
+
+
+def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False):
+    """Exact attention forward: out = softmax(softmax_scale * q k^T) v, and its log-sum-exp.
+
+    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), with
+    heads a multiple of heads_k (GQA/MQA); float16 or bfloat16, all on one device; the last
+    dimension contiguous. softmax_scale defaults to 1/sqrt(head_dim). causal masks with the
+    diagonal aligned to the bottom-right corner (query i sees key j iff j <= i + seqlen_k -
+    seqlen_q). Returns out like q and lse, float32 (batch, heads, seqlen_q), the natural-log
+    log-sum-exp of the scaled scores. A query row that sees no key gets out 0 and lse -inf.
+    """
+    check_forward_inputs(q, k, v, softmax_scale, causal)
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    if q.device.type != "cuda":
+        return reference.attention_forward(q, k, v, scale, causal)
+
+    _check_device(q)
+    padded_head_dim = _padded_head_dim(head_dim)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return torch.empty_like(q), lse
+    if seqlen_k == 0:
+        return torch.zeros_like(q), lse.fill_(-math.inf)
+    if padded_head_dim != head_dim:
+        pad = (0, padded_head_dim - head_dim)
+        q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    forward_into(q, k, v, out, lse, scale, causal)
+    if padded_head_dim != head_dim:
+        out = out[..., :head_dim].contiguous()
+    return out, lse

@@ -1,0 +1,226 @@
+"""Pure-PyTorch attention: the slow path.
+
+This module is the CPU fallback and the oracle the CUDA kernels are tested
+against. It favours clarity and numerical care over speed; do not use it where
+performance matters.
+
+Layout and conventions shared by every function here:
+
+* ``q`` is ``(batch, seqlen_q, heads, head_dim)``; ``k`` and ``v`` are
+  ``(batch, seqlen_k, kv_heads, head_dim)`` with ``heads % kv_heads == 0``.
+  Query head ``i`` reads kv head ``i // (heads // kv_heads)`` (GQA/MQA).
+* ``softmax_scale`` multiplies ``q @ k^T``; callers resolve a default of
+  ``1 / sqrt(head_dim)`` themselves.
+* ``causal`` masking is aligned to the bottom-right corner of the score matrix
+  (the FlashAttention-2 convention): query row ``i`` may attend key ``j`` iff
+  ``j <= i + seqlen_k - seqlen_q``.
+* A query row that may attend no key gets output 0 and log-sum-exp ``-inf``.
+* The log-sum-exp is the natural logarithm of ``sum_j exp(scaled score_j)``,
+  shaped ``(batch, heads, seqlen_q)``.
+
+Two implementations are provided: :func:`attention_forward`, a tiled
+online-softmax forward that follows the kernels' algorithm without ever holding
+the full score matrix, and :func:`naive_attention`, which materializes the
+scores and is used to measure what PyTorch achieves in a given dtype.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+__all__ = ["attention_forward", "causal_mask", "naive_attention"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def causal_mask(sq: int, sk: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool ``(sq, sk)`` keep-mask: True where query row ``i`` may attend key ``j``.
+
+    Bottom-right aligned: ``keep[i, j] = j <= i + sk - sq``. When ``sq > sk`` the
+    first ``sq - sk`` rows keep nothing.
+    """
+    rows = torch.arange(sq, device=device).unsqueeze(1)
+    cols = torch.arange(sk, device=device).unsqueeze(0)
+    return cols <= rows + (sk - sq)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled online-softmax attention forward.
+
+    Walks the keys in blocks of ``block_size``, keeping a running row maximum
+    and row sum in fp32 (fp64 for fp64 inputs) and rescaling the output
+    accumulator whenever the maximum grows, as the CUDA kernels do. Extra memory
+    is linear in the sequence lengths: one block of scores at a time, never the
+    full score matrix, and K/V are never repeated across query heads.
+
+    Returns ``(out, lse)``: ``out`` is ``(batch, seqlen_q, heads, head_dim)`` in
+    ``q.dtype``; ``lse`` is ``(batch, heads, seqlen_q)`` in fp32 (fp64 for fp64
+    inputs).
+    """
+    scale = _check_inputs(q, k, v, softmax_scale)
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+    batch, sq, heads, _ = q.shape
+    sk, kv_heads = k.shape[1], k.shape[2]
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    group = heads // kv_heads
+    qg = _group_queries(q.to(compute_dtype), kv_heads)
+    rows = qg.shape[2]
+    row_max = qg.new_full((batch, kv_heads, rows), float("-inf"))
+    row_sum = qg.new_zeros((batch, kv_heads, rows))
+    acc = qg.new_zeros((batch, kv_heads, rows, v.shape[-1]))
+    keep = causal_mask(sq, sk, q.device) if causal else None
+
+    for start in range(0, sk, block_size):
+        end = min(start + block_size, sk)
+        k_blk = k[:, start:end].to(compute_dtype).permute(0, 2, 3, 1)
+        v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
+        scores = torch.matmul(qg, k_blk) * scale
+        if keep is not None:
+            scores = _apply_keep(scores, keep[:, start:end], group)
+
+        new_max = torch.maximum(row_max, scores.amax(dim=-1))
+        # Rows that have seen no key yet keep a -inf maximum; subtracting 0
+        # instead makes their exponentials exp(-inf) = 0 rather than NaN.
+        shift = torch.where(torch.isneginf(new_max), 0.0, new_max)
+        probs = torch.exp(scores - shift.unsqueeze(-1))
+        correction = torch.exp(row_max - shift)
+        row_sum = row_sum * correction + probs.sum(dim=-1)
+        acc = acc * correction.unsqueeze(-1) + torch.matmul(probs, v_blk)
+        row_max = new_max
+
+    # Testing the maximum rather than the sum keeps NaN inputs visible as NaN.
+    has_key = ~torch.isneginf(row_max)
+    out = acc / torch.where(has_key, row_sum, 1.0).unsqueeze(-1)
+    lse = torch.where(has_key, row_max + torch.log(row_sum), float("-inf"))
+    return _ungroup_out(out, group, sq).to(q.dtype), lse.reshape(batch, heads, sq)
+
+
+def naive_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with the full score matrix materialized.
+
+    Inputs are cast to ``compute_dtype`` and every step (matmul, scaling,
+    softmax, log-sum-exp, matmul) runs in that dtype. With ``compute_dtype=None``
+    the inputs' own dtype is used, which gives the error PyTorch itself makes
+    in that precision (the baseline of the FlashAttention-2 pass rule).
+
+    Returns ``(out, lse)``: ``out`` is ``(batch, seqlen_q, heads, head_dim)`` in
+    the compute dtype; ``lse`` is ``(batch, heads, seqlen_q)`` in fp32 (fp64 when
+    computing in fp64).
+    """
+    scale = _check_inputs(q, k, v, softmax_scale)
+    dtype = q.dtype if compute_dtype is None else compute_dtype
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {_FLOAT_DTYPES}, got {compute_dtype}")
+
+    batch, sq, heads, _ = q.shape
+    sk, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    qg = _group_queries(q.to(dtype), kv_heads)
+    kt = k.to(dtype).permute(0, 2, 3, 1)
+    vt = v.to(dtype).transpose(1, 2)
+
+    scores = torch.matmul(qg, kt) * scale
+    if causal:
+        keep = causal_mask(sq, sk, q.device)
+        scores = _apply_keep(scores, keep, group)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if causal:
+        # softmax of an all -inf row is NaN; such a row attends nothing.
+        has_key = keep.any(dim=-1).repeat(group)
+        probs = torch.where(has_key.unsqueeze(-1), probs, 0.0)
+    out = torch.matmul(probs, vt)
+
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return _ungroup_out(out, group, sq), lse.to(lse_dtype).reshape(batch, heads, sq)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> float:
+    """Validate shapes, dtypes and devices; return the scale as a Python float."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype must be one of {_FLOAT_DTYPES}, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            "k and v must agree in (batch, seqlen_k, kv_heads), "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k head_dim differ: {q.shape[3]} vs {k.shape[3]}")
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise ValueError(
+            f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads}), "
+            "and k/v heads must be >= 1"
+        )
+    if (
+        softmax_scale is None
+        or isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, numbers.Real)
+    ):
+        raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, sq, h, d) -> (b, kv_heads, group * sq, d), query heads sharing a kv head stacked.
+
+    Folding the group into the row dimension lets one plain matmul against the
+    (b, kv_heads, ...) K and V serve all query heads of a group, without
+    repeating K or V.
+    """
+    batch, sq, heads, dim = q.shape
+    group = heads // kv_heads
+    return q.reshape(batch, sq, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(
+        batch, kv_heads, group * sq, dim
+    )
+
+
+def _ungroup_out(out: torch.Tensor, group: int, sq: int) -> torch.Tensor:
+    """(b, kv_heads, group * sq, dv) -> (b, sq, heads, dv); inverse of ``_group_queries``."""
+    batch, kv_heads, _, dim = out.shape
+    return out.reshape(batch, kv_heads, group, sq, dim).permute(0, 3, 1, 2, 4).reshape(
+        batch, sq, kv_heads * group, dim
+    )
+
+
+def _apply_keep(scores: torch.Tensor, keep: torch.Tensor, group: int) -> torch.Tensor:
+    """Set grouped scores (b, kv_heads, group * sq, n) to -inf where ``keep`` (sq, n) is False."""
+    batch, kv_heads, rows, n = scores.shape
+    grouped = scores.reshape(batch, kv_heads, group, keep.shape[0], n)
+    return grouped.masked_fill(~keep, float("-inf")).reshape(batch, kv_heads, rows, n)

@@ -1,0 +1,72 @@
+// Online softmax over key tiles, one query row per fragment row, all in fp32.
+#pragma once
+
+#include <cmath>
+#include <cute/tensor.hpp>
+
+#include "flash_cutlass/common/utils.h"
+
+namespace flash_cutlass {
+
+// Keeps, for each of the kRows rows a thread owns, the running maximum m of the raw scores
+// and this thread's part of the running sum l of exp(scale * (s - m)). The quad's parts of l
+// are added only once, in finalize(): rescaling is per row, so the parts stay consistent.
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];
+  float scale_log2;  // softmax scale * log2(e), > 0
+
+  __device__ explicit OnlineSoftmax(float softmax_scale_log2) : scale_log2(softmax_scale_log2) {}
+
+  // s: one score tile as (rows, cols), replaced by P = exp(scale * (s - m_new)).
+  // o: the output accumulator as (rows, cols), rescaled to the new maximum.
+  template <bool kFirstTile, class TensorS, class TensorO>
+  __device__ __forceinline__ void update(TensorS& s, TensorO& o) {
+    using namespace cute;
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float prev_max = kFirstTile ? -INFINITY : row_max[r];
+      float new_max = prev_max;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) new_max = fmaxf(new_max, s(r, c));
+      new_max = quad_max(new_max);
+      row_max[r] = new_max;
+      // A row with every key masked so far keeps m = -inf; exponentiate against 0 so that
+      // its P is exactly 0 instead of exp(-inf + inf) = NaN.
+      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+      if (!kFirstTile) {
+        const float correction = new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
+        row_sum[r] *= correction;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction;
+      }
+      float tile_sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
+        tile_sum += s(r, c);
+      }
+      row_sum[r] = kFirstTile ? tile_sum : row_sum[r] + tile_sum;
+    }
+  }
+
+  // Normalizes o by l and returns, per row, lse = scale * m + log(l) (natural log).
+  // A row that attended to no key gets o = 0 and lse = -inf.
+  template <class TensorO>
+  __device__ __forceinline__ void finalize(TensorO& o, float softmax_scale, float (&lse)[kRows]) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const bool empty = sum == 0.f;
+      const float inv_sum = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + __logf(sum);
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv_sum;
+    }
+  }
+};
+
+}  // namespace flash_cutlass

@@ -1,0 +1,105 @@
+// Runtime values -> compile-time instantiations. Each head dim and dtype is present only when
+// the build defined FLASH_CUTLASS_HDIM_<N> / FLASH_CUTLASS_DTYPE_<NAME> (see setup.py), so a
+// pruned build links only what it compiled.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "flash_cutlass/fwd_api.h"
+#include "flash_cutlass/params.h"
+
+namespace flash_cutlass {
+
+// The compiled head dims, ascending. A call runs in the smallest one >= its head_dim.
+inline constexpr int kCompiledHeadDims[] = {
+#ifdef FLASH_CUTLASS_HDIM_32
+    32,
+#endif
+#ifdef FLASH_CUTLASS_HDIM_64
+    64,
+#endif
+#ifdef FLASH_CUTLASS_HDIM_96
+    96,
+#endif
+#ifdef FLASH_CUTLASS_HDIM_128
+    128,
+#endif
+#ifdef FLASH_CUTLASS_HDIM_192
+    192,
+#endif
+#ifdef FLASH_CUTLASS_HDIM_256
+    256,
+#endif
+    0  // end marker, keeps the array non-empty
+};
+
+inline constexpr bool kCompiledFloat16 =
+#ifdef FLASH_CUTLASS_DTYPE_FP16
+    true;
+#else
+    false;
+#endif
+inline constexpr bool kCompiledBFloat16 =
+#ifdef FLASH_CUTLASS_DTYPE_BF16
+    true;
+#else
+    false;
+#endif
+
+// Smallest compiled head dim >= head_dim, or 0 when none is.
+inline int kernel_head_dim(int head_dim) {
+  for (int compiled : kCompiledHeadDims) {
+    if (compiled != 0 && compiled >= head_dim) return compiled;
+  }
+  return 0;
+}
+
+inline bool dtype_compiled(DType dtype) {
+  return dtype == DType::kFloat16 ? kCompiledFloat16 : kCompiledBFloat16;
+}
+
+namespace detail {
+template <int kHeadDim, bool kCausal>
+cudaError_t run_fwd_sm80_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
+#ifdef FLASH_CUTLASS_DTYPE_FP16
+  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+#endif
+#ifdef FLASH_CUTLASS_DTYPE_BF16
+  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+#endif
+  return cudaErrorNotSupported;
+}
+
+template <int kHeadDim>
+cudaError_t run_fwd_sm80_causal(FwdParams const& params, DType dtype, cudaStream_t stream) {
+  return params.causal ? run_fwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
+                       : run_fwd_sm80_dtype<kHeadDim, false>(params, dtype, stream);
+}
+}  // namespace detail
+
+// Launches the sm80-path forward kernel compiled for `kernel_hdim` (one of kCompiledHeadDims).
+inline cudaError_t run_fwd_sm80(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
+  switch (kernel_hdim) {
+#ifdef FLASH_CUTLASS_HDIM_32
+    case 32: return detail::run_fwd_sm80_causal<32>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_64
+    case 64: return detail::run_fwd_sm80_causal<64>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_96
+    case 96: return detail::run_fwd_sm80_causal<96>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_128
+    case 128: return detail::run_fwd_sm80_causal<128>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_192
+    case 192: return detail::run_fwd_sm80_causal<192>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_256
+    case 256: return detail::run_fwd_sm80_causal<256>(params, dtype, stream);
+#endif
+    default: return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace flash_cutlass

@@ -1,0 +1,16 @@
+// Torch-free, kernel-free declarations of the forward entry points: what the host file
+// (csrc/flash_api.cpp) sees. Each instantiation lives in its own file under csrc/instantiations/.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "flash_cutlass/params.h"
+
+namespace flash_cutlass {
+
+namespace sm80 {
+template <int kHeadDim, DType kDType, bool kCausal>
+cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
+}  // namespace sm80
+
+}  // namespace flash_cutlass

@@ -1,0 +1,41 @@
+// Plain, torch-free description of one attention call. Filled by csrc/flash_api.cpp,
+// read by the kernels. Strides are in elements and 64-bit so large tensors do not overflow.
+#pragma once
+
+#include <cstdint>
+
+namespace flash_cutlass {
+
+enum class DType { kFloat16, kBFloat16 };
+
+struct FwdParams {
+  // Q: (batch, seqlen_q, heads, head_dim); K, V: (batch, seqlen_k, heads_k, head_dim);
+  // out like Q. The last dimension is contiguous; every other stride is a multiple of 8
+  // elements and every pointer 16-byte aligned (the host checks both).
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  // fp32 (batch, heads, seqlen_q), contiguous.
+  float* lse = nullptr;
+
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0;
+
+  int batch = 0;
+  int seqlen_q = 0;
+  int seqlen_k = 0;
+  int heads = 0;
+  int heads_k = 0;
+  // The real head dim (a multiple of 8), at most the compiled kHeadDim the call dispatches to.
+  int head_dim = 0;
+
+  float softmax_scale = 0.f;
+  // softmax_scale * log2(e): scores are exponentiated with exp2.
+  float softmax_scale_log2 = 0.f;
+  bool causal = false;
+};
+
+}  // namespace flash_cutlass

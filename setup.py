@@ -1,0 +1,178 @@
+"""Builds flash_cutlass's CUDA extension with torch.utils.cpp_extension and ninja.
+
+Build options (environment variables; see README.md):
+  FLASH_CUTLASS_CUDA_ARCHS  ";"- or ","-separated compute capabilities, e.g. "80;90".
+                            Default: the local GPU's, else "80;90". Each must be >= 80.
+  FLASH_CUTLASS_HEAD_DIMS   subset of 32,64,96,128,192,256 to compile (default: all).
+  FLASH_CUTLASS_DTYPES      subset of fp16,bf16 to compile (default: both).
+  CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
+  MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
+                            about 3 GB of memory per concurrent nvcc.
+"""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+ALL_DTYPES = ("fp16", "bf16")
+GIB = 1024**3
+
+
+def toolkit_root_from_nvcc():
+    """The CUDA toolkit root as nvcc itself reports it (TOP=...), or None."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    probe = ROOT / "build" / "nvcc_probe.cu"
+    probe.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_text("")
+    try:
+        result = subprocess.run([nvcc, "--dryrun", "-c", str(probe)], capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    match = re.search(r"TOP=(\S+)", result.stdout + result.stderr)
+    return str(Path(match.group(1)).resolve()) if match else None
+
+
+def ensure_cuda_home():
+    """torch guesses CUDA_HOME from the location of nvcc; where nvcc is a wrapper script
+    outside the toolkit that guess lacks the headers, so ask nvcc for the real root."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is not None:
+        guess = Path(nvcc).resolve().parent.parent
+        if (guess / "include" / "cuda_runtime_api.h").exists():
+            return
+    root = toolkit_root_from_nvcc()
+    if root is not None and (Path(root) / "include" / "cuda_runtime_api.h").exists():
+        os.environ["CUDA_HOME"] = root
+
+
+def cutlass_include_dirs():
+    """CUTLASS_PATH, else third_party/cutlass, else the nvidia-cutlass wheel's headers."""
+    candidates = []
+    if os.environ.get("CUTLASS_PATH"):
+        candidates.append(Path(os.environ["CUTLASS_PATH"]))
+    candidates.append(ROOT / "third_party" / "cutlass")
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.submodule_search_locations:
+        candidates.append(Path(list(spec.submodule_search_locations)[0]) / "source")
+    for root in candidates:
+        if (root / "include" / "cute" / "tensor.hpp").exists():
+            return [str(root / "include"), str(root / "tools" / "util" / "include")]
+    raise RuntimeError(
+        "CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0, or set CUTLASS_PATH to a "
+        "CUTLASS checkout, or clone CUTLASS into third_party/cutlass"
+    )
+
+
+def parse_list(name, default, allowed, convert=str):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return list(default)
+    values = [convert(item.strip()) for item in re.split(r"[;, ]+", raw) if item.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise RuntimeError(f"{name}={raw!r}: accepted values are {', '.join(map(str, allowed))}")
+    return sorted(set(values), key=list(allowed).index)
+
+
+def cuda_archs():
+    raw = os.environ.get("FLASH_CUTLASS_CUDA_ARCHS", "").strip()
+    if not raw:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                major, minor = torch.cuda.get_device_capability()
+                raw = f"{major}{minor}"
+        except Exception:
+            raw = ""
+    if not raw:
+        raw = "80;90"
+    archs = []
+    for item in re.split(r"[;, ]+", raw):
+        item = item.strip().lower().removeprefix("sm_").replace(".", "")
+        if not item:
+            continue
+        if not item.isdigit() or int(item) < 80:
+            raise RuntimeError(
+                f"FLASH_CUTLASS_CUDA_ARCHS={raw!r}: each entry must be a compute capability >= 80 "
+                "(e.g. 80, 86, 89, 90); older GPUs are not supported"
+            )
+        archs.append(int(item))
+    return sorted(set(archs))
+
+
+def default_jobs():
+    cpus = os.cpu_count() or 1
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = 8 * GIB
+    return max(1, min(cpus, int(available // (3 * GIB))))
+
+
+def main():
+    ensure_cuda_home()
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    os.environ.setdefault("MAX_JOBS", str(default_jobs()))
+    head_dims = parse_list("FLASH_CUTLASS_HEAD_DIMS", ALL_HEAD_DIMS, ALL_HEAD_DIMS, int)
+    dtypes = parse_list("FLASH_CUTLASS_DTYPES", ALL_DTYPES, ALL_DTYPES)
+    archs = cuda_archs()
+    nvcc_threads = os.environ.get("NVCC_THREADS", "1")
+
+    sources = ["csrc/flash_api.cpp"]
+    for path in sorted((ROOT / "csrc" / "instantiations").glob("fwd_sm80_*.cu")):
+        match = re.fullmatch(r"fwd_sm80_hdim(\d+)_(fp16|bf16)_(causal|noncausal)\.cu", path.name)
+        if match and int(match.group(1)) in head_dims and match.group(2) in dtypes:
+            sources.append(str(path.relative_to(ROOT)))
+
+    defines = [f"-DFLASH_CUTLASS_HDIM_{d}" for d in head_dims]
+    defines += [f"-DFLASH_CUTLASS_DTYPE_{t.upper()}" for t in dtypes]
+    # A bare comma list (no quotes, no ';') survives ninja's shell; the C++ side stringifies it.
+    arch_names = ",".join([f"sm_{a}" for a in archs] + [f"compute_{archs[-1]}"])
+    defines.append(f"-DFLASH_CUTLASS_ARCHS={arch_names}")
+
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    # PTX of the newest arch, so newer GPUs can still JIT the kernels.
+    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    nvcc_flags = [
+        "-O3",
+        "--use_fast_math",
+        "--expt-relaxed-constexpr",
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "-lineinfo",
+        f"--threads={nvcc_threads}",
+        *gencode,
+        *defines,
+    ]
+    if os.environ.get("FLASH_CUTLASS_PTXAS_VERBOSE") == "1":
+        nvcc_flags.append("-Xptxas=-v")
+
+    extension = CUDAExtension(
+        name="flash_cutlass._C",
+        sources=sources,
+        include_dirs=[str(ROOT / "include"), *cutlass_include_dirs()],
+        extra_compile_args={"cxx": ["-O3", *defines], "nvcc": nvcc_flags},
+    )
+    setup(
+        packages=find_packages(include=["flash_cutlass", "flash_cutlass.*"]),
+        ext_modules=[extension],
+        cmdclass={"build_ext": BuildExtension},
+    )
+
+
+main()

@@ -1,0 +1,70 @@
+"""Shared test utilities: the CUDA skip marker and the FlashAttention-2 pass rule."""
+
+import pytest
+import torch
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (sm_80 or newer); none is visible",
+)
+
+
+def fa2_check(
+    actual: torch.Tensor,
+    oracle: torch.Tensor,
+    torch_same_dtype: torch.Tensor,
+    name: str,
+    eps: float = 1e-5,
+) -> None:
+    """Assert FlashAttention-2's pass rule for one result tensor.
+
+    ``max|actual - oracle| <= 2 * max|torch_same_dtype - oracle| + eps``, where
+    ``oracle`` is computed in fp32 or fp64 and ``torch_same_dtype`` is PyTorch
+    computing the same thing in the kernel's input dtype. All three are compared
+    in fp32. Positions where the oracle is not finite (the ``-inf`` log-sum-exp
+    of a row that attends no key) must hold exactly the same value in ``actual``
+    and are left out of both maxima. Any NaN in ``actual`` fails.
+    """
+    assert actual.shape == oracle.shape == torch_same_dtype.shape, (
+        f"{name}: shapes differ: actual {tuple(actual.shape)}, oracle {tuple(oracle.shape)}, "
+        f"torch_same_dtype {tuple(torch_same_dtype.shape)}"
+    )
+    actual = actual.detach().float().cpu()
+    oracle = oracle.detach().float().cpu()
+    baseline = torch_same_dtype.detach().float().cpu()
+
+    assert not oracle.isnan().any(), f"{name}: the oracle contains NaN"
+    nan_count = int(actual.isnan().sum())
+    assert nan_count == 0, f"{name}: actual contains {nan_count} NaN value(s)"
+
+    finite = oracle.isfinite()
+    special = ~finite
+    mismatched = int((actual[special] != oracle[special]).sum())
+    assert mismatched == 0, (
+        f"{name}: {mismatched} position(s) where the oracle is +-inf "
+        "hold a different value in actual"
+    )
+    bad_actual = int((~actual[finite].isfinite()).sum())
+    assert bad_actual == 0, (
+        f"{name}: actual is not finite at {bad_actual} position(s) where the oracle is"
+    )
+    bad_baseline = int((~baseline[finite].isfinite()).sum())
+    assert bad_baseline == 0, (
+        f"{name}: torch_same_dtype is not finite at {bad_baseline} position(s) "
+        "where the oracle is; the pass rule has no meaningful bound"
+    )
+
+    if not finite.any():
+        return
+    err = (actual - oracle).abs().where(finite, 0.0)
+    base_err = float((baseline - oracle).abs().where(finite, 0.0).max())
+    max_err = float(err.max())
+    bound = 2.0 * base_err + eps
+    if max_err > bound:
+        worst = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+        raise AssertionError(
+            f"{name}: max|actual - oracle| = {max_err:.3e} exceeds "
+            f"2 * max|torch_same_dtype - oracle| + eps = 2 * {base_err:.3e} + {eps:.1e} "
+            f"= {bound:.3e}; worst at index {worst}: "
+            f"actual {float(actual[worst]):.6g}, oracle {float(oracle[worst]):.6g}"
+        )

@@ -1,0 +1,157 @@
+"""The public API without a GPU: imports, build report, CPU path, and every rejected input."""
+
+import math
+
+import pytest
+import torch
+
+import flash_cutlass
+from flash_cutlass.interface import check_compute_capability
+from flash_cutlass.reference import naive_attention
+
+
+def qkv(batch=2, seqlen_q=33, seqlen_k=47, heads=4, heads_k=2, head_dim=32, dtype=torch.bfloat16, gen=None):
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    return rand(batch, seqlen_q, heads, head_dim), rand(batch, seqlen_k, heads_k, head_dim), rand(
+        batch, seqlen_k, heads_k, head_dim)
+
+
+def test_extension_reports_what_was_compiled():
+    head_dims = flash_cutlass.compiled_head_dims()
+    assert head_dims and set(head_dims) <= {32, 64, 96, 128, 192, 256}
+    assert list(head_dims) == sorted(head_dims)
+    assert set(flash_cutlass.compiled_dtypes()) <= {torch.float16, torch.bfloat16}
+    assert flash_cutlass.compiled_dtypes()
+    archs = flash_cutlass.compiled_archs()
+    assert archs and all(a.startswith(("sm_", "compute_")) and int(a.split("_")[1]) >= 80 for a in archs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_tensors_run_the_reference(gen, causal):
+    q, k, v = qkv(gen=gen)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
+    ref_out, ref_lse = naive_attention(q, k, v, 32 ** -0.5, causal, compute_dtype=torch.float64)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 33)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_head_dim_not_multiple_of_8(gen):
+    q, k, v = qkv(head_dim=20, gen=gen)
+    out, lse = flash_cutlass.flash_forward(q, k, v, softmax_scale=0.5)
+    ref_out, _ = naive_attention(q, k, v, 0.5, False, compute_dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-2, rtol=1e-2)
+
+
+def test_cpu_empty_inputs():
+    q, k, v = qkv(batch=0)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    assert out.shape == q.shape and lse.shape == (0, 4, 33)
+
+
+def expect(error, match, q, k, v, **kwargs):
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_forward(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_rejects_unsupported_dtypes(dtype, which):
+    tensors = dict(zip("qkv", qkv()))
+    tensors[which] = tensors[which].to(dtype) if dtype.is_floating_point else tensors[which].to(dtype)
+    if which == "q":
+        expect(TypeError, r"^q must be float16 or bfloat16, got torch\.", **tensors)
+    else:
+        expect(TypeError, rf"^{which} must be float16 or bfloat16", **tensors)
+
+
+def test_rejects_mixed_dtypes():
+    q, k, v = qkv()
+    expect(TypeError, r"^k has dtype torch.float16 but q has torch.bfloat16", q, k.half(), v)
+    expect(TypeError, r"^v has dtype torch.float16 but q has torch.bfloat16", q, k, v.half())
+
+
+def test_rejects_mixed_devices():
+    q, k, v = qkv()
+    expect(ValueError, r"^k is on meta but q is on cpu", q, k.to("meta"), v)
+    expect(ValueError, r"^v is on meta but q is on cpu", q, k, v.to("meta"))
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_rejects_wrong_rank(which):
+    tensors = dict(zip("qkv", qkv()))
+    tensors[which] = tensors[which][0]
+    expect(ValueError, rf"^{which} must have 4 dimensions \(batch, seqlen, heads, head_dim\)", **tensors)
+
+
+def test_rejects_non_tensors():
+    q, k, v = qkv()
+    expect(TypeError, r"^v must be a torch.Tensor, got list", q, k, [1.0])
+
+
+def test_rejects_head_dim_over_256():
+    q, k, v = qkv(head_dim=264)
+    expect(ValueError, r"^head_dim must be between 1 and 256, got 264", q, k, v)
+
+
+def test_rejects_heads_not_multiple_of_heads_k():
+    q, k, v = qkv(heads=6, heads_k=4)
+    expect(ValueError, r"heads of q \(6\) must be a multiple of the heads of k and v \(heads_k = 4\)", q, k, v)
+
+
+def test_rejects_mismatched_batch():
+    q, k, v = qkv()
+    expect(ValueError, r"^k and v must have q's batch size 2, got k 1", q, k[:1], v[:1])
+
+
+def test_rejects_mismatched_head_dim():
+    q, k, v = qkv()
+    expect(ValueError, r"^k and v must have q's head_dim 32, got k 24 and v 32", q, k[..., :24], v)
+    expect(ValueError, r"^k and v must have q's head_dim 32, got k 32 and v 24", q, k, v[..., :24])
+
+
+def test_rejects_v_shape_unlike_k():
+    q, k, v = qkv()
+    expect(ValueError, r"^v must have k's \(batch, seqlen_k, heads_k\)", q, k, v[:, :5])
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_rejects_non_contiguous_last_dimension(which):
+    tensors = dict(zip("qkv", qkv()))
+    t = tensors[which]
+    tensors[which] = torch.cat([t, t], dim=-1)[..., ::2]
+    expect(ValueError, rf"^{which} must have a contiguous last dimension \(stride 1\), got stride 2", **tensors)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
+def test_rejects_bad_softmax_scale(scale):
+    expect(ValueError, r"^softmax_scale must be finite and > 0", *qkv(), softmax_scale=scale)
+
+
+def test_rejects_non_float_softmax_scale():
+    expect(TypeError, r"^softmax_scale must be a float or None, got str", *qkv(), softmax_scale="0.1")
+
+
+def test_rejects_non_bool_causal():
+    expect(TypeError, r"^causal must be a bool, got int", *qkv(), causal=1)
+
+
+def test_rejects_gpus_older_than_sm80():
+    with pytest.raises(RuntimeError, match=r"compute capability 8.0 or newer .* cuda:0 has 7.5"):
+        check_compute_capability((7, 5), ("sm_80", "sm_90"), "cuda:0")
+
+
+def test_rejects_gpus_the_build_has_no_code_for():
+    with pytest.raises(RuntimeError, match=r"built for sm_80, which cannot run on cuda:0 .*FLASH_CUTLASS_CUDA_ARCHS=90"):
+        check_compute_capability((9, 0), ("sm_80",), "cuda:0")
+
+
+@pytest.mark.parametrize(
+    "capability,archs",
+    [((8, 0), ("sm_80",)), ((8, 6), ("sm_80",)), ((9, 0), ("sm_80", "sm_90")), ((10, 0), ("sm_90", "compute_90"))],
+)
+def test_accepts_gpus_the_build_can_run_on(capability, archs):
+    check_compute_capability(capability, archs, "cuda:0")

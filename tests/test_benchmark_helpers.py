@@ -1,0 +1,171 @@
+"""CPU tests of benchmarks/benchmark_forward.py's pure helpers and its --check logic."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flash_cutlass.reference import attention_forward
+
+REPO = Path(__file__).resolve().parents[1]
+ANCHORS = REPO.parent / "shared" / "anchors" / "sdpa_h200_bf16_2026-11-29.json"
+
+
+def _load_benchmark():
+    path = REPO / "benchmarks" / "benchmark_forward.py"
+    spec = importlib.util.spec_from_file_location("benchmark_forward", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmark()
+
+
+def test_forward_flops_counts_two_matmuls_and_halves_for_causal():
+    full = bench.attention_forward_flops(2, 16, 8192, 8192, 128, causal=False)
+    assert full == 4 * 2 * 16 * 8192 * 8192 * 128
+    assert bench.attention_forward_flops(2, 16, 8192, 8192, 128, causal=True) == full / 2
+    assert bench.attention_forward_flops(1, 1, 3, 5, 7, causal=False) == 4 * 3 * 5 * 7
+
+
+def test_tflops_of_a_known_time():
+    assert bench.tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert bench.tflops(1e12, 1.0) == pytest.approx(1000.0)
+
+
+def test_default_cases_keep_tokens_and_hidden_fixed():
+    cases = bench.benchmark_cases(bench.DEFAULT_HEAD_DIMS, bench.DEFAULT_SEQLENS, [False, True])
+    assert len(cases) == 3 * 2 * 6
+    for case in cases:
+        assert case.batch * case.seqlen == 16384
+        assert case.heads * case.head_dim == 2048
+    assert [(c.head_dim, c.causal, c.seqlen) for c in cases[:7]] == [
+        (64, False, 512), (64, False, 1024), (64, False, 2048), (64, False, 4096),
+        (64, False, 8192), (64, False, 16384), (64, True, 512)]
+    by_key = {(c.head_dim, c.seqlen): c for c in cases}
+    assert (by_key[(128, 8192)].batch, by_key[(128, 8192)].heads) == (2, 16)
+    assert (by_key[(256, 512)].batch, by_key[(256, 512)].heads) == (32, 8)
+
+
+def test_cases_never_have_zero_batch_or_heads():
+    (case,) = bench.benchmark_cases([4096], [32768], [False])
+    assert (case.batch, case.heads) == (1, 1)
+
+
+@pytest.mark.skipif(not ANCHORS.exists(), reason="shared/anchors is not beside the checkout")
+def test_flop_convention_reproduces_the_anchor_tflops():
+    anchors = json.loads(ANCHORS.read_text())
+    cases = {(c.head_dim, c.seqlen): c for c in bench.benchmark_cases(
+        bench.DEFAULT_HEAD_DIMS, bench.DEFAULT_SEQLENS, [False])}
+    for entry in anchors:
+        case = cases[(entry["d"], entry["s"])]
+        assert (case.batch, case.heads) == (entry["b"], entry["h"])
+        flops = bench.attention_forward_flops(entry["b"], entry["h"], entry["s"], entry["s"],
+                                              entry["d"], entry["causal"])
+        assert bench.tflops(flops, entry["fwd_ms"]) == pytest.approx(entry["fwd_tflops"],
+                                                                      rel=1e-6)
+
+
+def _row(impl, tflops, seqlen=1024, causal=False):
+    return {"head_dim": 128, "seqlen": seqlen, "batch": 16384 // seqlen, "heads": 16,
+            "causal": causal, "dtype": "bf16", "impl": impl,
+            "ms": None if tflops is None else 1.0, "tflops": tflops,
+            "error": None if tflops else "unsupported"}
+
+
+def test_markdown_table_has_one_line_per_shape_and_ratios_subject_over_peer():
+    impls = ["flash_cutlass", "sdpa_flash", "sdpa_cudnn"]
+    rows = [_row("flash_cutlass", 300.0), _row("sdpa_flash", 150.0), _row("sdpa_cudnn", None),
+            _row("flash_cutlass", 100.0, causal=True), _row("sdpa_flash", 400.0, causal=True),
+            _row("sdpa_cudnn", 200.0, causal=True)]
+    lines = bench.markdown_table(rows, impls).splitlines()
+    assert lines[0] == ("| hdim | causal | seqlen | batch | heads | flash_cutlass | sdpa_flash | "
+                        "sdpa_cudnn | flash_cutlass/sdpa_flash | flash_cutlass/sdpa_cudnn |")
+    assert len(lines) == 4
+    assert lines[2] == "| 128 | no | 1024 | 16 | 16 | 300.0 | 150.0 | n/a | 2.00 | n/a |"
+    assert lines[3] == "| 128 | yes | 1024 | 16 | 16 | 100.0 | 400.0 | 200.0 | 0.25 | 0.50 |"
+
+
+def test_markdown_table_without_subject_has_no_ratio_columns():
+    lines = bench.markdown_table([_row("sdpa_flash", 10.0)], ["sdpa_flash"]).splitlines()
+    assert lines[0] == "| hdim | causal | seqlen | batch | heads | sdpa_flash |"
+
+
+def test_parse_args_defaults_and_lists():
+    args = bench.parse_args([])
+    assert args.head_dims == [64, 128, 256]
+    assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    assert args.impls == list(bench.IMPLS)
+    assert args.causals == [False, True]
+    args = bench.parse_args(["--head-dims", "128", "--causal", "true",
+                             "--impls", "sdpa_cudnn,flash_cutlass"])
+    assert (args.head_dims, args.causals, args.impls) == ([128], [True],
+                                                          ["flash_cutlass", "sdpa_cudnn"])
+
+
+@pytest.mark.parametrize("argv", [["--impls", "triton"], ["--seqlens", "1,x"],
+                                  ["--head-dims", "0"], ["--check", "--impls", "sdpa_flash"]])
+def test_parse_args_rejects_bad_input(argv, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        bench.parse_args(argv)
+    assert excinfo.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def _reference_subject(causal_override=None, out_factor=1.0):
+    """A stand-in for flash_cutlass on CPU: the project's reference forward, optionally broken."""
+
+    def flash_forward(q, k, v, causal=False):
+        mask = causal if causal_override is None else causal_override
+        out, lse = attention_forward(q, k, v, q.shape[-1] ** -0.5, mask)
+        return (out.float() * out_factor).to(q.dtype), lse
+
+    return SimpleNamespace(flash_forward=flash_forward)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+def test_check_accepts_a_correct_forward(causal, dtype_name):
+    torch.manual_seed(0)
+    (case,) = bench.benchmark_cases([32], [96], [causal], tokens=192, hidden=64)
+    inputs = bench.make_inputs(case, bench.DTYPES[dtype_name], device="cpu")
+    result = bench.check_case(_reference_subject(), inputs, case, dtype_name)
+    assert result["passed"], result["detail"]
+    assert result["max_abs_diff"] < 0.05
+
+
+@pytest.mark.parametrize("broken", [dict(causal_override=False), dict(out_factor=1.05)])
+def test_check_rejects_a_wrong_forward(broken):
+    torch.manual_seed(0)
+    (case,) = bench.benchmark_cases([32], [96], [True], tokens=192, hidden=64)
+    inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
+    result = bench.check_case(_reference_subject(**broken), inputs, case, "bf16")
+    assert not result["passed"]
+
+
+def test_check_rejects_a_wrong_lse_shape():
+    (case,) = bench.benchmark_cases([32], [64], [False], tokens=64, hidden=64)
+    inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
+
+    def transposed_lse(q, k, v, causal):
+        out, lse = _reference_subject().flash_forward(q, k, v, causal)
+        return out, lse.transpose(1, 2)
+
+    result = bench.check_case(SimpleNamespace(flash_forward=transposed_lse), inputs, case, "bf16")
+    assert not result["passed"] and "expected" in result["detail"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_row(impl, tflops, seqlen=s, causal=c)
+            for s in (512, 1024, 2048) for c in (False, True)
+            for impl, tflops in (("flash_cutlass", 200.0 + s / 100), ("sdpa_cudnn", None))]
+    path = tmp_path / "forward.png"
+    bench.plot_tflops(rows, ["flash_cutlass", "sdpa_cudnn"], path, "test")
+    assert path.read_bytes().startswith(b"\x89PNG")

@@ -1,0 +1,135 @@
+"""The CUDA forward kernel against the fp32 oracle, with FlashAttention-2's pass rule.
+
+Skipped (with the reason) where no CUDA GPU is visible.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_cutlass
+from flash_cutlass.interface import forward_into
+from flash_cutlass.reference import naive_attention
+from helpers import fa2_check, requires_cuda
+
+pytestmark = requires_cuda
+
+try:
+    COMPILED_HEAD_DIMS = flash_cutlass.compiled_head_dims()
+except RuntimeError:
+    COMPILED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+DTYPES = (torch.float16, torch.bfloat16)
+HEADS = 8
+# (seqlen_q, seqlen_k): equal, odd, block-aligned and not, and seqlen_q != seqlen_k both ways.
+SEQLENS = [(1, 1), (17, 17), (113, 255), (255, 113), (256, 256), (1023, 1023), (2049, 2049),
+           (1, 2049), (2049, 17), (256, 1023)]
+GQA_HEADS_K = {"mha": HEADS, "gqa4": HEADS // 4, "mqa": 1}
+
+
+def make_qkv(gen, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype):
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device="cuda", dtype=dtype)
+
+    return (rand(batch, seqlen_q, heads, head_dim), rand(batch, seqlen_k, heads_k, head_dim),
+            rand(batch, seqlen_k, heads_k, head_dim))
+
+
+def check_against_oracle(q, k, v, out, lse, scale, causal, name):
+    oracle_out, oracle_lse = naive_attention(q, k, v, scale, causal, compute_dtype=torch.float32)
+    same_out, same_lse = naive_attention(q, k, v, scale, causal)
+    fa2_check(out, oracle_out, same_out, f"{name} out")
+    fa2_check(lse, oracle_lse, same_lse, f"{name} lse")
+
+
+@pytest.mark.parametrize("gqa", list(GQA_HEADS_K))
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_forward_matches_oracle(gen, dtype, head_dim, causal, seqlen_q, seqlen_k, gqa):
+    batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
+    q, k, v = make_qkv(gen, batch, seqlen_q, seqlen_k, HEADS, GQA_HEADS_K[gqa], head_dim, dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    # Poisoned outputs: every element the kernel should write starts as NaN.
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((batch, HEADS, seqlen_q), math.nan, device="cuda")
+    forward_into(q, k, v, out, lse, scale, causal)
+    check_against_oracle(q, k, v, out, lse, scale, causal, "kernel")
+
+    out_again = torch.full_like(q, math.nan)
+    lse_again = torch.full_like(lse, math.nan)
+    forward_into(q, k, v, out_again, lse_again, scale, causal)
+    assert torch.equal(out, out_again) and torch.equal(lse, lse_again), "two runs differ bitwise"
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 136, 200, 3, 50, 100, 255])
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dims_between_compiled_sizes(gen, head_dim, causal):
+    if head_dim > max(COMPILED_HEAD_DIMS):
+        pytest.skip(f"head_dim {head_dim} exceeds the compiled head dims {COMPILED_HEAD_DIMS}")
+    q, k, v = make_qkv(gen, 2, 129, 77, 4, 2, head_dim, torch.bfloat16)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.is_contiguous()
+    check_against_oracle(q, k, v, out, lse, 1.0 / math.sqrt(head_dim), causal, f"head_dim {head_dim}")
+
+
+def test_public_api_defaults_and_custom_scale(gen):
+    head_dim = COMPILED_HEAD_DIMS[-1]
+    q, k, v = make_qkv(gen, 2, 300, 300, 4, 4, head_dim, torch.float16)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, 300)
+    check_against_oracle(q, k, v, out, lse, head_dim ** -0.5, False, "default scale")
+    out, lse = flash_cutlass.flash_forward(q, k, v, softmax_scale=0.3, causal=True)
+    check_against_oracle(q, k, v, out, lse, 0.3, True, "scale 0.3")
+
+
+def test_strided_slices_of_packed_qkv(gen):
+    head_dim = COMPILED_HEAD_DIMS[0]
+    qkv = torch.randn(2, 333, 3, 6, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    assert not q.is_contiguous()
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    check_against_oracle(q, k, v, out, lse, head_dim ** -0.5, True, "packed qkv")
+
+
+def test_misaligned_views_are_copied(gen):
+    head_dim = COMPILED_HEAD_DIMS[0]
+    base = torch.randn(2, 100, 4, head_dim + 1, generator=gen).to("cuda", torch.float16)
+    q = base[..., 1:]  # rows start 2 bytes past a 16-byte boundary
+    out, lse = flash_cutlass.flash_forward(q, q, q)
+    check_against_oracle(q, q, q, out, lse, head_dim ** -0.5, False, "misaligned")
+
+
+def test_empty_inputs_return_empty_results():
+    head_dim = COMPILED_HEAD_DIMS[0]
+    for batch, seqlen_q in ((0, 16), (2, 0)):
+        q = torch.randn(batch, seqlen_q, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, 16, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+        out, lse = flash_cutlass.flash_forward(q, k, k)
+        assert out.shape == q.shape and lse.shape == (batch, 4, seqlen_q)
+
+
+def test_no_keys_gives_zero_output_and_minus_inf_lse(gen):
+    head_dim = COMPILED_HEAD_DIMS[0]
+    q = torch.randn(2, 5, 4, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    k = torch.empty(2, 0, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    out, lse = flash_cutlass.flash_forward(q, k, k)
+    assert torch.equal(out, torch.zeros_like(q))
+    assert torch.equal(lse, torch.full_like(lse, -math.inf))
+
+
+def test_offsets_past_two_to_the_31_elements(gen):
+    # q and out hold more than 2^31 elements: row offsets must be 64-bit.
+    heads, head_dim = 16, 128
+    if head_dim not in COMPILED_HEAD_DIMS:
+        pytest.skip("needs head dim 128 compiled")
+    seqlen_q = (1 << 31) // (heads * head_dim) + 300
+    q = torch.empty(1, seqlen_q, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q[:, -300:] = torch.randn(1, 300, heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    q[:, :-300] = 1.0
+    k, v = (torch.randn(1, 64, heads, head_dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    tail = slice(seqlen_q - 300, seqlen_q)
+    check_against_oracle(q[:, tail], k, v, out[:, tail], lse[:, :, tail], head_dim ** -0.5, False, "2^31 offsets")

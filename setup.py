@@ -131,7 +131,7 @@ def main():
     archs = cuda_archs()
     nvcc_threads = os.environ.get("NVCC_THREADS", "1")
 
-    sources = ["csrc/flash_api.cpp"]
+    sources = ["csrc/flash_api.cpp", "csrc/sm80_fwd_info.cu"]
     for path in sorted((ROOT / "csrc" / "instantiations").glob("fwd_sm80_*.cu")):
         match = re.fullmatch(r"fwd_sm80_hdim(\d+)_(fp16|bf16)_(causal|noncausal)\.cu", path.name)
         if match and int(match.group(1)) in head_dims and match.group(2) in dtypes:

@@ -3,6 +3,7 @@
 // raised in Python first; the checks here keep a direct call from launching on bad memory.
 #include <torch/extension.h>
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -107,6 +108,12 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   params.causal = causal;
 
   const c10::cuda::CUDAGuard device_guard(q.device());
+  int smem_limit = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
+  const int smem_needed = sm80::fwd_smem_bytes(kernel_hdim);
+  TORCH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
+              " kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
+              " allows ", smem_limit / 1024, " KiB; this head dim is not supported on this GPU yet");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const cudaError_t status = run_fwd_sm80(params, dtype, kernel_hdim, stream);
   TORCH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));

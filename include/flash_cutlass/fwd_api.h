@@ -11,6 +11,9 @@ namespace flash_cutlass {
 namespace sm80 {
 template <int kHeadDim, DType kDType, bool kCausal>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
+
+// Dynamic shared memory one CTA of the forward kernel for `kernel_hdim` needs, in bytes.
+int fwd_smem_bytes(int kernel_hdim);
 }  // namespace sm80
 
 }  // namespace flash_cutlass

@@ -104,29 +104,32 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   Tensor acc_o_rc = as_rows_cols(acc_o);
 
   if (key_blocks.end > 0) {
-    // Key blocks are visited from the last to the first, so the ones that need a mask (the
-    // seqlen_k tail, the causal diagonal) come first. Only the last block can be partial.
     const int last = key_blocks.end - 1;
     const int rows_left_k = params.seqlen_k - last * kBlockN;
-    auto load_kv = [&](int n_block, int stage) {
-      if (n_block == last && rows_left_k < kBlockN) {
-        copy_tile_async<true>(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV, col_ok, rows_left_k);
-        copy_tile_async<true>(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV, col_ok, rows_left_k);
-      } else {
-        copy_tile_async<false>(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV, col_ok, kBlockN);
-        copy_tile_async<false>(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV, col_ok, kBlockN);
-      }
+    // Only the last key block can be partial, and it is loaded first, in the prologue.
+    auto load_kv = [&](int n_block, int stage, auto check_rows) {
+      constexpr bool kCheckRows = decltype(check_rows)::value;
+      copy_tile_async<kCheckRows>(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV, col_ok,
+                                  rows_left_k);
+      copy_tile_async<kCheckRows>(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV, col_ok,
+                                  rows_left_k);
     };
 
     // Prologue: Q and the first K/V tile in one cp.async group, the second K/V tile in the next.
     copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
-    load_kv(last, 0);
+    if (rows_left_k < kBlockN) {
+      load_kv(last, 0, cute::true_type{});
+    } else {
+      load_kv(last, 0, cute::false_type{});
+    }
     cp_async_fence();
-    if (last >= 1) load_kv(last - 1, 1);
+    if (last >= 1) load_kv(last - 1, 1, cute::false_type{});
     cp_async_fence();
 
     OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
-    auto process_tile = [&](int n_block, int stage, auto first_tile) {
+    // One key tile: S = Q K^T, mask (when kMasked), online softmax, O += P V, then refill the
+    // stage just consumed with the tile two steps ahead.
+    auto process_tile = [&](int n_block, int stage, auto first_tile, auto masked) {
       cp_async_wait<1>();  // this tile's group has landed; the next one may still be in flight
       __syncthreads();
       Tensor acc_s = partition_fragment_C(tiled_mma, TileS{});
@@ -134,19 +137,26 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK(_, _, _, stage), smem_tiled_copy_q, smem_thr_copy_q,
                      smem_tiled_copy_k, smem_thr_copy_k);
       Tensor s = as_rows_cols(acc_s);
-      if (n_block >= key_blocks.unmasked_end) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
+      if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
       softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
       // P goes straight from the S accumulator into the A operand registers of P.V.
       Tensor p = convert_fragment<Element>(acc_s);
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
       gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt(_, _, _, stage), smem_tiled_copy_v, smem_thr_copy_v);
       __syncthreads();  // every warp is done with this stage before it is refilled
-      if (n_block >= 2) load_kv(n_block - 2, stage);
+      if (n_block >= 2) load_kv(n_block - 2, stage, cute::false_type{});
       cp_async_fence();
     };
-    process_tile(last, 0, cute::true_type{});
-    for (int n_block = last - 1, stage = 1; n_block >= 0; --n_block, stage ^= 1) {
-      process_tile(n_block, stage, cute::false_type{});
+    // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
+    // the causal diagonal) come first, then a loop free of masking.
+    process_tile(last, 0, cute::true_type{}, cute::true_type{});
+    int n_block = last - 1;
+    int stage = 1;
+    for (; n_block >= key_blocks.unmasked_end; --n_block, stage ^= 1) {
+      process_tile(n_block, stage, cute::false_type{}, cute::true_type{});
+    }
+    for (; n_block >= 0; --n_block, stage ^= 1) {
+      process_tile(n_block, stage, cute::false_type{}, cute::false_type{});
     }
 
     float lse[kRowsPerThread];

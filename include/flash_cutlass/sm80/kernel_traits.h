@@ -55,9 +55,11 @@ struct FwdKernelTraits {
   using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomO = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
-  // Global <-> shared: 16 bytes (8 elements) per thread per copy, threads laid along rows.
+  // Global <-> shared: 16 bytes (8 elements) per thread per copy. Four threads cover 32 columns
+  // (64 contiguous bytes of a row) and repeat across the head dim, so a thread's copies in a row
+  // sit at compile-time offsets from one row address: few 64-bit addresses stay live in the loop.
   static constexpr int kGmemElemsPerCopy = 16 / sizeof(Element);
-  static constexpr int kGmemColsPerPass = kHeadDim % 128 == 0 ? 128 : (kHeadDim % 64 == 0 ? 64 : 32);
+  static constexpr int kGmemColsPerPass = 32;
   static constexpr int kGmemThreadsPerRow = kGmemColsPerPass / kGmemElemsPerCopy;
   static_assert(kThreads % kGmemThreadsPerRow == 0);
   static constexpr int kGmemRowsPerPass = kThreads / kGmemThreadsPerRow;

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One pass on a GPU machine: build the extension, run the whole test suite, the side-by-side
+# benchmark and an Nsight Compute profile, with every log under OUT_DIR.
+#
+# Usage: benchmarks/gpu_session.sh OUT_DIR [steps...]
+#   steps: any of build test bench profile (default: all four, in that order)
+# Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
+#   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), PYTEST_ARGS.
+set -uo pipefail
+
+out_dir=${1:?usage: benchmarks/gpu_session.sh OUT_DIR [build|test|bench|profile...]}
+shift
+steps=${*:-build test bench profile}
+mkdir -p "$out_dir"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1
+
+summary() { echo "$*" | tee -a "$out_dir/summary.txt"; }
+
+summary "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+summary "torch $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+
+for step in $steps; do
+  start=$(date +%s)
+  case $step in
+    build)
+      FLASH_CUTLASS_PTXAS_VERBOSE=1 python3 -m pip install --no-build-isolation --no-deps -v -e . >"$out_dir/build.log" 2>&1
+      status=$?
+      grep -a -E "spill stores|Used [0-9]+ registers" "$out_dir/build.log" | sort | uniq -c >"$out_dir/ptxas.txt"
+      ;;
+    test)
+      python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} tests >"$out_dir/pytest.log" 2>&1
+      status=$?
+      summary "pytest: $(tail -n 1 "$out_dir/pytest.log")"
+      ;;
+    bench)
+      python3 benchmarks/benchmark_forward.py --check --memory ${BENCH_ARGS:-} \
+        --json "$out_dir/bench.json" --markdown "$out_dir/bench.md" --plot "$out_dir/bench.png" \
+        >"$out_dir/bench.log" 2>&1
+      status=$?
+      ;;
+    profile)
+      bash benchmarks/profile_ncu.sh "$out_dir/ncu" >"$out_dir/ncu_console.log" 2>&1
+      status=$?
+      ;;
+    *)
+      echo "unknown step: $step" >&2
+      exit 2
+      ;;
+  esac
+  summary "$step: exit $status in $(( $(date +%s) - start )) s"
+done

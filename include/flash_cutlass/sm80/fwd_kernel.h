@@ -107,7 +107,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
     const int last = key_blocks.end - 1;
     const int rows_left_k = params.seqlen_k - last * kBlockN;
     // Only the last key block can be partial, and it is loaded first, in the prologue.
-    auto load_kv = [&](int n_block, int stage, auto check_rows) {
+    auto load_kv = [&](int n_block, int stage, auto check_rows) __attribute__((always_inline)) {
       constexpr bool kCheckRows = decltype(check_rows)::value;
       copy_tile_async<kCheckRows>(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV, col_ok,
                                   rows_left_k);
@@ -129,7 +129,8 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
     OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
     // One key tile: S = Q K^T, mask (when kMasked), online softmax, O += P V, then refill the
     // stage just consumed with the tile two steps ahead.
-    auto process_tile = [&](int n_block, int stage, auto first_tile, auto masked) {
+    // always_inline: a call that is not inlined would force the fragments it touches into local memory.
+    auto process_tile = [&](int n_block, int stage, auto first_tile, auto masked) __attribute__((always_inline)) {
       cp_async_wait<1>();  // this tile's group has landed; the next one may still be in flight
       __syncthreads();
       Tensor acc_s = partition_fragment_C(tiled_mma, TileS{});

@@ -8,6 +8,7 @@ Build options (environment variables; see README.md):
   CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
                             about 3 GB of memory per concurrent nvcc.
+  FLASH_CUTLASS_PTXAS_VERBOSE=1  print ptxas's register and spill report for every kernel.
 """
 
 import importlib.util
@@ -48,7 +49,7 @@ def ensure_cuda_home():
         return
     nvcc = shutil.which("nvcc")
     if nvcc is not None:
-        guess = Path(nvcc).resolve().parent.parent
+        guess = Path(nvcc).parent.parent  # what torch guesses: no symlinks followed
         if (guess / "include" / "cuda_runtime_api.h").exists():
             return
     root = toolkit_root_from_nvcc()
@@ -58,10 +59,12 @@ def ensure_cuda_home():
 
 def cutlass_include_dirs():
     """CUTLASS_PATH, else third_party/cutlass, else the nvidia-cutlass wheel's headers."""
-    candidates = []
     if os.environ.get("CUTLASS_PATH"):
-        candidates.append(Path(os.environ["CUTLASS_PATH"]))
-    candidates.append(ROOT / "third_party" / "cutlass")
+        root = Path(os.environ["CUTLASS_PATH"])
+        if not (root / "include" / "cute" / "tensor.hpp").exists():
+            raise RuntimeError(f"CUTLASS_PATH={root}: no include/cute/tensor.hpp there; point it at a CUTLASS checkout")
+        return [str(root / "include"), str(root / "tools" / "util" / "include")]
+    candidates = [ROOT / "third_party" / "cutlass"]
     spec = importlib.util.find_spec("cutlass_library")
     if spec is not None and spec.submodule_search_locations:
         candidates.append(Path(list(spec.submodule_search_locations)[0]) / "source")
@@ -78,9 +81,11 @@ def parse_list(name, default, allowed, convert=str):
     raw = os.environ.get(name, "").strip()
     if not raw:
         return list(default)
-    values = [convert(item.strip()) for item in re.split(r"[;, ]+", raw) if item.strip()]
-    bad = [v for v in values if v not in allowed]
-    if bad or not values:
+    try:
+        values = [convert(item.strip().lower()) for item in re.split(r"[;, ]+", raw) if item.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v not in allowed for v in values):
         raise RuntimeError(f"{name}={raw!r}: accepted values are {', '.join(map(str, allowed))}")
     return sorted(set(values), key=list(allowed).index)
 

@@ -182,9 +182,9 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     padded_head_dim = _padded_head_dim(head_dim)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     if q.numel() == 0:
-        return torch.empty_like(q), lse
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
     if seqlen_k == 0:
-        return torch.zeros_like(q), lse.fill_(-math.inf)
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse.fill_(-math.inf)
     if padded_head_dim != head_dim:
         pad = (0, padded_head_dim - head_dim)
         q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))

@@ -17,8 +17,10 @@ pytestmark = requires_cuda
 
 try:
     COMPILED_HEAD_DIMS = flash_cutlass.compiled_head_dims()
+    COMPILED_DTYPES = flash_cutlass.compiled_dtypes()
 except RuntimeError:
     COMPILED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+    COMPILED_DTYPES = (torch.float16, torch.bfloat16)
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEADS = 8
@@ -49,6 +51,8 @@ def check_against_oracle(q, k, v, out, lse, scale, causal, name):
 @pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_forward_matches_oracle(gen, dtype, head_dim, causal, seqlen_q, seqlen_k, gqa):
+    if dtype not in COMPILED_DTYPES:
+        pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
     q, k, v = make_qkv(gen, batch, seqlen_q, seqlen_k, HEADS, GQA_HEADS_K[gqa], head_dim, dtype)
     scale = 1.0 / math.sqrt(head_dim)
@@ -69,7 +73,7 @@ def test_forward_matches_oracle(gen, dtype, head_dim, causal, seqlen_q, seqlen_k
 def test_head_dims_between_compiled_sizes(gen, head_dim, causal):
     if head_dim > max(COMPILED_HEAD_DIMS):
         pytest.skip(f"head_dim {head_dim} exceeds the compiled head dims {COMPILED_HEAD_DIMS}")
-    q, k, v = make_qkv(gen, 2, 129, 77, 4, 2, head_dim, torch.bfloat16)
+    q, k, v = make_qkv(gen, 2, 129, 77, 4, 2, head_dim, COMPILED_DTYPES[-1])
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
     assert out.shape == q.shape and out.is_contiguous()
     check_against_oracle(q, k, v, out, lse, 1.0 / math.sqrt(head_dim), causal, f"head_dim {head_dim}")
@@ -77,7 +81,7 @@ def test_head_dims_between_compiled_sizes(gen, head_dim, causal):
 
 def test_public_api_defaults_and_custom_scale(gen):
     head_dim = COMPILED_HEAD_DIMS[-1]
-    q, k, v = make_qkv(gen, 2, 300, 300, 4, 4, head_dim, torch.float16)
+    q, k, v = make_qkv(gen, 2, 300, 300, 4, 4, head_dim, COMPILED_DTYPES[0])
     out, lse = flash_cutlass.flash_forward(q, k, v)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, 300)
     check_against_oracle(q, k, v, out, lse, head_dim ** -0.5, False, "default scale")
@@ -87,7 +91,7 @@ def test_public_api_defaults_and_custom_scale(gen):
 
 def test_strided_slices_of_packed_qkv(gen):
     head_dim = COMPILED_HEAD_DIMS[0]
-    qkv = torch.randn(2, 333, 3, 6, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    qkv = torch.randn(2, 333, 3, 6, head_dim, generator=gen).to("cuda", COMPILED_DTYPES[-1])
     q, k, v = qkv.unbind(dim=2)
     assert not q.is_contiguous()
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
@@ -96,7 +100,7 @@ def test_strided_slices_of_packed_qkv(gen):
 
 def test_misaligned_views_are_copied(gen):
     head_dim = COMPILED_HEAD_DIMS[0]
-    base = torch.randn(2, 100, 4, head_dim + 1, generator=gen).to("cuda", torch.float16)
+    base = torch.randn(2, 100, 4, head_dim + 1, generator=gen).to("cuda", COMPILED_DTYPES[0])
     q = base[..., 1:]  # rows start 2 bytes past a 16-byte boundary
     out, lse = flash_cutlass.flash_forward(q, q, q)
     check_against_oracle(q, q, q, out, lse, head_dim ** -0.5, False, "misaligned")
@@ -104,17 +108,18 @@ def test_misaligned_views_are_copied(gen):
 
 def test_empty_inputs_return_empty_results():
     head_dim = COMPILED_HEAD_DIMS[0]
+    dtype = COMPILED_DTYPES[-1]
     for batch, seqlen_q in ((0, 16), (2, 0)):
-        q = torch.randn(batch, seqlen_q, 4, head_dim, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(batch, 16, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(batch, seqlen_q, 4, head_dim, device="cuda", dtype=dtype)
+        k = torch.randn(batch, 16, 4, head_dim, device="cuda", dtype=dtype)
         out, lse = flash_cutlass.flash_forward(q, k, k)
         assert out.shape == q.shape and lse.shape == (batch, 4, seqlen_q)
 
 
 def test_no_keys_gives_zero_output_and_minus_inf_lse(gen):
     head_dim = COMPILED_HEAD_DIMS[0]
-    q = torch.randn(2, 5, 4, head_dim, generator=gen).to("cuda", torch.bfloat16)
-    k = torch.empty(2, 0, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, 5, 4, head_dim, generator=gen).to("cuda", COMPILED_DTYPES[-1])
+    k = torch.empty(2, 0, 4, head_dim, device="cuda", dtype=COMPILED_DTYPES[-1])
     out, lse = flash_cutlass.flash_forward(q, k, k)
     assert torch.equal(out, torch.zeros_like(q))
     assert torch.equal(lse, torch.full_like(lse, -math.inf))
@@ -126,10 +131,10 @@ def test_offsets_past_two_to_the_31_elements(gen):
     if head_dim not in COMPILED_HEAD_DIMS:
         pytest.skip("needs head dim 128 compiled")
     seqlen_q = (1 << 31) // (heads * head_dim) + 300
-    q = torch.empty(1, seqlen_q, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    q[:, -300:] = torch.randn(1, 300, heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.empty(1, seqlen_q, heads, head_dim, device="cuda", dtype=COMPILED_DTYPES[-1])
+    q[:, -300:] = torch.randn(1, 300, heads, head_dim, generator=gen).to("cuda", COMPILED_DTYPES[-1])
     q[:, :-300] = 1.0
-    k, v = (torch.randn(1, 64, heads, head_dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 64, heads, head_dim, generator=gen).to("cuda", COMPILED_DTYPES[-1]) for _ in range(2))
     out, lse = flash_cutlass.flash_forward(q, k, v)
     tail = slice(seqlen_q - 300, seqlen_q)
     check_against_oracle(q[:, tail], k, v, out[:, tail], lse[:, :, tail], head_dim ** -0.5, False, "2^31 offsets")

@@ -439,7 +439,7 @@ def load_subject() -> ModuleType:
         return importlib.import_module(SUBJECT)
     except ImportError as err:
         sys.exit(f"cannot import {SUBJECT} ({err}). Install it from the repository root with "
-                 f"`pip install -e .`, or leave it out of --impls.")
+                 f"`pip install --no-build-isolation -e .`, or leave it out of --impls.")
 
 
 def environment(dtype_name: str, subject: ModuleType | None) -> dict:

@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import flash_cutlass
     except ImportError as err:
         sys.exit(f"cannot import flash_cutlass ({err}). Install it from the repository root "
-                 f"with `pip install -e .`.")
+                 f"with `pip install --no-build-isolation -e .`.")
     compiled = tuple(flash_cutlass.compiled_head_dims())
     if args.head_dim not in compiled:
         sys.exit(f"--head-dim {args.head_dim} is not compiled into flash_cutlass (compiled: "

@@ -41,14 +41,12 @@ def median_ms(fn, reps):
 
 
 def max_error(out, q, k, v, causal, rows=256):
-    """Max |out - fp32 reference| over the last `rows` query rows (bounded memory)."""
+    """Max |out - fp32 reference| over the last `rows` query rows (bounded memory). With the
+    bottom-right-aligned causal mask, those rows against all keys are exactly a causal problem of
+    their own."""
     tail = slice(q.shape[1] - min(rows, q.shape[1]), q.shape[1])
-    ref, _ = naive_attention(q[:, tail], k, v, q.shape[-1] ** -0.5, False, compute_dtype=torch.float32)
-    if causal:
-        # Rows of the tail see keys up to their bottom-right-aligned diagonal.
-        ref, _ = flash_cutlass.reference.attention_forward(
-            q[:, tail].float(), k.float(), v.float(), q.shape[-1] ** -0.5, True)
-    return (out[:, tail].float() - ref.float()).abs().max().item()
+    ref, _ = naive_attention(q[:, tail], k, v, q.shape[-1] ** -0.5, causal, compute_dtype=torch.float32)
+    return (out[:, tail].float() - ref).abs().max().item()
 
 
 def main():

@@ -26,7 +26,7 @@
 #   summary.txt         the METRICS values, and shared-memory bank conflicts / wavefronts
 set -euo pipefail
 
-SECTIONS=(SpeedOfLight Occupancy)
+SECTIONS=(SpeedOfLight Occupancy LaunchStats SchedulerStats WarpStateStats)
 METRICS=(
   l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
   l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum

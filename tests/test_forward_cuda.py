@@ -30,9 +30,9 @@ SEQLENS = [(1, 1), (17, 17), (113, 255), (255, 113), (256, 256), (1023, 1023), (
 GQA_HEADS_K = {"mha": HEADS, "gqa4": HEADS // 4, "mqa": 1}
 
 
-def make_qkv(gen, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype):
+def make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype):
     def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(device="cuda", dtype=dtype)
+        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(dtype)
 
     return (rand(batch, seqlen_q, heads, head_dim), rand(batch, seqlen_k, heads_k, head_dim),
             rand(batch, seqlen_k, heads_k, head_dim))
@@ -50,11 +50,11 @@ def check_against_oracle(q, k, v, out, lse, scale, causal, name):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_forward_matches_oracle(gen, dtype, head_dim, causal, seqlen_q, seqlen_k, gqa):
+def test_forward_matches_oracle(cuda_gen, dtype, head_dim, causal, seqlen_q, seqlen_k, gqa):
     if dtype not in COMPILED_DTYPES:
         pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
-    q, k, v = make_qkv(gen, batch, seqlen_q, seqlen_k, HEADS, GQA_HEADS_K[gqa], head_dim, dtype)
+    q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, HEADS, GQA_HEADS_K[gqa], head_dim, dtype)
     scale = 1.0 / math.sqrt(head_dim)
     # Poisoned outputs: every element the kernel should write starts as NaN.
     out = torch.full_like(q, math.nan)
@@ -70,18 +70,18 @@ def test_forward_matches_oracle(gen, dtype, head_dim, causal, seqlen_q, seqlen_k
 
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 136, 200, 3, 50, 100, 255])
 @pytest.mark.parametrize("causal", [False, True])
-def test_head_dims_between_compiled_sizes(gen, head_dim, causal):
+def test_head_dims_between_compiled_sizes(cuda_gen, head_dim, causal):
     if head_dim > max(COMPILED_HEAD_DIMS):
         pytest.skip(f"head_dim {head_dim} exceeds the compiled head dims {COMPILED_HEAD_DIMS}")
-    q, k, v = make_qkv(gen, 2, 129, 77, 4, 2, head_dim, COMPILED_DTYPES[-1])
+    q, k, v = make_qkv(cuda_gen, 2, 129, 77, 4, 2, head_dim, COMPILED_DTYPES[-1])
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
     assert out.shape == q.shape and out.is_contiguous()
     check_against_oracle(q, k, v, out, lse, 1.0 / math.sqrt(head_dim), causal, f"head_dim {head_dim}")
 
 
-def test_public_api_defaults_and_custom_scale(gen):
+def test_public_api_defaults_and_custom_scale(cuda_gen):
     head_dim = COMPILED_HEAD_DIMS[-1]
-    q, k, v = make_qkv(gen, 2, 300, 300, 4, 4, head_dim, COMPILED_DTYPES[0])
+    q, k, v = make_qkv(cuda_gen, 2, 300, 300, 4, 4, head_dim, COMPILED_DTYPES[0])
     out, lse = flash_cutlass.flash_forward(q, k, v)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, 300)
     check_against_oracle(q, k, v, out, lse, head_dim ** -0.5, False, "default scale")

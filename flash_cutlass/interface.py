@@ -7,6 +7,7 @@ pure-PyTorch path in flash_cutlass.reference with the same semantics.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -36,16 +37,19 @@ def _extension():
     return _C
 
 
+@functools.lru_cache(maxsize=None)
 def compiled_head_dims() -> Tuple[int, ...]:
     """Head dims compiled into the extension; a call runs in the smallest one >= its head_dim."""
     return tuple(_extension().compiled_head_dims())
 
 
+@functools.lru_cache(maxsize=None)
 def compiled_dtypes() -> Tuple[torch.dtype, ...]:
     """Input dtypes compiled into the extension."""
     return tuple(getattr(torch, name) for name in _extension().compiled_dtypes())
 
 
+@functools.lru_cache(maxsize=None)
 def compiled_archs() -> Tuple[str, ...]:
     """Targets the kernels were compiled for, e.g. ('sm_80', 'sm_90', 'compute_90')."""
     return tuple(a for a in _extension().compiled_archs.split(",") if a)
@@ -157,7 +161,13 @@ def _check_device(q: torch.Tensor) -> None:
             f"dtype {q.dtype} was not compiled into this build (compiled: {compiled_dtypes()}); "
             "rebuild with FLASH_CUTLASS_DTYPES including it"
         )
-    check_compute_capability(torch.cuda.get_device_capability(q.device), compiled_archs(), str(q.device))
+    _check_device_capability(q.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_device_capability(device: torch.device) -> None:
+    """check_compute_capability for one device, once per process (it cannot change)."""
+    check_compute_capability(torch.cuda.get_device_capability(device), compiled_archs(), str(device))
 
 
 def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False):

@@ -80,15 +80,17 @@ def attention_forward(
     row_max = qg.new_full((batch, kv_heads, rows), float("-inf"))
     row_sum = qg.new_zeros((batch, kv_heads, rows))
     acc = qg.new_zeros((batch, kv_heads, rows, v.shape[-1]))
-    keep = causal_mask(sq, sk, q.device) if causal else None
+    query_rows = torch.arange(sq, device=q.device).unsqueeze(1)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
         k_blk = k[:, start:end].to(compute_dtype).permute(0, 2, 3, 1)
         v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
         scores = torch.matmul(qg, k_blk) * scale
-        if keep is not None:
-            scores = _apply_keep(scores, keep[:, start:end], group)
+        if causal:
+            # This block's columns of causal_mask(sq, sk), built per block: no (sq, sk) matrix.
+            keep = torch.arange(start, end, device=q.device).unsqueeze(0) <= query_rows + (sk - sq)
+            scores = _apply_keep(scores, keep, group)
 
         new_max = torch.maximum(row_max, scores.amax(dim=-1))
         # Rows that have seen no key yet keep a -inf maximum; subtracting 0

@@ -127,7 +127,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
     cp_async_fence();
 
     OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
-    // One key tile: S = Q K^T, mask (when kMasked), online softmax, O += P V, then refill the
+    // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V, then refill the
     // stage just consumed with the tile two steps ahead.
     // always_inline: a call that is not inlined would force the fragments it touches into local memory.
     auto process_tile = [&](int n_block, int stage, auto first_tile, auto masked) __attribute__((always_inline)) {

@@ -1,6 +1,6 @@
 // The sm80-path forward kernel: one CTA computes one (query block, head, batch) tile of
-// out = softmax(scale * Q K^T) V and its log-sum-exp, streaming K/V tiles through a
-// double-buffered cp.async pipeline into padded shared memory.
+// out = softmax(scale * Q K^T) V and its log-sum-exp, streaming K and V tiles with cp.async into
+// padded shared memory, each load overlapping the computation on the other buffer.
 #pragma once
 
 #include <cmath>
@@ -59,9 +59,9 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   Element* smem_k = smem_q + Traits::kSmemElemsQ;
   Element* smem_v = smem_k + Traits::kSmemElemsKV;
   Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKVStages{});
-  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKVStages{});
-  Tensor sVt = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutVtStages{});
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutVt{});
 
   // Global -> shared copies, with the coordinates that predicate tails.
   typename Traits::GmemTiledCopyQKV gmem_tiled_copy;
@@ -69,7 +69,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   Tensor tQgQ = gmem_thr_copy.partition_S(gQ);
   Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
   Tensor tKgK = gmem_thr_copy.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_blocks)
-  Tensor tKsK = gmem_thr_copy.partition_D(sK);  // (CPY, CPY_N, CPY_K, kStages)
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);  // (CPY, CPY_N, CPY_K)
   Tensor tVgV = gmem_thr_copy.partition_S(gV);
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
@@ -82,8 +82,8 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tidx);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(sK(_, _, 0));
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVt(_, _, 0));
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
   Tensor acc_o = partition_fragment_C(tiled_mma, TileQ{});
   clear(acc_o);
 
@@ -92,7 +92,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   Tensor tSsQ = smem_thr_copy_q.partition_S(sQ);
   auto smem_tiled_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto smem_thr_copy_k = smem_tiled_copy_k.get_thread_slice(tidx);
-  Tensor tSsK = smem_thr_copy_k.partition_S(sK);  // (CPY, CPY_N, CPY_K, kStages)
+  Tensor tSsK = smem_thr_copy_k.partition_S(sK);
   auto smem_tiled_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
   auto smem_thr_copy_v = smem_tiled_copy_v.get_thread_slice(tidx);
   Tensor tOsVt = smem_thr_copy_v.partition_S(sVt);
@@ -106,59 +106,53 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   if (key_blocks.end > 0) {
     const int last = key_blocks.end - 1;
     const int rows_left_k = params.seqlen_k - last * kBlockN;
-    // Only the last key block can be partial, and it is loaded first, in the prologue.
-    auto load_kv = [&](int n_block, int stage, auto check_rows) __attribute__((always_inline)) {
-      constexpr bool kCheckRows = decltype(check_rows)::value;
-      copy_tile_async<kCheckRows>(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV, col_ok,
-                                  rows_left_k);
-      copy_tile_async<kCheckRows>(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV, col_ok,
-                                  rows_left_k);
-    };
-
-    // Prologue: Q and the first K/V tile in one cp.async group, the second K/V tile in the next.
-    copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
-    if (rows_left_k < kBlockN) {
-      load_kv(last, 0, cute::true_type{});
-    } else {
-      load_kv(last, 0, cute::false_type{});
-    }
-    cp_async_fence();
-    if (last >= 1) load_kv(last - 1, 1, cute::false_type{});
-    cp_async_fence();
-
+    // Only the last key block can be partial; it is the first one processed.
     OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
-    // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V, then refill the
-    // stage just consumed with the tile two steps ahead.
-    // always_inline: a call that is not inlined would force the fragments it touches into local memory.
-    auto process_tile = [&](int n_block, int stage, auto first_tile, auto masked) __attribute__((always_inline)) {
-      cp_async_wait<1>();  // this tile's group has landed; the next one may still be in flight
-      __syncthreads();
+    // One K and one V buffer, refilled in turn: V of tile n streams in during S = Q K^T, and K of
+    // tile n-1 during the softmax and P V of tile n. (Measured against two K/V stages, which keep a
+    // whole tile in flight: the single buffers leave more of the SM's memory to the L1 cache,
+    // where the register spills live, and ran 2-8% faster on the H200; docs/PERFORMANCE.md.)
+    auto load_k = [&](int n_block, auto check_rows) __attribute__((always_inline)) {
+      copy_tile_async<decltype(check_rows)::value>(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, col_ok,
+                                                   rows_left_k);
+    };
+    auto load_v = [&](int n_block, auto check_rows) __attribute__((always_inline)) {
+      copy_tile_async<decltype(check_rows)::value>(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, col_ok,
+                                                   rows_left_k);
+    };
+    // Prologue: Q and the first K tile in one cp.async group.
+    copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
+    load_k(last, cute::true_type{});
+    cp_async_fence();
+
+    // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V.
+    auto process_tile = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
       Tensor acc_s = partition_fragment_C(tiled_mma, TileS{});
       clear(acc_s);
-      gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK(_, _, _, stage), smem_tiled_copy_q, smem_thr_copy_q,
+      cp_async_wait<0>();  // K of this tile has landed
+      __syncthreads();     // ... for every thread, and every warp is done reading the V buffer
+      load_v(n_block, first_tile);  // only the first tile processed can be partial
+      cp_async_fence();
+      gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_tiled_copy_q, smem_thr_copy_q,
                      smem_tiled_copy_k, smem_thr_copy_k);
       Tensor s = as_rows_cols(acc_s);
       if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
+      cp_async_wait<0>();  // V of this tile has landed
+      __syncthreads();     // ... for every thread, and every warp is done reading the K buffer
+      if (n_block > 0) load_k(n_block - 1, cute::false_type{});
+      cp_async_fence();
       softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
       // P goes straight from the S accumulator into the A operand registers of P.V.
       Tensor p = convert_fragment<Element>(acc_s);
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
-      gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt(_, _, _, stage), smem_tiled_copy_v, smem_thr_copy_v);
-      __syncthreads();  // every warp is done with this stage before it is refilled
-      if (n_block >= 2) load_kv(n_block - 2, stage, cute::false_type{});
-      cp_async_fence();
+      gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_v, smem_thr_copy_v);
     };
     // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
     // the causal diagonal) come first, then a loop free of masking.
-    process_tile(last, 0, cute::true_type{}, cute::true_type{});
+    process_tile(last, cute::true_type{}, cute::true_type{});
     int n_block = last - 1;
-    int stage = 1;
-    for (; n_block >= key_blocks.unmasked_end; --n_block, stage ^= 1) {
-      process_tile(n_block, stage, cute::false_type{}, cute::true_type{});
-    }
-    for (; n_block >= 0; --n_block, stage ^= 1) {
-      process_tile(n_block, stage, cute::false_type{}, cute::false_type{});
-    }
+    for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+    for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
 
     float lse[kRowsPerThread];
     softmax.finalize(acc_o_rc, params.softmax_scale, lse);

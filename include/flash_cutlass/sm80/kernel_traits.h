@@ -26,7 +26,6 @@ struct FwdKernelTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = 2;  // K/V tiles in shared memory: one computed, one in flight
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256);
   // Warps split the query rows; each warp owns whole rows (row reductions stay in a quad).
@@ -42,13 +41,9 @@ struct FwdKernelTraits {
                                   cute::Tile<cute::Int<16 * kWarps>, cute::_16, cute::_16>>;
 
   using SmemLayoutQ = PaddedRowMajor<kBlockM, kHeadDim>;
-  using SmemLayoutKV = PaddedRowMajor<kBlockN, kHeadDim>;
-  // kStages K (or V) tiles back to back.
-  using SmemLayoutKVStages = decltype(cute::make_layout(
-      cute::append(cute::shape(SmemLayoutKV{}), cute::Int<kStages>{}),
-      cute::append(cute::stride(SmemLayoutKV{}), cute::Int<cute::cosize_v<SmemLayoutKV>>{})));
+  using SmemLayoutKV = PaddedRowMajor<kBlockN, kHeadDim>;  // one K and one V buffer
   // The same V storage seen as V^T (head_dim, kBlockN): the B operand of P.V.
-  using SmemLayoutVtStages = decltype(cute::select<1, 0, 2>(SmemLayoutKVStages{}));
+  using SmemLayoutVt = decltype(cute::select<1, 0>(SmemLayoutKV{}));
   using SmemLayoutO = SmemLayoutQ;  // O is staged in Q's storage for the epilogue
 
   using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
@@ -68,13 +63,13 @@ struct FwdKernelTraits {
                                         cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
   using GmemValueLayout = cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerCopy>>>;
   using GmemTiledCopyQKV = decltype(cute::make_tiled_copy(
-      cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
+      cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{},
       GmemThreadLayout{}, GmemValueLayout{}));
   using GmemTiledCopyO = decltype(cute::make_tiled_copy(
       cute::Copy_Atom<cute::UniversalCopy<cute::uint128_t>, Element>{}, GmemThreadLayout{}, GmemValueLayout{}));
 
   static constexpr int kSmemElemsQ = cute::cosize_v<SmemLayoutQ>;
-  static constexpr int kSmemElemsKV = cute::cosize_v<SmemLayoutKVStages>;
+  static constexpr int kSmemElemsKV = cute::cosize_v<SmemLayoutKV>;
   static constexpr int kSmemBytes = (kSmemElemsQ + 2 * kSmemElemsKV) * int(sizeof(Element));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
 };
@@ -82,7 +77,7 @@ struct FwdKernelTraits {
 // Tile sizes per head dim. Up to head dim 128, 4 warps own 32 query rows each and two CTAs share
 // a Hopper SM (registers bound it: the S and O accumulators stay in fp32); head dim 64 runs
 // 128x64 tiles because 128x128 spilled in the main loop and measured 7% slower on the H200
-// (docs/PERFORMANCE.md). Head dims 192 and 256 use 8 warps of 16 rows, one CTA per SM.
+// (docs/PERFORMANCE.md, v0). Head dims 192 and 256 use 8 warps of 16 rows, one CTA per SM.
 template <int kHeadDim>
 struct FwdTileSizes;
 template <> struct FwdTileSizes<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4; };

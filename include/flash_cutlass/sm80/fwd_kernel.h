@@ -120,19 +120,26 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       copy_tile_async<decltype(check_rows)::value>(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, col_ok,
                                                    rows_left_k);
     };
-    // Prologue: Q and the first K tile in one cp.async group.
+    // Prologue: Q and the first K tile in one cp.async group, the first V tile in the next.
     copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
     load_k(last, cute::true_type{});
+    cp_async_fence();
+    load_v(last, cute::true_type{});
     cp_async_fence();
 
     // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V.
     auto process_tile = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
       Tensor acc_s = partition_fragment_C(tiled_mma, TileS{});
       clear(acc_s);
-      cp_async_wait<0>();  // K of this tile has landed
-      __syncthreads();     // ... for every thread, and every warp is done reading the V buffer
-      load_v(n_block, first_tile);  // only the first tile processed can be partial
-      cp_async_fence();
+      if constexpr (decltype(first_tile)::value) {
+        cp_async_wait<1>();  // Q and K have landed; V may still be in flight
+        __syncthreads();
+      } else {
+        cp_async_wait<0>();  // K of this tile has landed
+        __syncthreads();     // ... for every thread, and every warp is done reading the V buffer
+        load_v(n_block, cute::false_type{});
+        cp_async_fence();
+      }
       gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_tiled_copy_q, smem_thr_copy_q,
                      smem_tiled_copy_k, smem_thr_copy_k);
       Tensor s = as_rows_cols(acc_s);

@@ -5,6 +5,9 @@ Build options (environment variables; see README.md):
                             Default: the local GPU's, else "80;90". Each must be >= 80.
   FLASH_CUTLASS_HEAD_DIMS   subset of 32,64,96,128,192,256 to compile (default: all).
   FLASH_CUTLASS_DTYPES      subset of fp16,bf16 to compile (default: both).
+  FLASH_CUTLASS_SM90        1 (default when 90 is among the archs) builds the Hopper path (TMA +
+                            wgmma, head dims 64/128/256) and targets sm_90a instead of sm_90;
+                            0 leaves it out. It needs 90 in FLASH_CUTLASS_CUDA_ARCHS.
   CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
                             about 3 GB of memory per concurrent nvcc.
@@ -23,6 +26,7 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).resolve().parent
 ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 ALL_DTYPES = ("fp16", "bf16")
+SM90_HEAD_DIMS = (64, 128, 256)  # head dims of the Hopper path
 GIB = 1024**3
 
 
@@ -117,6 +121,18 @@ def cuda_archs():
     return sorted(set(archs))
 
 
+def sm90_enabled(archs):
+    raw = os.environ.get("FLASH_CUTLASS_SM90", "").strip()
+    if raw not in ("", "0", "1"):
+        raise RuntimeError(f"FLASH_CUTLASS_SM90={raw!r}: accepted values are 0 and 1")
+    if raw == "1" and 90 not in archs:
+        raise RuntimeError(
+            "FLASH_CUTLASS_SM90=1 builds the Hopper path, which needs 90 in FLASH_CUTLASS_CUDA_ARCHS "
+            f"(got {';'.join(map(str, archs))})"
+        )
+    return 90 in archs and raw != "0"
+
+
 def default_jobs():
     cpus = os.cpu_count() or 1
     try:
@@ -136,19 +152,27 @@ def main():
     archs = cuda_archs()
     nvcc_threads = os.environ.get("NVCC_THREADS", "1")
 
+    sm90 = sm90_enabled(archs)
+
     sources = ["csrc/flash_api.cpp", "csrc/sm80_fwd_info.cu"]
-    for path in sorted((ROOT / "csrc" / "instantiations").glob("fwd_sm80_*.cu")):
-        match = re.fullmatch(r"fwd_sm80_hdim(\d+)_(fp16|bf16)_(causal|noncausal)\.cu", path.name)
-        if match and int(match.group(1)) in head_dims and match.group(2) in dtypes:
+    for path in sorted((ROOT / "csrc" / "instantiations").glob("fwd_sm*.cu")):
+        match = re.fullmatch(r"fwd_(sm80|sm90)_hdim(\d+)_(fp16|bf16)_(causal|noncausal)\.cu", path.name)
+        if not match or int(match.group(2)) not in head_dims or match.group(3) not in dtypes:
+            continue
+        if match.group(1) == "sm80" or sm90:
             sources.append(str(path.relative_to(ROOT)))
 
     defines = [f"-DFLASH_CUTLASS_HDIM_{d}" for d in head_dims]
     defines += [f"-DFLASH_CUTLASS_DTYPE_{t.upper()}" for t in dtypes]
+    if sm90:
+        defines.append("-DFLASH_CUTLASS_SM90")
+    # wgmma and setmaxnreg exist only in the architecture-specific sm_90a target.
+    targets = [f"{a}a" if a == 90 and sm90 else str(a) for a in archs]
     # A bare comma list (no quotes, no ';') survives ninja's shell; the C++ side stringifies it.
-    arch_names = ",".join([f"sm_{a}" for a in archs] + [f"compute_{archs[-1]}"])
+    arch_names = ",".join([f"sm_{t}" for t in targets] + [f"compute_{archs[-1]}"])
     defines.append(f"-DFLASH_CUTLASS_ARCHS={arch_names}")
 
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    gencode = [f"-gencode=arch=compute_{t},code=sm_{t}" for t in targets]
     # PTX of the newest arch, so newer GPUs can still JIT the kernels.
     gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
     nvcc_flags = [

@@ -34,12 +34,15 @@ DEFAULT_HEAD_DIMS = (64, 128, 256)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 
 SUBJECT = "flash_cutlass"
+# flash_cutlass with its sm80 path forced (kernel="sm80"); SUBJECT is the automatic choice, the
+# Hopper path on an H100/H200.
+SUBJECT_SM80 = "flash_cutlass_sm80"
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-IMPLS = (SUBJECT, *SDPA_BACKENDS)
+IMPLS = (SUBJECT, SUBJECT_SM80, *SDPA_BACKENDS)
 MATH_IMPL = "sdpa_math"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -244,6 +247,8 @@ def make_runner(impl: str, inputs: Inputs, causal: bool,
                 subject: ModuleType | None) -> Callable[[], object]:
     if impl == SUBJECT:
         return lambda: subject.flash_forward(inputs.q, inputs.k, inputs.v, causal=causal)
+    if impl == SUBJECT_SM80:
+        return lambda: subject.flash_forward(inputs.q, inputs.k, inputs.v, causal=causal, kernel="sm80")
     backend = SDPBackend.MATH if impl == MATH_IMPL else SDPA_BACKENDS[impl]
     return lambda: sdpa_call(inputs, causal, backend)
 
@@ -465,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         sys.exit("--plot needs matplotlib, which is not installed.")
 
-    subject = load_subject() if SUBJECT in args.impls else None
+    subject = load_subject() if SUBJECT in args.impls or SUBJECT_SM80 in args.impls else None
     head_dims = args.head_dims
     compiled = tuple(subject.compiled_head_dims()) if subject is not None else None
     if compiled is not None:

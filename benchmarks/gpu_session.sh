@@ -40,8 +40,11 @@ for step in $steps; do
       status=$?
       ;;
     profile)
+      # The automatic choice (the Hopper path on an H100/H200), then the sm80 path.
       bash benchmarks/profile_ncu.sh "$out_dir/ncu" >"$out_dir/ncu_console.log" 2>&1
       status=$?
+      bash benchmarks/profile_ncu.sh "$out_dir/ncu_sm80" --kernel sm80 >>"$out_dir/ncu_console.log" 2>&1
+      status=$(( status | $? ))
       ;;
     *)
       echo "unknown step: $step" >&2

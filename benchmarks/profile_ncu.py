@@ -55,6 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--causal", action="store_true", help="use the causal mask")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                         help="dtype of q, k and v (default: %(default)s)")
+    parser.add_argument("--kernel", choices=("auto", "sm80", "sm90"), default="auto",
+                        help="flash_forward's kernel choice (default: %(default)s: the Hopper path "
+                             "on an H100/H200 for head dims 64/128/256, the sm80 path otherwise)")
     parser.add_argument("--warmup", type=int, default=3, metavar="N",
                         help="flash_forward calls before the profiled one (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
@@ -85,19 +88,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = (args.batch, args.seqlen, args.heads, args.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=DTYPES[args.dtype]) for _ in range(3))
     for _ in range(args.warmup):
-        flash_cutlass.flash_forward(q, k, v, causal=args.causal)
+        flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
     torch.cuda.synchronize()
 
     torch.cuda.profiler.start()
     torch.cuda.nvtx.range_push(NVTX_RANGE)
-    flash_cutlass.flash_forward(q, k, v, causal=args.causal)
+    flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
     torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
     print(f"profiled one flash_forward call after {args.warmup} warm-up calls: batch {args.batch}, "
           f"seqlen {args.seqlen}, heads {args.heads}, head_dim {args.head_dim}, "
-          f"causal {args.causal}, {args.dtype}")
+          f"causal {args.causal}, {args.dtype}, kernel {args.kernel}")
     return 0
 
 

@@ -46,8 +46,31 @@ DType dtype_of(const at::Tensor& t) {
   return DType::kBFloat16;
 }
 
+// Which forward kernel runs a call; the values are those of flash_cutlass/interface.py.
+enum class KernelChoice : int64_t { kAuto = 0, kSm80 = 1, kSm90 = 2 };
+
+// Returns the reason the Hopper path cannot run a call of this head dim on this device, or an
+// empty string when it can.
+std::string sm90_unavailable_reason(int head_dim, const at::Tensor& q) {
+  if (kCompiledSm90HeadDims[0] == 0) {
+    return "the Hopper path was not built (it needs 90 in FLASH_CUTLASS_CUDA_ARCHS and FLASH_CUTLASS_SM90 "
+           "not 0)";
+  }
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+  if (major != 9 || minor != 0) {
+    return "the Hopper path runs only on compute capability 9.0, and " + q.device().str() + " has " +
+           std::to_string(major) + "." + std::to_string(minor);
+  }
+  if (sm90_kernel_head_dim(head_dim) == 0) {
+    return "head_dim " + std::to_string(head_dim) + " exceeds the Hopper path's compiled head dims";
+  }
+  return "";
+}
+
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-             double softmax_scale, bool causal) {
+             double softmax_scale, bool causal, int64_t kernel_choice) {
   check_operand(q, "q", 4);
   check_operand(k, "k", 4);
   check_operand(v, "v", 4);
@@ -107,14 +130,27 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   params.causal = causal;
 
+  TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   const c10::cuda::CUDAGuard device_guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const KernelChoice choice = static_cast<KernelChoice>(kernel_choice);
+  if (choice != KernelChoice::kSm80) {
+    const std::string reason = sm90_unavailable_reason(static_cast<int>(head_dim), q);
+    TORCH_CHECK(choice != KernelChoice::kSm90 || reason.empty(), "kernel='sm90' cannot run this call: ", reason);
+    // Automatically, the Hopper path takes the calls whose head dim it runs without extra padding.
+    const int sm90_hdim = sm90_kernel_head_dim(static_cast<int>(head_dim));
+    if (reason.empty() && (choice == KernelChoice::kSm90 || sm90_hdim == kernel_hdim)) {
+      const cudaError_t status = run_fwd_sm90(params, dtype, sm90_hdim, stream);
+      TORCH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
+      return;
+    }
+  }
   int smem_limit = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
   const int smem_needed = sm80::fwd_smem_bytes(kernel_hdim);
   TORCH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
               " kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
               " allows ", smem_limit / 1024, " KiB; this head dim is not supported on this GPU yet");
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const cudaError_t status = run_fwd_sm80(params, dtype, kernel_hdim, stream);
   TORCH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
 }
@@ -122,6 +158,14 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 std::vector<int64_t> compiled_head_dims() {
   std::vector<int64_t> dims;
   for (int d : kCompiledHeadDims) {
+    if (d != 0) dims.push_back(d);
+  }
+  return dims;
+}
+
+std::vector<int64_t> compiled_sm90_head_dims() {
+  std::vector<int64_t> dims;
+  for (int d : kCompiledSm90HeadDims) {
     if (d != 0) dims.push_back(d);
   }
   return dims;
@@ -141,8 +185,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_cutlass CUDA kernels (internal; use the flash_cutlass package)";
   m.def("forward", &flash_cutlass::forward, "Attention forward into preallocated out and lse",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("softmax_scale"), pybind11::arg("causal"));
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("kernel_choice"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
+  m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);
   m.attr("compiled_archs") = std::string(FLASH_CUTLASS_ARCHS_STRING);
 }

@@ -1,6 +1,6 @@
 """flash_cutlass: exact FlashAttention for PyTorch, hand-written CUDA kernels on CUTLASS/CuTe.
 
-    out, lse = flash_cutlass.flash_forward(q, k, v, softmax_scale=None, causal=False)
+    out, lse = flash_cutlass.flash_forward(q, k, v, softmax_scale=None, causal=False, kernel=None)
 
 CUDA tensors (fp16/bf16, compute capability >= 8.0) run the compiled kernels; CPU tensors run
 the slow pure-PyTorch reference in flash_cutlass.reference with the same semantics.
@@ -11,6 +11,7 @@ from flash_cutlass.interface import (
     compiled_archs,
     compiled_dtypes,
     compiled_head_dims,
+    compiled_sm90_head_dims,
     flash_forward,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "compiled_archs",
     "compiled_dtypes",
     "compiled_head_dims",
+    "compiled_sm90_head_dims",
     "flash_forward",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -26,6 +27,9 @@ else:
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 _ALIGN_ELEMS = 8  # 16 bytes of fp16/bf16: the width of every global memory access
+# Forward kernels a call may ask for, and their codes in the extension's forward().
+KERNELS = {"auto": 0, "sm80": 1, "sm90": 2}
+KERNEL_ENV = "FLASH_CUTLASS_FORWARD_KERNEL"
 
 
 def _extension():
@@ -44,6 +48,12 @@ def compiled_head_dims() -> Tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_sm90_head_dims() -> Tuple[int, ...]:
+    """Head dims of the Hopper path (TMA + wgmma, sm_90 only) in this build; empty without it."""
+    return tuple(_extension().compiled_sm90_head_dims())
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_dtypes() -> Tuple[torch.dtype, ...]:
     """Input dtypes compiled into the extension."""
     return tuple(getattr(torch, name) for name in _extension().compiled_dtypes())
@@ -51,15 +61,15 @@ def compiled_dtypes() -> Tuple[torch.dtype, ...]:
 
 @functools.lru_cache(maxsize=None)
 def compiled_archs() -> Tuple[str, ...]:
-    """Targets the kernels were compiled for, e.g. ('sm_80', 'sm_90', 'compute_90')."""
+    """Targets the kernels were compiled for, e.g. ('sm_80', 'sm_90a', 'compute_90')."""
     return tuple(a for a in _extension().compiled_archs.split(",") if a)
 
 
 def check_compute_capability(capability: Tuple[int, int], archs: Tuple[str, ...], device: str = "cuda") -> None:
     """Raises unless a GPU of this compute capability can run kernels compiled for `archs`.
 
-    Machine code for sm_XY runs on X.Y' with Y' >= Y; PTX for compute_XY JIT-compiles on any
-    capability >= X.Y.
+    Machine code for sm_XY runs on X.Y' with Y' >= Y, for sm_XYa only on X.Y; PTX for
+    compute_XY JIT-compiles on any capability >= X.Y.
     """
     major, minor = capability
     if (major, minor) < (8, 0):
@@ -69,8 +79,10 @@ def check_compute_capability(capability: Tuple[int, int], archs: Tuple[str, ...]
         )
     for arch in archs:
         kind, _, number = arch.partition("_")
+        specific = number.endswith("a")
+        number = number.removesuffix("a")
         arch_major, arch_minor = int(number[:-1]), int(number[-1])
-        if kind == "sm" and arch_major == major and arch_minor <= minor:
+        if kind == "sm" and arch_major == major and (arch_minor == minor or (arch_minor < minor and not specific)):
             return
         if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
             return
@@ -92,6 +104,19 @@ def _check_tensor(t, name: str) -> None:
             f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}; "
             f"pass {name}.contiguous()"
         )
+
+
+def kernel_choice(kernel: Optional[str]) -> str:
+    """The forward kernel a call asks for: `kernel` if given, else $FLASH_CUTLASS_FORWARD_KERNEL,
+    else 'auto'. Raises ValueError naming the argument (or the variable) for anything else."""
+    if kernel is None:
+        value = os.environ.get(KERNEL_ENV, "").strip() or "auto"
+        if value not in KERNELS:
+            raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(KERNELS)}, got {value!r}")
+        return value
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise ValueError(f"kernel must be None or one of {', '.join(repr(k) for k in KERNELS)}, got {kernel!r}")
+    return kernel
 
 
 def check_forward_inputs(q, k, v, softmax_scale, causal) -> None:
@@ -148,11 +173,11 @@ def _padded_head_dim(head_dim: int) -> int:
     )
 
 
-def forward_into(q, k, v, out, lse, softmax_scale: float, causal: bool) -> None:
+def forward_into(q, k, v, out, lse, softmax_scale: float, causal: bool, kernel: str = "auto") -> None:
     """Runs the CUDA forward kernel into preallocated out (like q) and lse (fp32, batch x heads x
     seqlen_q). q, k, v must already be valid kernel inputs: CUDA, head_dim a multiple of 8 and at
     most a compiled head dim, 16-byte aligned strides. flash_forward is the checked entry point."""
-    _extension().forward(q, k, v, out, lse, float(softmax_scale), bool(causal))
+    _extension().forward(q, k, v, out, lse, float(softmax_scale), bool(causal), KERNELS[kernel])
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -170,7 +195,8 @@ def _check_device_capability(device: torch.device) -> None:
     check_compute_capability(torch.cuda.get_device_capability(device), compiled_archs(), str(device))
 
 
-def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False):
+def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
+                  kernel: Optional[str] = None):
     """Exact attention forward: out = softmax(softmax_scale * q k^T) v, and its log-sum-exp.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), with
@@ -179,8 +205,15 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     diagonal aligned to the bottom-right corner (query i sees key j iff j <= i + seqlen_k -
     seqlen_q). Returns out like q and lse, float32 (batch, heads, seqlen_q), the natural-log
     log-sum-exp of the scaled scores. A query row that sees no key gets out 0 and lse -inf.
+
+    kernel picks the CUDA kernel: 'auto' (the default, or $FLASH_CUTLASS_FORWARD_KERNEL when
+    kernel is None) runs the Hopper path (TMA + wgmma) on compute capability 9.0 for the head dims
+    it was built for (64, 128, 256, and the multiples of 8 below them that need no larger
+    kernel), and the sm80 path otherwise; 'sm80' and 'sm90' force one (RuntimeError where the
+    forced one cannot run the call). CPU tensors ignore it.
     """
     check_forward_inputs(q, k, v, softmax_scale, causal)
+    kernel = kernel_choice(kernel)
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -200,7 +233,7 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
         q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    forward_into(q, k, v, out, lse, scale, causal)
+    forward_into(q, k, v, out, lse, scale, causal, kernel)
     if padded_head_dim != head_dim:
         out = out[..., :head_dim].contiguous()
     return out, lse

@@ -25,7 +25,13 @@ def test_extension_reports_what_was_compiled():
     assert set(flash_cutlass.compiled_dtypes()) <= {torch.float16, torch.bfloat16}
     assert flash_cutlass.compiled_dtypes()
     archs = flash_cutlass.compiled_archs()
-    assert archs and all(a.startswith(("sm_", "compute_")) and int(a.split("_")[1]) >= 80 for a in archs)
+    assert archs and all(
+        a.startswith(("sm_", "compute_")) and int(a.split("_")[1].removesuffix("a")) >= 80 for a in archs
+    )
+    sm90_head_dims = flash_cutlass.compiled_sm90_head_dims()
+    assert set(sm90_head_dims) <= {64, 128, 256} and set(sm90_head_dims) <= set(head_dims)
+    # The Hopper path is built exactly when the sm_90a target is.
+    assert bool(sm90_head_dims) == ("sm_90a" in archs)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -139,6 +145,24 @@ def test_rejects_non_bool_causal():
     expect(TypeError, r"^causal must be a bool, got int", *qkv(), causal=1)
 
 
+@pytest.mark.parametrize("kernel", ["sm70", "SM90", "", 90])
+def test_rejects_unknown_kernel(kernel):
+    expect(ValueError, r"^kernel must be None or one of 'auto', 'sm80', 'sm90', got", *qkv(), kernel=kernel)
+
+
+def test_rejects_unknown_kernel_in_the_environment(monkeypatch):
+    monkeypatch.setenv("FLASH_CUTLASS_FORWARD_KERNEL", "fastest")
+    expect(ValueError, r"^FLASH_CUTLASS_FORWARD_KERNEL must be one of auto, sm80, sm90, got 'fastest'", *qkv())
+
+
+@pytest.mark.parametrize("kernel", [None, "auto", "sm80", "sm90"])
+def test_cpu_tensors_accept_every_kernel_choice(gen, kernel):
+    q, k, v = qkv(gen=gen)
+    out, _ = flash_cutlass.flash_forward(q, k, v, kernel=kernel)
+    ref_out, _ = naive_attention(q, k, v, 32 ** -0.5, False, compute_dtype=torch.float64)
+    assert (out.double() - ref_out).abs().max() < 2e-2
+
+
 def test_rejects_gpus_older_than_sm80():
     with pytest.raises(RuntimeError, match=r"compute capability 8.0 or newer .* cuda:0 has 7.5"):
         check_compute_capability((7, 5), ("sm_80", "sm_90"), "cuda:0")
@@ -151,7 +175,14 @@ def test_rejects_gpus_the_build_has_no_code_for():
 
 @pytest.mark.parametrize(
     "capability,archs",
-    [((8, 0), ("sm_80",)), ((8, 6), ("sm_80",)), ((9, 0), ("sm_80", "sm_90")), ((10, 0), ("sm_90", "compute_90"))],
+    [((8, 0), ("sm_80",)), ((8, 6), ("sm_80",)), ((9, 0), ("sm_80", "sm_90")), ((10, 0), ("sm_90", "compute_90")),
+     ((9, 0), ("sm_80", "sm_90a", "compute_90")), ((10, 0), ("sm_90a", "compute_90"))],
 )
 def test_accepts_gpus_the_build_can_run_on(capability, archs):
     check_compute_capability(capability, archs, "cuda:0")
+
+
+def test_architecture_specific_code_runs_only_on_its_own_capability():
+    # sm_90a machine code (the Hopper path's target) is not forward compatible, unlike sm_90.
+    with pytest.raises(RuntimeError, match=r"built for sm_90a, which cannot run on cuda:0 \(compute capability 9.1\)"):
+        check_compute_capability((9, 1), ("sm_90a",), "cuda:0")

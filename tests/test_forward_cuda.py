@@ -17,10 +17,29 @@ pytestmark = requires_cuda
 
 try:
     COMPILED_HEAD_DIMS = flash_cutlass.compiled_head_dims()
+    COMPILED_SM90_HEAD_DIMS = flash_cutlass.compiled_sm90_head_dims()
     COMPILED_DTYPES = flash_cutlass.compiled_dtypes()
 except RuntimeError:
     COMPILED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+    COMPILED_SM90_HEAD_DIMS = (64, 128, 256)
     COMPILED_DTYPES = (torch.float16, torch.bfloat16)
+# Every compiled kernel: the sm80 path at each head dim, the Hopper path at each of its own.
+KERNEL_HEAD_DIMS = [("sm80", d) for d in COMPILED_HEAD_DIMS] + [("sm90", d) for d in COMPILED_SM90_HEAD_DIMS]
+KERNELS = ("sm80", "sm90")
+
+
+def sm90_unavailable() -> str:
+    """Why the Hopper path cannot run here, or '' when it can."""
+    if not COMPILED_SM90_HEAD_DIMS:
+        return "the Hopper path was not built (FLASH_CUTLASS_SM90, arch 90)"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the Hopper path needs compute capability 9.0, this GPU has {torch.cuda.get_device_capability()}"
+    return ""
+
+
+def skip_unless_runs(kernel: str) -> None:
+    if kernel == "sm90" and sm90_unavailable():
+        pytest.skip(sm90_unavailable())
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEADS = 8
@@ -48,33 +67,37 @@ def check_against_oracle(q, k, v, out, lse, scale, causal, name):
 @pytest.mark.parametrize("gqa", list(GQA_HEADS_K))
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
+@pytest.mark.parametrize("kernel,head_dim", KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_forward_matches_oracle(cuda_gen, dtype, head_dim, causal, seqlen_q, seqlen_k, gqa):
+def test_forward_matches_oracle(cuda_gen, dtype, kernel, head_dim, causal, seqlen_q, seqlen_k, gqa):
     if dtype not in COMPILED_DTYPES:
         pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
+    skip_unless_runs(kernel)
     batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
     q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, HEADS, GQA_HEADS_K[gqa], head_dim, dtype)
     scale = 1.0 / math.sqrt(head_dim)
     # Poisoned outputs: every element the kernel should write starts as NaN.
     out = torch.full_like(q, math.nan)
     lse = torch.full((batch, HEADS, seqlen_q), math.nan, device="cuda")
-    forward_into(q, k, v, out, lse, scale, causal)
-    check_against_oracle(q, k, v, out, lse, scale, causal, "kernel")
+    forward_into(q, k, v, out, lse, scale, causal, kernel)
+    check_against_oracle(q, k, v, out, lse, scale, causal, kernel)
 
     out_again = torch.full_like(q, math.nan)
     lse_again = torch.full_like(lse, math.nan)
-    forward_into(q, k, v, out_again, lse_again, scale, causal)
+    forward_into(q, k, v, out_again, lse_again, scale, causal, kernel)
     assert torch.equal(out, out_again) and torch.equal(lse, lse_again), "two runs differ bitwise"
 
 
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 136, 200, 3, 50, 100, 255])
 @pytest.mark.parametrize("causal", [False, True])
-def test_head_dims_between_compiled_sizes(cuda_gen, head_dim, causal):
-    if head_dim > max(COMPILED_HEAD_DIMS):
-        pytest.skip(f"head_dim {head_dim} exceeds the compiled head dims {COMPILED_HEAD_DIMS}")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_head_dims_between_compiled_sizes(cuda_gen, kernel, head_dim, causal):
+    skip_unless_runs(kernel)
+    compiled = COMPILED_SM90_HEAD_DIMS if kernel == "sm90" else COMPILED_HEAD_DIMS
+    if head_dim > max(compiled):
+        pytest.skip(f"head_dim {head_dim} exceeds the {kernel} path's compiled head dims {compiled}")
     q, k, v = make_qkv(cuda_gen, 2, 129, 77, 4, 2, head_dim, COMPILED_DTYPES[-1])
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel=kernel)
     assert out.shape == q.shape and out.is_contiguous()
     check_against_oracle(q, k, v, out, lse, 1.0 / math.sqrt(head_dim), causal, f"head_dim {head_dim}")
 
@@ -89,21 +112,60 @@ def test_public_api_defaults_and_custom_scale(cuda_gen):
     check_against_oracle(q, k, v, out, lse, 0.3, True, "scale 0.3")
 
 
-def test_strided_slices_of_packed_qkv(gen):
-    head_dim = COMPILED_HEAD_DIMS[0]
+def first_head_dim(kernel: str) -> int:
+    return (COMPILED_SM90_HEAD_DIMS if kernel == "sm90" else COMPILED_HEAD_DIMS)[0]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_strided_slices_of_packed_qkv(gen, kernel):
+    skip_unless_runs(kernel)
+    head_dim = first_head_dim(kernel)
     qkv = torch.randn(2, 333, 3, 6, head_dim, generator=gen).to("cuda", COMPILED_DTYPES[-1])
     q, k, v = qkv.unbind(dim=2)
     assert not q.is_contiguous()
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, kernel=kernel)
     check_against_oracle(q, k, v, out, lse, head_dim ** -0.5, True, "packed qkv")
 
 
-def test_misaligned_views_are_copied(gen):
-    head_dim = COMPILED_HEAD_DIMS[0]
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_misaligned_views_are_copied(gen, kernel):
+    skip_unless_runs(kernel)
+    head_dim = first_head_dim(kernel)
     base = torch.randn(2, 100, 4, head_dim + 1, generator=gen).to("cuda", COMPILED_DTYPES[0])
     q = base[..., 1:]  # rows start 2 bytes past a 16-byte boundary
-    out, lse = flash_cutlass.flash_forward(q, q, q)
+    out, lse = flash_cutlass.flash_forward(q, q, q, kernel=kernel)
     check_against_oracle(q, q, q, out, lse, head_dim ** -0.5, False, "misaligned")
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_auto_picks_the_hopper_path_where_it_runs_unpadded(cuda_gen, head_dim):
+    if head_dim not in COMPILED_HEAD_DIMS:
+        pytest.skip(f"head_dim {head_dim} is not compiled")
+    q, k, v = make_qkv(cuda_gen, 2, 300, 300, 4, 4, head_dim, COMPILED_DTYPES[-1])
+    expected = "sm90" if not sm90_unavailable() and head_dim in COMPILED_SM90_HEAD_DIMS else "sm80"
+    auto_out, auto_lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    forced_out, forced_lse = flash_cutlass.flash_forward(q, k, v, causal=True, kernel=expected)
+    # Each kernel is deterministic, and the two paths sum in different orders: bitwise equality
+    # says which one ran.
+    assert torch.equal(auto_out, forced_out) and torch.equal(auto_lse, forced_lse), f"auto did not run {expected}"
+
+
+def test_environment_variable_forces_the_kernel(cuda_gen, monkeypatch):
+    head_dim = COMPILED_HEAD_DIMS[-1]
+    q, k, v = make_qkv(cuda_gen, 1, 200, 200, 2, 2, head_dim, COMPILED_DTYPES[-1])
+    sm80_out, _ = flash_cutlass.flash_forward(q, k, v, kernel="sm80")
+    monkeypatch.setenv("FLASH_CUTLASS_FORWARD_KERNEL", "sm80")
+    env_out, _ = flash_cutlass.flash_forward(q, k, v)
+    assert torch.equal(env_out, sm80_out)
+
+
+def test_forced_hopper_path_where_it_cannot_run_raises(cuda_gen):
+    reason = sm90_unavailable()
+    if not reason:
+        pytest.skip("the Hopper path runs on this GPU; nothing to refuse")
+    q, k, v = make_qkv(cuda_gen, 1, 16, 16, 2, 2, COMPILED_HEAD_DIMS[0], COMPILED_DTYPES[-1])
+    with pytest.raises(RuntimeError, match="kernel='sm90' cannot run this call"):
+        flash_cutlass.flash_forward(q, k, v, kernel="sm90")
 
 
 def test_empty_inputs_return_empty_results():
@@ -125,8 +187,10 @@ def test_no_keys_gives_zero_output_and_minus_inf_lse(gen):
     assert torch.equal(lse, torch.full_like(lse, -math.inf))
 
 
-def test_offsets_past_two_to_the_31_elements(gen):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_offsets_past_two_to_the_31_elements(gen, kernel):
     # q and out hold more than 2^31 elements: row offsets must be 64-bit.
+    skip_unless_runs(kernel)
     heads, head_dim = 16, 128
     if head_dim not in COMPILED_HEAD_DIMS:
         pytest.skip("needs head dim 128 compiled")
@@ -135,6 +199,6 @@ def test_offsets_past_two_to_the_31_elements(gen):
     q[:, -300:] = torch.randn(1, 300, heads, head_dim, generator=gen).to("cuda", COMPILED_DTYPES[-1])
     q[:, :-300] = 1.0
     k, v = (torch.randn(1, 64, heads, head_dim, generator=gen).to("cuda", COMPILED_DTYPES[-1]) for _ in range(2))
-    out, lse = flash_cutlass.flash_forward(q, k, v)
+    out, lse = flash_cutlass.flash_forward(q, k, v, kernel=kernel)
     tail = slice(seqlen_q - 300, seqlen_q)
     check_against_oracle(q[:, tail], k, v, out[:, tail], lse[:, :, tail], head_dim ** -0.5, False, "2^31 offsets")

@@ -54,6 +54,28 @@ inline int kernel_head_dim(int head_dim) {
   return 0;
 }
 
+// The compiled head dims of the Hopper path (built with FLASH_CUTLASS_SM90), ascending.
+inline constexpr int kCompiledSm90HeadDims[] = {
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
+    64,
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
+    128,
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_256)
+    256,
+#endif
+    0  // end marker, keeps the array non-empty
+};
+
+// Smallest compiled Hopper-path head dim >= head_dim, or 0 when none is.
+inline int sm90_kernel_head_dim(int head_dim) {
+  for (int compiled : kCompiledSm90HeadDims) {
+    if (compiled != 0 && compiled >= head_dim) return compiled;
+  }
+  return 0;
+}
+
 inline bool dtype_compiled(DType dtype) {
   return dtype == DType::kFloat16 ? kCompiledFloat16 : kCompiledBFloat16;
 }
@@ -68,6 +90,23 @@ cudaError_t run_fwd_sm80_dtype(FwdParams const& params, DType dtype, cudaStream_
   if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
 #endif
   return cudaErrorNotSupported;
+}
+
+template <int kHeadDim, bool kCausal>
+cudaError_t run_fwd_sm90_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
+  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
+  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+#endif
+  return cudaErrorNotSupported;
+}
+
+template <int kHeadDim>
+cudaError_t run_fwd_sm90_causal(FwdParams const& params, DType dtype, cudaStream_t stream) {
+  return params.causal ? run_fwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
+                       : run_fwd_sm90_dtype<kHeadDim, false>(params, dtype, stream);
 }
 
 template <int kHeadDim>
@@ -97,6 +136,22 @@ inline cudaError_t run_fwd_sm80(FwdParams const& params, DType dtype, int kernel
 #endif
 #ifdef FLASH_CUTLASS_HDIM_256
     case 256: return detail::run_fwd_sm80_causal<256>(params, dtype, stream);
+#endif
+    default: return cudaErrorNotSupported;
+  }
+}
+
+// Launches the Hopper-path forward kernel compiled for `kernel_hdim` (one of kCompiledSm90HeadDims).
+inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
+  switch (kernel_hdim) {
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
+    case 64: return detail::run_fwd_sm90_causal<64>(params, dtype, stream);
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
+    case 128: return detail::run_fwd_sm90_causal<128>(params, dtype, stream);
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_256)
+    case 256: return detail::run_fwd_sm90_causal<256>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }

@@ -1,0 +1,200 @@
+// The Hopper-path forward kernel: one CTA computes one (query block, head, batch) tile of
+// out = softmax(scale * Q K^T) V and its log-sum-exp. A producer thread brings Q once and K/V
+// tiles through a multi-stage pipeline with TMA; each consumer warpgroup owns 64 query rows and
+// runs S = Q K^T and O += P V as wgmma, with the online softmax in registers between them.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/mask.h"
+#include "flash_cutlass/common/softmax.h"
+#include "flash_cutlass/common/utils.h"
+#include "flash_cutlass/params.h"
+#include "flash_cutlass/sm90/kernel_traits.h"
+#include "flash_cutlass/sm90/wgmma.h"
+
+namespace flash_cutlass::sm90 {
+
+// What the kernel receives: the call and the TMA descriptors built from it on the host.
+template <class Traits>
+struct FwdKernelParams {
+  FwdParams call;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+};
+
+// Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
+// S and O accumulators. (24 + 2 * 240) * 128 threads fill the 64K-register file.
+constexpr int kProducerRegisters = 24;
+constexpr int kConsumerRegisters = 240;
+
+template <class Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Traits::Element;
+  using PipelineKV = typename Traits::PipelineKV;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  using TileShape = typename Traits::TileShape;
+
+  FwdParams const& params = kernel_params.call;
+  extern __shared__ char smem[];
+  auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
+
+  // Grid: one CTA per (query block, head, batch), flattened into x. Query blocks run from the
+  // last to the first so that, with causal masking, the longest blocks start first.
+  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  const int m_block = num_m_blocks - 1 - int(blockIdx.x % num_m_blocks);
+  const int batch_head = int(blockIdx.x / num_m_blocks);
+  const int head = batch_head % params.heads;
+  const int batch = batch_head / params.heads;
+  const int head_k = head / (params.heads / params.heads_k);
+  const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
+  const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const bool producer_thread = threadIdx.x == 0;
+
+  if (producer_thread) {
+    prefetch_tma_descriptor(kernel_params.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(kernel_params.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(kernel_params.tma_v.get_tma_descriptor());
+    storage.q_full.init(1);
+  }
+  typename PipelineKV::Params pipeline_params;
+  pipeline_params.transaction_bytes = Traits::kBytesKV;
+  pipeline_params.role = warpgroup == 0 ? PipelineKV::ThreadCategory::Producer : PipelineKV::ThreadCategory::Consumer;
+  pipeline_params.is_leader = producer_thread;
+  pipeline_params.num_consumers = Traits::kConsumerThreads;
+  PipelineKV pipeline_k(storage.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+  PipelineKV pipeline_v(storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barriers initialized for every thread
+
+  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutVt{});
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    if (producer_thread && key_blocks.end > 0) {
+      // TMA views of Q, K, V: (seqlen, head_dim, heads, batch); out-of-range rows and columns of a
+      // tile arrive as zeros.
+      Tensor mQ = kernel_params.tma_q.get_tma_tensor(
+          make_shape(params.seqlen_q, params.head_dim, params.heads, params.batch));
+      Tensor mK = kernel_params.tma_k.get_tma_tensor(
+          make_shape(params.seqlen_k, params.head_dim, params.heads_k, params.batch));
+      Tensor mV = kernel_params.tma_v.get_tma_tensor(
+          make_shape(params.seqlen_k, params.head_dim, params.heads_k, params.batch));
+      Tensor gQ = local_tile(mQ(_, _, head, batch), select<0, 2>(TileShape{}), make_coord(m_block, _0{}));
+      Tensor gK = local_tile(mK(_, _, head_k, batch), select<1, 2>(TileShape{}), make_coord(_, _0{}));
+      Tensor gV = local_tile(mV(_, _, head_k, batch), select<1, 2>(TileShape{}), make_coord(_, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                        group_modes<0, 2>(gQ));
+      auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                        group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                        group_modes<0, 2>(gV));
+
+      storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
+      copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
+      auto state = cutlass::make_producer_start_state<PipelineKV>();
+      for (int n_block = key_blocks.end - 1; n_block >= 0; --n_block) {
+        pipeline_k.producer_acquire(state);
+        copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block),
+             tKsK(_, state.index()));
+        pipeline_v.producer_acquire(state);
+        copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, n_block),
+             tVsV(_, state.index()));
+        ++state;
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  const int consumer_idx = int(threadIdx.x) - 128;
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(consumer_idx);
+  auto thr_pv = mma_pv.get_thread_slice(consumer_idx);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K): descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrVt = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
+  clear(acc_o);
+  Tensor acc_o_rc = as_rows_cols(acc_o);
+  // (row, col) of every accumulator element inside its tile.
+  Tensor tScS = as_rows_cols(thr_qk.partition_C(make_identity_tensor(select<0, 1>(TileShape{}))));
+  Tensor tOcO = as_rows_cols(thr_pv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
+  constexpr int kRowsPerThread = decltype(size<0>(acc_o_rc))::value;
+  float lse[kRowsPerThread];
+
+  if (key_blocks.end > 0) {
+    OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
+    typename PipelineKV::PipelineState state;
+    storage.q_full.wait(0);
+    // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V.
+    auto process_tile = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
+      Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
+      pipeline_k.consumer_wait(state);
+      gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+      pipeline_k.consumer_release(state);
+      Tensor s = as_rows_cols(acc_s);
+      if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
+      softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
+      // P goes straight from the S accumulator into the A operand registers of P V.
+      Tensor p = convert_fragment<Element>(acc_s);
+      Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
+      pipeline_v.consumer_wait(state);
+      gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+      pipeline_v.consumer_release(state);
+      ++state;
+    };
+    // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
+    // the causal diagonal) come first, then a loop free of masking.
+    const int last = key_blocks.end - 1;
+    process_tile(last, cute::true_type{}, cute::true_type{});
+    int n_block = last - 1;
+    for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+    for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
+    softmax.finalize(acc_o_rc, params.softmax_scale, lse);
+  } else {
+    // Causal with seqlen_q > seqlen_k: no row of this block sees any key. O stays 0.
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) lse[r] = -INFINITY;
+  }
+
+  // Epilogue: each thread stores its pairs of neighbouring columns straight from registers.
+  const int row_start = m_block * kBlockM;
+  Element* out = static_cast<Element*>(params.out) + int64_t(batch) * params.out_batch_stride +
+                 int64_t(head) * params.out_head_stride;
+  float* lse_row = params.lse + (int64_t(batch) * params.heads + head) * params.seqlen_q;
+  Tensor o = convert_fragment<Element>(acc_o);
+  Tensor o_rc = as_rows_cols(o);
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int row = row_start + get<0>(tOcO(r, 0));
+    if (row >= params.seqlen_q) continue;
+    if (get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o_rc); c += 2) {
+      const int col = get<1>(tOcO(r, c));
+      if (col < params.head_dim) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = o_rc(r, c);
+        pair[1] = o_rc(r, c + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(out + int64_t(row) * params.out_row_stride + col) = pair;
+      }
+    }
+  }
+#endif  // Other targets (sm_80, PTX) get an empty body: the host launches this kernel only on sm_90.
+}
+
+}  // namespace flash_cutlass::sm90

@@ -1,0 +1,52 @@
+// Host-side launch of the Hopper-path forward kernel: builds the TMA descriptors from the call's
+// pointers and strides, then launches. Included only by the sm90 instantiation files.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "flash_cutlass/fwd_api.h"
+#include "flash_cutlass/sm90/fwd_kernel.h"
+
+namespace flash_cutlass::sm90 {
+
+template <class Traits>
+typename Traits::GmemTensor gmem_tensor(void const* base, int seqlen, int head_dim, int heads, int batch,
+                                        int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+  using namespace cute;
+  return make_tensor(make_gmem_ptr(static_cast<typename Traits::Element const*>(base)),
+                     typename Traits::GmemLayout{make_shape(seqlen, head_dim, heads, batch),
+                                                 make_stride(row_stride, _1{}, head_stride, batch_stride)});
+}
+
+template <int kHeadDim, DType kDType, bool kCausal>
+cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
+  using namespace cute;
+  using Element = typename ElementOf<kDType>::type;
+  using Traits = FwdTraitsFor<kHeadDim, Element>;
+  using TileShape = typename Traits::TileShape;
+
+  const auto q = gmem_tensor<Traits>(params.q, params.seqlen_q, params.head_dim, params.heads, params.batch,
+                                     params.q_row_stride, params.q_head_stride, params.q_batch_stride);
+  const auto k = gmem_tensor<Traits>(params.k, params.seqlen_k, params.head_dim, params.heads_k, params.batch,
+                                     params.k_row_stride, params.k_head_stride, params.k_batch_stride);
+  const auto v = gmem_tensor<Traits>(params.v, params.seqlen_k, params.head_dim, params.heads_k, params.batch,
+                                     params.v_row_stride, params.v_head_stride, params.v_batch_stride);
+  const FwdKernelParams<Traits> kernel_params{
+      params,
+      make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
+  };
+
+  auto* kernel = &flash_fwd_sm90<Traits, kCausal>;
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (status != cudaSuccess) return status;
+  const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t num_ctas = num_m_blocks * params.batch * params.heads;
+  if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  kernel<<<dim3(static_cast<unsigned>(num_ctas)), Traits::kThreads, kSmemBytes, stream>>>(kernel_params);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_cutlass::sm90

@@ -1,0 +1,95 @@
+// Everything the Hopper-path forward kernel derives from (head dim, tile sizes, stages, dtype):
+// warpgroup MMAs, swizzled shared-memory layouts, the K/V pipeline and the shared-memory size.
+#pragma once
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace flash_cutlass::sm90 {
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
+struct FwdKernelTraits {
+  using Element = Element_;
+  static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
+
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  // One producer warpgroup (a single thread issues the TMA loads) and one consumer warpgroup per
+  // 64 query rows.
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups <= 2);
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "rows of 128-byte swizzle atoms");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
+
+  using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;    // S = Q K^T
+  using TileShapePV = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBlockN>>;  // O += P V
+  using WarpgroupLayout = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
+  // S = Q K^T: both operands in shared memory, K-major (head dim contiguous).
+  using TiledMmaQK = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShape>(), WarpgroupLayout{}));
+  // O += P V: P from registers; V is read as V^T, whose contiguous dim (head dim) is its N.
+  using TiledMmaPV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, TileShapePV, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      WarpgroupLayout{}));
+
+  // Rows of 64 elements (128 bytes) swizzled across 8-row atoms: the canonical layout wgmma and
+  // TMA agree on, free of bank conflicts.
+  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // The same V storage seen as V^T (head_dim, kBlockN, stage): the B operand of P V.
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_ordered_layout(
+                          cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+                          cute::Step<cute::_2, cute::_1, cute::_3>{})));
+
+  using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
+    cutlass::arch::ClusterTransactionBarrier q_full;
+    typename PipelineKV::SharedStorage pipeline_k;
+    typename PipelineKV::SharedStorage pipeline_v;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // one stage of K (or V)
+
+  // Global tensors as TMA sees them: (seqlen, head_dim, heads, batch), head_dim contiguous.
+  using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
+                                  cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                GmemLayout{}));
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                            cute::select<0, 2>(TileShape{}), cute::_1{}));
+  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                             cute::take<0, 2>(SmemLayoutKV{}), cute::select<1, 2>(TileShape{}),
+                                             cute::_1{}));
+};
+
+// Tile sizes per head dim: two consumer warpgroups of 64 query rows each.
+template <int kHeadDim>
+struct FwdTileSizes;
+template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
+template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
+template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; };
+
+template <int kHeadDim, class Element>
+using FwdTraitsFor = FwdKernelTraits<kHeadDim, FwdTileSizes<kHeadDim>::kBlockM, FwdTileSizes<kHeadDim>::kBlockN,
+                                     FwdTileSizes<kHeadDim>::kStages, Element>;
+
+}  // namespace flash_cutlass::sm90

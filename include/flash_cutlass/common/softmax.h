@@ -19,11 +19,10 @@ struct OnlineSoftmax {
 
   __device__ explicit OnlineSoftmax(float softmax_scale_log2) : scale_log2(softmax_scale_log2) {}
 
-  // s: one score tile as (rows, cols), replaced by P = exp(scale * (s - m_new)); l is updated.
-  // correction[r] receives exp(scale * (m_old - m_new)), the factor by which the output
-  // accumulated so far must be rescaled (see rescale()).
-  template <bool kFirstTile, class TensorS>
-  __device__ __forceinline__ void update_scores(TensorS& s, float (&correction)[kRows]) {
+  // s: one score tile as (rows, cols), replaced by P = exp(scale * (s - m_new)).
+  // o: the output accumulator as (rows, cols), rescaled to the new maximum.
+  template <bool kFirstTile, class TensorS, class TensorO>
+  __device__ __forceinline__ void update(TensorS& s, TensorO& o) {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
     CUTE_UNROLL
@@ -37,34 +36,20 @@ struct OnlineSoftmax {
       // A row with every key masked so far keeps m = -inf; exponentiate against 0 so that
       // its P is exactly 0 instead of exp(-inf + inf) = NaN.
       const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      correction[r] = kFirstTile || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
+      if (!kFirstTile) {
+        const float correction = new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
+        row_sum[r] *= correction;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction;
+      }
       float tile_sum = 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
         tile_sum += s(r, c);
       }
-      row_sum[r] = kFirstTile ? tile_sum : row_sum[r] * correction[r] + tile_sum;
+      row_sum[r] = kFirstTile ? tile_sum : row_sum[r] + tile_sum;
     }
-  }
-
-  // o: the output accumulator as (rows, cols), brought to the row maxima of the last update.
-  template <class TensorO>
-  __device__ __forceinline__ void rescale(TensorO& o, float const (&correction)[kRows]) const {
-    using namespace cute;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction[r];
-    }
-  }
-
-  // update_scores, then rescale of o: for kernels that finished the previous P V.
-  template <bool kFirstTile, class TensorS, class TensorO>
-  __device__ __forceinline__ void update(TensorS& s, TensorO& o) {
-    float correction[kRows];
-    update_scores<kFirstTile>(s, correction);
-    if (!kFirstTile) rescale(o, correction);
   }
 
   // Normalizes o by l and returns, per row, lse = scale * m + log(l) (natural log).

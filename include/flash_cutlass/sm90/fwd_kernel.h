@@ -1,8 +1,7 @@
 // The Hopper-path forward kernel: one CTA computes one (query block, head, batch) tile of
 // out = softmax(scale * Q K^T) V and its log-sum-exp. A producer thread brings Q once and K/V
 // tiles through a multi-stage pipeline with TMA; each consumer warpgroup owns 64 query rows and
-// runs S = Q K^T and O += P V as wgmma, with the online softmax in registers between them: the
-// softmax of one tile overlaps the P V of the tile before.
+// runs S = Q K^T and O += P V as wgmma, with the online softmax in registers between them.
 #pragma once
 
 #include <cmath>
@@ -139,59 +138,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (key_blocks.end > 0) {
     OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
-    float correction[kRowsPerThread];
-    // Tiles are consumed in the producer's order; V of a tile is consumed one step after its K.
-    typename PipelineKV::PipelineState state_k;
-    typename PipelineKV::PipelineState state_v;
-    // P of the tile whose P V is next, in the input dtype, laid out like the S accumulator.
-    Tensor p = make_tensor<Element>(partition_fragment_C(mma_qk, select<0, 1>(TileShape{})).layout());
-    Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
+    typename PipelineKV::PipelineState state;
     storage.q_full.wait(0);
-
-    // First key tile (it may need the seqlen_k-tail or causal mask): S = Q K^T, softmax, P.
-    const int last = key_blocks.end - 1;
-    {
+    // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V.
+    auto process_tile = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
       Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
-      pipeline_k.consumer_wait(state_k);
-      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
-      wgmma_complete<0>(acc_s);
-      pipeline_k.consumer_release(state_k);
-      ++state_k;
-      Tensor s = as_rows_cols(acc_s);
-      mask.apply(s, tScS, m_block * kBlockM, last * kBlockN);
-      softmax.template update_scores<true>(s, correction);
-      copy(convert_fragment<Element>(acc_s), p);
-    }
-    // Each further tile: S = Q K^T of this tile is issued, then P V of the previous one, and the
-    // softmax of this tile runs while the tensor cores work on that P V.
-    auto next_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
-      Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
-      pipeline_k.consumer_wait(state_k);
-      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
-      pipeline_v.consumer_wait(state_v);
-      wgmma_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
-      wgmma_complete<1>(acc_s);  // S is ready; P V may still run
-      pipeline_k.consumer_release(state_k);
-      ++state_k;
+      pipeline_k.consumer_wait(state);
+      gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+      pipeline_k.consumer_release(state);
       Tensor s = as_rows_cols(acc_s);
       if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
-      softmax.template update_scores<false>(s, correction);
-      wgmma_complete<0>(acc_o, tOrP);
-      pipeline_v.consumer_release(state_v);
-      ++state_v;
-      softmax.rescale(acc_o_rc, correction);
-      copy(convert_fragment<Element>(acc_s), p);
+      softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
+      // P goes straight from the S accumulator into the A operand registers of P V.
+      Tensor p = convert_fragment<Element>(acc_s);
+      Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
+      pipeline_v.consumer_wait(state);
+      gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+      pipeline_v.consumer_release(state);
+      ++state;
     };
     // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
     // the causal diagonal) come first, then a loop free of masking.
+    const int last = key_blocks.end - 1;
+    process_tile(last, cute::true_type{}, cute::true_type{});
     int n_block = last - 1;
-    for (; n_block >= key_blocks.unmasked_end; --n_block) next_tile(n_block, cute::true_type{});
-    for (; n_block >= 0; --n_block) next_tile(n_block, cute::false_type{});
-    // P V of the last tile.
-    pipeline_v.consumer_wait(state_v);
-    wgmma_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
-    wgmma_complete<0>(acc_o, tOrP);
-    pipeline_v.consumer_release(state_v);
+    for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+    for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
     softmax.finalize(acc_o_rc, params.softmax_scale, lse);
   } else {
     // Causal with seqlen_q > seqlen_k: no row of this block sees any key. O stays 0.

@@ -8,12 +8,11 @@
 
 namespace flash_cutlass::sm90 {
 
-// Issues acc (+)= A * B over every k-block as one batch of wgmma instructions and returns without
-// waiting: warpgroup_wait<N>() then acc's fence (wgmma_complete) make the result readable. A is
-// either shared-memory descriptors or registers, which must then stay untouched until the batch
-// completes; B always comes from shared memory. kZeroInit overwrites acc instead of adding to it.
+// acc (+)= A * B over every k-block. A is either shared-memory descriptors or registers (then it
+// must be fenced like the accumulator); B always comes from shared memory. kZeroInit overwrites
+// acc instead of adding to it. Returns once the warpgroup's MMAs are complete.
 template <bool kZeroInit, class TiledMma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, FragA const& frag_a, FragB const& frag_b, Acc& acc) {
+__device__ __forceinline__ void gemm_wgmma(TiledMma& tiled_mma, FragA const& frag_a, FragB const& frag_b, Acc& acc) {
   using namespace cute;
   constexpr bool kRegisterA =
       !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
@@ -27,14 +26,9 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, FragA const& fr
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-}
-
-// Waits until at most kPendingBatches wgmma batches of this warpgroup are in flight (batches
-// complete in issue order), then lets the compiler touch the given fragments again.
-template <int kPendingBatches, class... Fragments>
-__device__ __forceinline__ void wgmma_complete(Fragments&... fragments) {
-  cute::warpgroup_wait<kPendingBatches>();
-  (cute::warpgroup_fence_operand(fragments), ...);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<FragA&>(frag_a));
 }
 
 // A wgmma accumulator is laid out ((2 cols, 2 rows, N/8 col groups), MMA_M, MMA_N). Softmax wants

@@ -18,10 +18,12 @@ Layout and conventions shared by every function here:
 * The log-sum-exp is the natural logarithm of ``sum_j exp(scaled score_j)``,
   shaped ``(batch, heads, seqlen_q)``.
 
-Two implementations are provided: :func:`attention_forward`, a tiled
+Three functions are provided: :func:`attention_forward`, a tiled
 online-softmax forward that follows the kernels' algorithm without ever holding
-the full score matrix, and :func:`naive_attention`, which materializes the
-scores and is used to measure what PyTorch achieves in a given dtype.
+the full score matrix; :func:`attention_backward`, its tiled gradient, which
+recomputes the probabilities from the log-sum-exp one key block at a time; and
+:func:`naive_attention`, which materializes the scores and is used to measure
+what PyTorch achieves in a given dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numbers
 
 import torch
 
-__all__ = ["attention_forward", "causal_mask", "naive_attention"]
+__all__ = ["attention_backward", "attention_forward", "causal_mask", "naive_attention"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -107,6 +109,70 @@ def attention_forward(
     out = acc / torch.where(has_key, row_sum, 1.0).unsqueeze(-1)
     lse = torch.where(has_key, row_max + torch.log(row_sum), float("-inf"))
     return _ungroup_out(out, group, sq).to(q.dtype), lse.reshape(batch, heads, sq)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tiled gradient of :func:`attention_forward` with respect to ``q``, ``k`` and ``v``.
+
+    ``dout`` and ``out`` are shaped like ``q``; ``lse`` is the forward's
+    ``(batch, heads, seqlen_q)`` log-sum-exp. With ``D = rowsum(dout * out)``, each
+    key block recomputes ``P = exp(scale * q k^T - lse)`` and accumulates
+    ``dV += P^T dout``, ``dS = P * (dout v^T - D)``, ``dQ += scale * dS k`` and
+    ``dK += scale * dS^T q``, summing over the query heads that share a kv head.
+    Computes in fp32 (fp64 for fp64 inputs); extra memory is linear in the
+    sequence lengths. Rows with ``lse = -inf`` (no visible key) get zero gradients.
+
+    Returns ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k`` and ``v``.
+    """
+    scale = _check_inputs(q, k, v, softmax_scale)
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape:
+            raise ValueError(f"{name} must be a tensor shaped like q {tuple(q.shape)}")
+    batch, sq, heads, _ = q.shape
+    sk, kv_heads = k.shape[1], k.shape[2]
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (batch, heads, sq):
+        raise ValueError(f"lse must be a tensor shaped (batch, heads, seqlen_q) = {(batch, heads, sq)}")
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    group = heads // kv_heads
+    qg = _group_queries(q.to(compute_dtype), kv_heads)  # (b, kv_heads, rows, d)
+    dog = _group_queries(dout.to(compute_dtype), kv_heads)
+    delta = (dog * _group_queries(out.to(compute_dtype), kv_heads)).sum(dim=-1, keepdim=True)
+    lse_g = lse.to(compute_dtype).reshape(batch, kv_heads, group * sq, 1)
+    # Rows without a visible key have lse = -inf; their P must be 0, not exp(-inf + inf).
+    lse_g = torch.where(torch.isneginf(lse_g), float("inf"), lse_g)
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros(batch, sk, kv_heads, k.shape[-1], dtype=compute_dtype, device=q.device)
+    dv = torch.zeros(batch, sk, kv_heads, v.shape[-1], dtype=compute_dtype, device=q.device)
+    query_rows = torch.arange(sq, device=q.device).unsqueeze(1)
+
+    for start in range(0, sk, block_size):
+        end = min(start + block_size, sk)
+        k_blk = k[:, start:end].to(compute_dtype).transpose(1, 2)  # (b, kv_heads, n, d)
+        v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
+        scores = torch.matmul(qg, k_blk.transpose(-1, -2)) * scale
+        if causal:
+            keep = torch.arange(start, end, device=q.device).unsqueeze(0) <= query_rows + (sk - sq)
+            scores = _apply_keep(scores, keep, group)
+        probs = torch.exp(scores - lse_g)
+        dv[:, start:end] = torch.matmul(probs.transpose(-1, -2), dog).transpose(1, 2)
+        dscores = probs * (torch.matmul(dog, v_blk.transpose(-1, -2)) - delta)
+        dq += torch.matmul(dscores, k_blk) * scale
+        dk[:, start:end] = (torch.matmul(dscores.transpose(-1, -2), qg) * scale).transpose(1, 2)
+
+    return _ungroup_out(dq, group, sq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def naive_attention(

@@ -38,4 +38,19 @@ struct FwdParams {
   bool causal = false;
 };
 
+// One backward call: the forward's tensors (q, k, v, out, lse, scale, causal, shapes) and the
+// gradients. The kernel accumulates dQ in fp32 with atomics into dq_accum (batch, heads,
+// seqlen_q, head_dim_kernel), contiguous, zeroed by the caller; it writes dK and dV in fp32 per
+// query head into dk_accum / dv_accum (batch, seqlen_k, heads, head_dim_kernel), contiguous,
+// which the caller scales, sums over the heads of a GQA group and converts.
+struct BwdParams : FwdParams {
+  const void* dout = nullptr;
+  int64_t dout_batch_stride = 0, dout_row_stride = 0, dout_head_stride = 0;
+  // D = rowsum(dout * out), fp32 (batch, heads, seqlen_q), contiguous.
+  const float* dsoftmax_sum = nullptr;
+  float* dq_accum = nullptr;
+  float* dk_accum = nullptr;
+  float* dv_accum = nullptr;
+};
+
 }  // namespace flash_cutlass

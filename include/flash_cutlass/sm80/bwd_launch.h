@@ -1,0 +1,28 @@
+// Host-side launch of the sm80-path backward kernel; included only by the instantiation files.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "flash_cutlass/sm80/bwd_kernel.h"
+
+namespace flash_cutlass::sm80 {
+
+template <int kHeadDim, DType kDType, bool kCausal>
+cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
+  using Element = typename ElementOf<kDType>::type;
+  using Traits = BwdTraitsFor<kHeadDim, Element>;
+  auto* kernel = &flash_bwd_sm80<Traits, kCausal>;
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  if constexpr (kSmemBytes > 48 * 1024) {
+    const cudaError_t status =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (status != cudaSuccess) return status;
+  }
+  const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const int64_t num_ctas = num_n_blocks * params.batch * params.heads;
+  if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  kernel<<<dim3(static_cast<unsigned>(num_ctas)), Traits::kThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_cutlass::sm80

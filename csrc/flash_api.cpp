@@ -155,6 +155,88 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   TORCH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
 }
 
+// The sm80-path backward: returns fp32 (dq_accum (batch, heads, seqlen_q, kernel_hdim),
+// dk_accum and dv_accum (batch, seqlen_k, heads, kernel_hdim)), unscaled and per query head;
+// flash_cutlass/interface.py scales them, sums dK/dV over GQA groups and converts.
+std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                 const at::Tensor& dsoftmax_sum, double softmax_scale, bool causal) {
+  check_operand(dout, "dout", 4);
+  check_operand(q, "q", 4);
+  check_operand(k, "k", 4);
+  check_operand(v, "v", 4);
+  check_operand(out, "out", 4);
+  const DType dtype = dtype_of(q);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dout, &k, &v, &out}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dout, q, k, v and out must share one dtype");
+    TORCH_CHECK(t->device() == q.device(), "dout, q, k, v and out must be on one device");
+  }
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
+  const int64_t seqlen_k = k.size(1), heads_k = k.size(2);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout and out must have q's shape");
+  TORCH_CHECK(k.size(0) == batch && v.sizes() == k.sizes() && k.size(3) == head_dim, "k and v must match q");
+  TORCH_CHECK(heads_k > 0 && heads % heads_k == 0, "heads must be a multiple of heads_k");
+  TORCH_CHECK(head_dim % kAlignElems == 0, "head_dim must be a multiple of 8, got ", head_dim);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&lse, &dsoftmax_sum}) {
+    TORCH_CHECK(t->is_cuda() && t->device() == q.device() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->dim() == 3 && t->size(0) == batch && t->size(1) == heads && t->size(2) == seqlen_q,
+                "lse and dsoftmax_sum must be contiguous float32 (batch, heads, seqlen_q) tensors on q's device");
+  }
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
+  TORCH_CHECK(dtype_compiled(dtype), "dtype ", q.scalar_type(), " was not compiled in (build flag FLASH_CUTLASS_DTYPES)");
+  const int kernel_hdim = kernel_head_dim(static_cast<int>(head_dim));
+  TORCH_CHECK(kernel_hdim != 0, "head_dim ", head_dim, " exceeds every compiled head dim (build flag FLASH_CUTLASS_HEAD_DIMS)");
+  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "sequence lengths must be < 2^31");
+
+  const auto fp32 = q.options().dtype(at::kFloat);
+  at::Tensor dq_accum = at::zeros({batch, heads, seqlen_q, kernel_hdim}, fp32);
+  at::Tensor dk_accum = at::zeros({batch, seqlen_k, heads, kernel_hdim}, fp32);
+  at::Tensor dv_accum = at::zeros({batch, seqlen_k, heads, kernel_hdim}, fp32);
+  if (batch == 0 || seqlen_q == 0 || seqlen_k == 0 || heads == 0) return {dq_accum, dk_accum, dv_accum};
+
+  BwdParams params;
+  params.q = q.data_ptr();
+  params.k = k.data_ptr();
+  params.v = v.data_ptr();
+  params.out = out.data_ptr();
+  params.lse = lse.data_ptr<float>();
+  params.q_batch_stride = q.stride(0);
+  params.q_row_stride = q.stride(1);
+  params.q_head_stride = q.stride(2);
+  params.k_batch_stride = k.stride(0);
+  params.k_row_stride = k.stride(1);
+  params.k_head_stride = k.stride(2);
+  params.v_batch_stride = v.stride(0);
+  params.v_row_stride = v.stride(1);
+  params.v_head_stride = v.stride(2);
+  params.out_batch_stride = out.stride(0);
+  params.out_row_stride = out.stride(1);
+  params.out_head_stride = out.stride(2);
+  params.dout = dout.data_ptr();
+  params.dout_batch_stride = dout.stride(0);
+  params.dout_row_stride = dout.stride(1);
+  params.dout_head_stride = dout.stride(2);
+  params.dsoftmax_sum = dsoftmax_sum.data_ptr<float>();
+  params.dq_accum = dq_accum.data_ptr<float>();
+  params.dk_accum = dk_accum.data_ptr<float>();
+  params.dv_accum = dv_accum.data_ptr<float>();
+  params.batch = static_cast<int>(batch);
+  params.seqlen_q = static_cast<int>(seqlen_q);
+  params.seqlen_k = static_cast<int>(seqlen_k);
+  params.heads = static_cast<int>(heads);
+  params.heads_k = static_cast<int>(heads_k);
+  params.head_dim = static_cast<int>(head_dim);
+  params.softmax_scale = static_cast<float>(softmax_scale);
+  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  params.causal = causal;
+
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const cudaError_t status = run_bwd_sm80(params, dtype, kernel_hdim, stream);
+  TORCH_CHECK(status == cudaSuccess, "flash_cutlass backward kernel launch failed: ", cudaGetErrorString(status));
+  return {dq_accum, dk_accum, dv_accum};
+}
+
 std::vector<int64_t> compiled_head_dims() {
   std::vector<int64_t> dims;
   for (int d : kCompiledHeadDims) {
@@ -186,6 +268,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &flash_cutlass::forward, "Attention forward into preallocated out and lse",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("kernel_choice"));
+  m.def("backward", &flash_cutlass::backward, "Attention backward: fp32 dq/dk/dv accumulators (internal)",
+        pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
+        pybind11::arg("lse"), pybind11::arg("dsoftmax_sum"), pybind11::arg("softmax_scale"), pybind11::arg("causal"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);

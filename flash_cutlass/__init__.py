@@ -12,6 +12,8 @@ from flash_cutlass.interface import (
     compiled_dtypes,
     compiled_head_dims,
     compiled_sm90_head_dims,
+    flash_attention,
+    flash_backward,
     flash_forward,
 )
 
@@ -21,5 +23,7 @@ __all__ = [
     "compiled_dtypes",
     "compiled_head_dims",
     "compiled_sm90_head_dims",
+    "flash_attention",
+    "flash_backward",
     "flash_forward",
 ]

@@ -237,3 +237,86 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     if padded_head_dim != head_dim:
         out = out[..., :head_dim].contiguous()
     return out, lse
+
+
+def check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic) -> None:
+    """Validates the arguments of flash_backward; raises TypeError/ValueError naming the argument."""
+    check_forward_inputs(q, k, v, softmax_scale, causal)
+    for t, name in ((dout, "dout"), (out, "out")):
+        _check_tensor(t, name)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on one device")
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse must be float32 (as flash_forward returns it), got {lse.dtype}")
+    if lse.device != q.device:
+        raise ValueError(f"lse is on {lse.device} but q is on {q.device}; they must be on one device")
+    expected = (q.shape[0], q.shape[2], q.shape[1])
+    if tuple(lse.shape) != expected:
+        raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {expected}, got {tuple(lse.shape)}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+
+
+def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
+                   deterministic: bool = False):
+    """Gradients of flash_forward: returns (dq, dk, dv) in the dtypes and shapes of q, k and v.
+
+    dout and out are shaped like q; out and lse are what flash_forward returned for these inputs.
+    softmax_scale and causal must be those of the forward call. CPU tensors run
+    flash_cutlass.reference.attention_backward.
+    """
+    check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    if q.device.type != "cuda":
+        return reference.attention_backward(dout, q, k, v, out, lse, scale, causal)
+    if deterministic:
+        raise NotImplementedError("deterministic=True is not implemented on CUDA yet (dQ is summed with atomics)")
+
+    _check_device(q)
+    padded_head_dim = _padded_head_dim(head_dim)
+    if padded_head_dim != head_dim:
+        pad = (0, padded_head_dim - head_dim)
+        dout, q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (dout, q, k, v, out))
+    dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
+    # D = rowsum(dout * out) in fp32, (batch, heads, seqlen_q).
+    dsoftmax_sum = (dout.float() * out.float()).sum(dim=-1).transpose(1, 2).contiguous()
+    dq_accum, dk_accum, dv_accum = _extension().backward(dout, q, k, v, out, lse.contiguous(), dsoftmax_sum,
+                                                         scale, causal)
+    group = heads // heads_k
+    dq = (dq_accum[..., :head_dim] * scale).transpose(1, 2).to(q.dtype)
+    dk = (dk_accum[..., :head_dim].view(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3) * scale).to(q.dtype)
+    dv = dv_accum[..., :head_dim].view(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3).to(q.dtype)
+    return dq.contiguous(), dk, dv
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, kernel):
+        out, lse = flash_forward(q, k, v, softmax_scale, causal, kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal = softmax_scale, causal
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_backward(dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
+                    return_lse: bool = False, kernel: Optional[str] = None):
+    """Autograd-enabled attention: flash_forward, with flash_backward as its gradient.
+
+    Returns out, or (out, lse) with return_lse (lse carries no gradient).
+    """
+    out, lse = _FlashAttention.apply(q, k, v, softmax_scale, causal, kernel)
+    return (out, lse) if return_lse else out

@@ -186,3 +186,45 @@ def test_architecture_specific_code_runs_only_on_its_own_capability():
     # sm_90a machine code (the Hopper path's target) is not forward compatible, unlike sm_90.
     with pytest.raises(RuntimeError, match=r"built for sm_90a, which cannot run on cuda:0 \(compute capability 9.1\)"):
         check_compute_capability((9, 1), ("sm_90a",), "cuda:0")
+
+
+def backward_args(gen=None):
+    q, k, v = qkv(gen=gen)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    return {"dout": torch.randn(q.shape, generator=gen).to(q.dtype), "q": q, "k": k, "v": v, "out": out, "lse": lse}
+
+
+@pytest.mark.parametrize(
+    "change,error,message",
+    [
+        (lambda a: a.update(dout=a["dout"][:, :-1]), ValueError, r"^dout must have q's shape"),
+        (lambda a: a.update(out=a["out"].float()), TypeError, r"^out must be float16 or bfloat16"),
+        (lambda a: a.update(lse=a["lse"].double()), TypeError, r"^lse must be float32"),
+        (lambda a: a.update(lse=a["lse"][:, :, :-1]), ValueError, r"^lse must have shape \(batch, heads, seqlen_q\)"),
+        (lambda a: a.update(lse=a["lse"].tolist()), TypeError, r"^lse must be a torch.Tensor"),
+        (lambda a: a.update(dout=a["dout"].half()), TypeError, r"^dout has dtype torch.float16 but q has"),
+    ],
+)
+def test_backward_rejects_bad_input(gen, change, error, message):
+    args = backward_args(gen)
+    change(args)
+    with pytest.raises(error, match=message):
+        flash_cutlass.flash_backward(**args)
+
+
+def test_backward_rejects_non_bool_deterministic(gen):
+    with pytest.raises(TypeError, match=r"^deterministic must be a bool"):
+        flash_cutlass.flash_backward(**backward_args(gen), deterministic=1)
+
+
+def test_cpu_attention_gradients_match_fp64_autograd(gen):
+    q, k, v = (t.requires_grad_() for t in qkv(gen=gen))
+    out = flash_cutlass.flash_attention(q, k, v, causal=True)
+    dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = naive_attention(*leaves, 32 ** -0.5, True, compute_dtype=torch.float64)
+    expected = torch.autograd.grad(ref_out, leaves, dout.double())
+    for grad, ref, t in zip(grads, expected, (q, k, v)):
+        assert grad.dtype == t.dtype and grad.shape == t.shape
+        assert (grad.double() - ref).abs().max() < 5e-2

@@ -109,6 +109,23 @@ cudaError_t run_fwd_sm90_causal(FwdParams const& params, DType dtype, cudaStream
                        : run_fwd_sm90_dtype<kHeadDim, false>(params, dtype, stream);
 }
 
+template <int kHeadDim, bool kCausal>
+cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
+#ifdef FLASH_CUTLASS_DTYPE_FP16
+  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+#endif
+#ifdef FLASH_CUTLASS_DTYPE_BF16
+  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+#endif
+  return cudaErrorNotSupported;
+}
+
+template <int kHeadDim>
+cudaError_t run_bwd_sm80_causal(BwdParams const& params, DType dtype, cudaStream_t stream) {
+  return params.causal ? run_bwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
+                       : run_bwd_sm80_dtype<kHeadDim, false>(params, dtype, stream);
+}
+
 template <int kHeadDim>
 cudaError_t run_fwd_sm80_causal(FwdParams const& params, DType dtype, cudaStream_t stream) {
   return params.causal ? run_fwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
@@ -152,6 +169,31 @@ inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_256)
     case 256: return detail::run_fwd_sm90_causal<256>(params, dtype, stream);
+#endif
+    default: return cudaErrorNotSupported;
+  }
+}
+
+// Launches the sm80-path backward kernel compiled for `kernel_hdim` (one of kCompiledHeadDims).
+inline cudaError_t run_bwd_sm80(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
+  switch (kernel_hdim) {
+#ifdef FLASH_CUTLASS_HDIM_32
+    case 32: return detail::run_bwd_sm80_causal<32>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_64
+    case 64: return detail::run_bwd_sm80_causal<64>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_96
+    case 96: return detail::run_bwd_sm80_causal<96>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_128
+    case 128: return detail::run_bwd_sm80_causal<128>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_192
+    case 192: return detail::run_bwd_sm80_causal<192>(params, dtype, stream);
+#endif
+#ifdef FLASH_CUTLASS_HDIM_256
+    case 256: return detail::run_bwd_sm80_causal<256>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }

@@ -17,6 +17,9 @@ namespace sm80 {
 template <int kHeadDim, DType kDType, bool kCausal>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
 
+template <int kHeadDim, DType kDType, bool kCausal>
+cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
+
 // Dynamic shared memory one CTA of the forward kernel for `kernel_hdim` needs, in bytes.
 int fwd_smem_bytes(int kernel_hdim);
 }  // namespace sm80

@@ -292,8 +292,8 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
                                                          scale, causal)
     group = heads // heads_k
     dq = (dq_accum[..., :head_dim] * scale).transpose(1, 2).to(q.dtype)
-    dk = (dk_accum[..., :head_dim].view(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3) * scale).to(q.dtype)
-    dv = dv_accum[..., :head_dim].view(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3).to(q.dtype)
+    dk = (dk_accum[..., :head_dim].reshape(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3) * scale).to(q.dtype)
+    dv = dv_accum[..., :head_dim].reshape(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3).to(q.dtype)
     return dq.contiguous(), dk, dv
 
 

@@ -12,10 +12,10 @@ from flash_cutlass.interface import (
     compiled_dtypes,
     compiled_head_dims,
     compiled_sm90_head_dims,
-    flash_attention,
     flash_backward,
     flash_forward,
 )
+from flash_cutlass.ops import flash_attention
 
 __all__ = [
     "__version__",

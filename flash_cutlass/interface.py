@@ -219,7 +219,8 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     if q.device.type != "cuda":
-        return reference.attention_forward(q, k, v, scale, causal)
+        out, lse = reference.attention_forward(q, k, v, scale, causal)
+        return out.contiguous(), lse.contiguous()
 
     _check_device(q)
     padded_head_dim = _padded_head_dim(head_dim)
@@ -276,7 +277,7 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if q.device.type != "cuda":
-        return reference.attention_backward(dout, q, k, v, out, lse, scale, causal)
+        return tuple(g.contiguous() for g in reference.attention_backward(dout, q, k, v, out, lse, scale, causal))
     if deterministic:
         raise NotImplementedError("deterministic=True is not implemented on CUDA yet (dQ is summed with atomics)")
 
@@ -295,28 +296,3 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     dk = (dk_accum[..., :head_dim].reshape(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3) * scale).to(q.dtype)
     dv = dv_accum[..., :head_dim].reshape(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3).to(q.dtype)
     return dq.contiguous(), dk, dv
-
-
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, kernel):
-        out, lse = flash_forward(q, k, v, softmax_scale, causal, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal = softmax_scale, causal
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward(dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-        return dq, dk, dv, None, None, None
-
-
-def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
-                    return_lse: bool = False, kernel: Optional[str] = None):
-    """Autograd-enabled attention: flash_forward, with flash_backward as its gradient.
-
-    Returns out, or (out, lse) with return_lse (lse carries no gradient).
-    """
-    out, lse = _FlashAttention.apply(q, k, v, softmax_scale, causal, kernel)
-    return (out, lse) if return_lse else out

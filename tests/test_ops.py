@@ -1,0 +1,80 @@
+"""The torch.library custom ops: opcheck (schema, fake implementation, autograd registration)
+and torch.compile(fullgraph=True), on CPU tensors everywhere and on the GPU where one is visible."""
+
+import pytest
+import torch
+
+import flash_cutlass
+from flash_cutlass import ops
+from helpers import requires_cuda
+
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def inputs(device, gen_seed=0, causal=True, batch=2, seqlen_q=40, seqlen_k=56, heads=4, heads_k=2, head_dim=32):
+    gen = torch.Generator().manual_seed(gen_seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, torch.bfloat16)
+
+    return rand(batch, seqlen_q, heads, head_dim), rand(batch, seqlen_k, heads_k, head_dim), rand(
+        batch, seqlen_k, heads_k, head_dim)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_op_passes_opcheck(device, causal):
+    q, k, v = (t.requires_grad_() for t in inputs(device))
+    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, None))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_op_passes_opcheck(device):
+    q, k, v = inputs(device)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, None, True, False))
+
+
+class AttentionBlock(torch.nn.Module):
+    """q/k/v projections, attention, output projection: enough of a model for torch.compile."""
+
+    def __init__(self, hidden, heads, heads_k):
+        super().__init__()
+        self.heads, self.heads_k, self.head_dim = heads, heads_k, hidden // heads
+        self.q = torch.nn.Linear(hidden, hidden)
+        self.kv = torch.nn.Linear(hidden, 2 * heads_k * self.head_dim)
+        self.out = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        batch, seqlen, hidden = x.shape
+        q = self.q(x).view(batch, seqlen, self.heads, self.head_dim)
+        k, v = self.kv(x).view(batch, seqlen, 2, self.heads_k, self.head_dim).unbind(dim=2)
+        attended = flash_cutlass.flash_attention(q, k, v, causal=True)
+        return self.out(attended.reshape(batch, seqlen, hidden))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_matches_eager_without_graph_breaks(device):
+    torch.manual_seed(0)
+    model = AttentionBlock(128, 4, 2).to(device, torch.bfloat16)
+    x = torch.randn(2, 64, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    eager = model(x)
+    eager.float().square().mean().backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    for p in model.parameters():
+        p.grad = None
+    x.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    result = compiled(x)
+    result.float().square().mean().backward()
+    torch.testing.assert_close(result, eager, atol=2e-2, rtol=2e-2)
+    for grad, expected in zip([p.grad for p in model.parameters()] + [x.grad], eager_grads):
+        torch.testing.assert_close(grad, expected, atol=3e-2, rtol=3e-2)
+
+
+def test_lse_is_not_differentiable():
+    q, k, v = (t.requires_grad_() for t in inputs("cpu"))
+    out, lse = flash_cutlass.flash_attention(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad

@@ -17,23 +17,26 @@
 
 namespace flash_cutlass::sm80 {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, class Element_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsN_, class Element_>
 struct BwdKernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step of the walk
   static constexpr int kBlockN = kBlockN_;  // keys of this CTA
-  static constexpr int kWarps = kWarps_;
-  static constexpr int kThreads = kWarps * 32;
-  static_assert(kBlockM == 16 * kWarps && kBlockN == 16 * kWarps,
-                "every GEMM splits its M (query rows or keys) across the warps, 16 rows each");
+  // Every GEMM splits its M (query rows or keys) across 4 warps of 16 rows, and its N across
+  // kWarpsN warps: 2 at head dims above 128 keep the dK and dV accumulators in registers.
+  static constexpr int kWarpsM = 4;
+  static constexpr int kWarpsN = kWarpsN_;
+  static constexpr int kThreads = kWarpsM * kWarpsN * 32;
+  static_assert(kBlockM == 16 * kWarpsM && kBlockN == 16 * kWarpsM);
+  static_assert(kBlockN % (16 * kWarpsN) == 0 && kHeadDim % (16 * kWarpsN) == 0);
 
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                    cute::SM80_16x8x16_F32F16F16F32_TN,
                                    cute::SM80_16x8x16_F32BF16BF16F32_TN>;
   using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>,
-                                  cute::Layout<cute::Shape<cute::Int<kWarps>, cute::_1, cute::_1>>,
-                                  cute::Tile<cute::Int<16 * kWarps>, cute::_16, cute::_16>>;
+                                  cute::Layout<cute::Shape<cute::Int<kWarpsM>, cute::Int<kWarpsN>, cute::_1>>,
+                                  cute::Tile<cute::Int<16 * kWarpsM>, cute::Int<16 * kWarpsN>, cute::_16>>;
 
   using SmemLayoutQ = PaddedRowMajor<kBlockM, kHeadDim>;    // Q and dO
   using SmemLayoutKV = PaddedRowMajor<kBlockN, kHeadDim>;   // K and V
@@ -63,7 +66,7 @@ struct BwdKernelTraits {
 };
 
 template <int kHeadDim, class Element>
-using BwdTraitsFor = BwdKernelTraits<kHeadDim, 64, 64, 4, Element>;
+using BwdTraitsFor = BwdKernelTraits<kHeadDim, 64, 64, (kHeadDim > 128 ? 2 : 1), Element>;
 
 // acc (M x N, fp32, TiledMma's C layout) -> shared memory tile of Element, for a transposed reread.
 template <class Traits, class Acc, class Smem>

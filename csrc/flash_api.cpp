@@ -160,7 +160,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 // flash_cutlass/interface.py scales them, sums dK/dV over GQA groups and converts.
 std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 const at::Tensor& dsoftmax_sum, double softmax_scale, bool causal) {
+                                 const at::Tensor& dsoftmax_sum, double softmax_scale, bool causal,
+                                 bool deterministic) {
   check_operand(dout, "dout", 4);
   check_operand(q, "q", 4);
   check_operand(k, "k", 4);
@@ -229,6 +230,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   params.causal = causal;
+  params.deterministic = deterministic;
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
@@ -270,7 +272,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("kernel_choice"));
   m.def("backward", &flash_cutlass::backward, "Attention backward: fp32 dq/dk/dv accumulators (internal)",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
-        pybind11::arg("lse"), pybind11::arg("dsoftmax_sum"), pybind11::arg("softmax_scale"), pybind11::arg("causal"));
+        pybind11::arg("lse"), pybind11::arg("dsoftmax_sum"), pybind11::arg("softmax_scale"), pybind11::arg("causal"),
+        pybind11::arg("deterministic"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);

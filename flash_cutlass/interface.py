@@ -269,8 +269,9 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     """Gradients of flash_forward: returns (dq, dk, dv) in the dtypes and shapes of q, k and v.
 
     dout and out are shaped like q; out and lse are what flash_forward returned for these inputs.
-    softmax_scale and causal must be those of the forward call. CPU tensors run
-    flash_cutlass.reference.attention_backward.
+    softmax_scale and causal must be those of the forward call. deterministic=True sums dQ in a
+    fixed order (a second kernel pass) instead of with atomics, so two runs give bitwise identical
+    gradients. CPU tensors run flash_cutlass.reference.attention_backward (always deterministic).
     """
     check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
     batch, seqlen_q, heads, head_dim = q.shape
@@ -278,8 +279,6 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if q.device.type != "cuda":
         return tuple(g.contiguous() for g in reference.attention_backward(dout, q, k, v, out, lse, scale, causal))
-    if deterministic:
-        raise NotImplementedError("deterministic=True is not implemented on CUDA yet (dQ is summed with atomics)")
 
     _check_device(q)
     padded_head_dim = _padded_head_dim(head_dim)
@@ -290,7 +289,7 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     # D = rowsum(dout * out) in fp32, (batch, heads, seqlen_q).
     dsoftmax_sum = (dout.float() * out.float()).sum(dim=-1).transpose(1, 2).contiguous()
     dq_accum, dk_accum, dv_accum = _extension().backward(dout, q, k, v, out, lse.contiguous(), dsoftmax_sum,
-                                                         scale, causal)
+                                                         scale, causal, deterministic)
     group = heads // heads_k
     dq = (dq_accum[..., :head_dim] * scale).transpose(1, 2).to(q.dtype)
     dk = (dk_accum[..., :head_dim].reshape(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3) * scale).to(q.dtype)

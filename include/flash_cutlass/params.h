@@ -51,6 +51,8 @@ struct BwdParams : FwdParams {
   float* dq_accum = nullptr;
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
+  // dQ summed in a fixed order (a second kernel) instead of with atomics: bitwise reproducible.
+  bool deterministic = false;
 };
 
 }  // namespace flash_cutlass

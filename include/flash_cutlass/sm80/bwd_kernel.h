@@ -9,6 +9,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
@@ -79,7 +80,32 @@ __device__ __forceinline__ void store_acc_to_smem(typename Traits::TiledMma cons
   copy(smem_tiled_copy, smem_thr_copy.retile_S(converted), smem_thr_copy.partition_D(smem));
 }
 
-template <class Traits, bool kCausal>
+// In place: S -> P = exp(scale * S - lse) and dP -> dS = P * (dP - D) (without the softmax scale),
+// for one (query block, key block) tile as (rows, cols), rows starting at row_start. Rows past
+// seqlen_q and rows that see no key (lse = -inf) get P = 0 through lse = +inf.
+template <class TensorS, class TensorDP, class Coords>
+__device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Coords const& coords, int row_start,
+                                                     int seqlen_q, float scale_log2, const float* lse_row,
+                                                     const float* dsum_row) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(s); ++r) {
+    const int row = row_start + get<0>(coords(r, 0));
+    float lse = row < seqlen_q ? lse_row[row] : INFINITY;
+    lse = lse == -INFINITY ? INFINITY : lse;
+    const float lse_log2 = lse * float(M_LOG2E);
+    const float dsum = row < seqlen_q ? dsum_row[row] : 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      s(r, c) = exp2f(s(r, c) * scale_log2 - lse_log2);
+      dp(r, c) = s(r, c) * (dp(r, c) - dsum);
+    }
+  }
+}
+
+// kAccumulateDq: add dS K into dq_accum with atomics; without it (deterministic mode) dQ comes
+// from flash_bwd_dq_sm80.
+template <class Traits, bool kCausal, bool kAccumulateDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -232,19 +258,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     clear(acc_dp);
     gemm_smem_smem(tiled_mma, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a, thr_copy_a, copy_b, thr_copy_b);
     Tensor dp = as_rows_cols(acc_dp);
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
-      const int row = row_start + get<0>(tScS(r, 0));
-      float lse = row < params.seqlen_q ? lse_row[row] : INFINITY;
-      lse = lse == -INFINITY ? INFINITY : lse;
-      const float lse_log2 = lse * float(M_LOG2E);
-      const float dsum = row < params.seqlen_q ? dsum_row[row] : 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = exp2f(s(r, c) * scale_log2 - lse_log2);
-        dp(r, c) = s(r, c) * (dp(r, c) - dsum);  // dS, without the softmax scale
-      }
-    }
+    probabilities_and_ds(s, dp, tScS, row_start, params.seqlen_q, scale_log2, lse_row, dsum_row);
     store_acc_to_smem<Traits>(tiled_mma, acc_s, sP, tidx);
     store_acc_to_smem<Traits>(tiled_mma, acc_dp, sdS, tidx);
     __syncthreads();
@@ -253,13 +267,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
                    thr_copy_b_t);
     gemm_smem_smem(tiled_mma, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_a_t, thr_copy_a_t, copy_b_t,
                    thr_copy_b_t);
-    Tensor acc_dq = partition_fragment_C(tiled_mma, TileQ{});
-    clear(acc_dq);
-    gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, thr_copy_a, copy_b_t, thr_copy_b_t);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); ++i) {
-      const int row = get<0>(tdQcdQ(i));
-      if (row < rows_left_q) atomicAdd(dq_accum + int64_t(row_start + row) * kHeadDim + get<1>(tdQcdQ(i)), acc_dq(i));
+    if constexpr (kAccumulateDq) {
+      Tensor acc_dq = partition_fragment_C(tiled_mma, TileQ{});
+      clear(acc_dq);
+      gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, thr_copy_a, copy_b_t, thr_copy_b_t);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); ++i) {
+        const int row = get<0>(tdQcdQ(i));
+        if (row < rows_left_q) {
+          atomicAdd(dq_accum + int64_t(row_start + row) * kHeadDim + get<1>(tdQcdQ(i)), acc_dq(i));
+        }
+      }
     }
   }
 
@@ -276,6 +294,141 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
       dk[int64_t(row) * kv_row_stride + get<1>(tKVc(i))] = acc_dk(i);
       dv[int64_t(row) * kv_row_stride + get<1>(tKVc(i))] = acc_dv(i);
     }
+  }
+}
+
+// Deterministic dQ: one CTA per (query block, head, batch) keeps Q and dO in shared memory, walks
+// the key blocks it sees in a fixed order and accumulates dQ = dS K in registers, then stores it
+// (fp32, unscaled) into dq_accum without atomics.
+template <class Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_constant__ const BwdParams params) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
+
+  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  const int m_block = int(blockIdx.x % num_m_blocks);
+  const int batch_head = int(blockIdx.x / num_m_blocks);
+  const int head = batch_head % params.heads;
+  const int batch = batch_head / params.heads;
+  const int head_k = head / (params.heads / params.heads_k);
+  const int tidx = threadIdx.x;
+  const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
+  const int row_start = m_block * kBlockM;
+  const int rows_left_q = params.seqlen_q - row_start;
+  const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
+
+  auto gmem_matrix = [](auto const* base, int64_t batch_offset, int64_t head_offset, int rows, int64_t row_stride) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + batch_offset + head_offset),
+                       make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+  };
+  Tensor gQ = local_tile(gmem_matrix(params.q, batch * params.q_batch_stride, head * params.q_head_stride,
+                                     params.seqlen_q, params.q_row_stride),
+                         TileQ{}, make_coord(m_block, 0));
+  Tensor gdO = local_tile(gmem_matrix(params.dout, batch * params.dout_batch_stride, head * params.dout_head_stride,
+                                      params.seqlen_q, params.dout_row_stride),
+                          TileQ{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(gmem_matrix(params.k, batch * params.k_batch_stride, head_k * params.k_head_stride,
+                                     params.seqlen_k, params.k_row_stride),
+                         TileKV{}, make_coord(_, 0));
+  Tensor gV = local_tile(gmem_matrix(params.v, batch * params.v_batch_stride, head_k * params.v_head_stride,
+                                     params.seqlen_k, params.v_row_stride),
+                         TileKV{}, make_coord(_, 0));
+  const int64_t row_offset = (int64_t(batch) * params.heads + head) * params.seqlen_q;
+
+  extern __shared__ __align__(128) char smem[];
+  Element* smem_q = reinterpret_cast<Element*>(smem);
+  Element* smem_do = smem_q + Traits::kSmemElemsQ;
+  Element* smem_k = smem_do + Traits::kSmemElemsQ;
+  Element* smem_v = smem_k + Traits::kSmemElemsKV;
+  Element* smem_ds = smem_v + Traits::kSmemElemsKV;
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutP{});
+
+  typename Traits::GmemTiledCopy gmem_tiled_copy;
+  auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr_copy.partition_S(gQ);
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+  Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);
+  Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);
+  Tensor tKgK = gmem_thr_copy.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_blocks)
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);
+  Tensor tVgV = gmem_thr_copy.partition_S(gV);
+  Tensor tVsV = gmem_thr_copy.partition_D(sV);
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < params.head_dim;
+
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_mma.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_mma.partition_fragment_B(sV);
+  Tensor tdQrdS = thr_mma.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_mma.partition_fragment_B(sKt);
+  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto copy_b_t = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto thr_copy_a = copy_a.get_thread_slice(tidx);
+  auto thr_copy_b = copy_b.get_thread_slice(tidx);
+  auto thr_copy_b_t = copy_b_t.get_thread_slice(tidx);
+  Tensor tSsQ = thr_copy_a.partition_S(sQ);
+  Tensor tSsK = thr_copy_b.partition_S(sK);
+  Tensor tdPsdO = thr_copy_a.partition_S(sdO);
+  Tensor tdPsV = thr_copy_b.partition_S(sV);
+  Tensor tdQsdS = thr_copy_a.partition_S(sdS);
+  Tensor tdQsKt = thr_copy_b_t.partition_S(sKt);
+  Tensor tScS = as_rows_cols(thr_mma.partition_C(make_identity_tensor(TileS{})));
+  Tensor acc_dq = partition_fragment_C(tiled_mma, TileQ{});
+  clear(acc_dq);
+
+  copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
+  copy_tile_async<true>(gmem_tiled_copy, tdOgdO, tdOsdO, tQcQ, col_ok, rows_left_q);
+  cp_async_fence();
+  for (int n_block = 0; n_block < key_blocks.end; ++n_block) {
+    // K and V of this block; the previous step's reads of them and of dS are done.
+    __syncthreads();
+    const int rows_left_k = params.seqlen_k - n_block * kBlockN;
+    copy_tile_async<true>(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, col_ok, rows_left_k);
+    copy_tile_async<true>(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, col_ok, rows_left_k);
+    cp_async_fence();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    Tensor acc_s = partition_fragment_C(tiled_mma, TileS{});
+    clear(acc_s);
+    gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a, thr_copy_a, copy_b, thr_copy_b);
+    Tensor s = as_rows_cols(acc_s);
+    mask.apply(s, tScS, row_start, n_block * kBlockN);
+    Tensor acc_dp = partition_fragment_C(tiled_mma, TileS{});
+    clear(acc_dp);
+    gemm_smem_smem(tiled_mma, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a, thr_copy_a, copy_b, thr_copy_b);
+    Tensor dp = as_rows_cols(acc_dp);
+    probabilities_and_ds(s, dp, tScS, row_start, params.seqlen_q, params.softmax_scale_log2,
+                         params.lse + row_offset, params.dsoftmax_sum + row_offset);
+    store_acc_to_smem<Traits>(tiled_mma, acc_dp, sdS, tidx);
+    __syncthreads();
+    gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, thr_copy_a, copy_b_t, thr_copy_b_t);
+  }
+
+  Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(TileQ{}));
+  float* dq_accum = params.dq_accum + (row_offset + row_start) * kHeadDim;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) {
+    const int row = get<0>(tdQcdQ(i));
+    if (row < rows_left_q) dq_accum[int64_t(row) * kHeadDim + get<1>(tdQcdQ(i))] = acc_dq(i);
   }
 }
 

@@ -7,8 +7,8 @@
 
 namespace flash_cutlass::sm80 {
 
-template <class Kernel, class Traits>
-cudaError_t launch_bwd(Kernel* kernel, int64_t num_ctas, BwdParams const& params, cudaStream_t stream) {
+template <class Traits>
+cudaError_t launch_bwd(void (*kernel)(BwdParams), int64_t num_ctas, BwdParams const& params, cudaStream_t stream) {
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if constexpr (kSmemBytes > 48 * 1024) {
     const cudaError_t status =
@@ -29,15 +29,13 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const int64_t batch_heads = int64_t(params.batch) * params.heads;
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (!params.deterministic) {
-    return launch_bwd<decltype(flash_bwd_sm80<Traits, kCausal, true>), Traits>(
-        &flash_bwd_sm80<Traits, kCausal, true>, num_n_blocks * batch_heads, params, stream);
+    return launch_bwd<Traits>(&flash_bwd_sm80<Traits, kCausal, true>, num_n_blocks * batch_heads, params, stream);
   }
-  const cudaError_t status = launch_bwd<decltype(flash_bwd_sm80<Traits, kCausal, false>), Traits>(
-      &flash_bwd_sm80<Traits, kCausal, false>, num_n_blocks * batch_heads, params, stream);
+  const cudaError_t status =
+      launch_bwd<Traits>(&flash_bwd_sm80<Traits, kCausal, false>, num_n_blocks * batch_heads, params, stream);
   if (status != cudaSuccess) return status;
   const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  return launch_bwd<decltype(flash_bwd_dq_sm80<Traits, kCausal>), Traits>(
-      &flash_bwd_dq_sm80<Traits, kCausal>, num_m_blocks * batch_heads, params, stream);
+  return launch_bwd<Traits>(&flash_bwd_dq_sm80<Traits, kCausal>, num_m_blocks * batch_heads, params, stream);
 }
 
 }  // namespace flash_cutlass::sm80

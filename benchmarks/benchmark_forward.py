@@ -43,6 +43,9 @@ SDPA_BACKENDS = {
     "sdpa_mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
 IMPLS = (SUBJECT, SUBJECT_SM80, *SDPA_BACKENDS)
+# What is timed, and its matmul FLOPs as a multiple of the forward's (the FlashAttention
+# convention: the backward does 2.5x the forward's matmul work).
+DIRECTIONS = {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
 MATH_IMPL = "sdpa_math"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,9 +86,9 @@ def attention_forward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int
     return flops / 2 if causal else flops
 
 
-def case_flops(case: Case) -> float:
-    return attention_forward_flops(case.batch, case.heads, case.seqlen, case.seqlen, case.head_dim,
-                                   case.causal)
+def case_flops(case: Case, direction: str = "forward") -> float:
+    return DIRECTIONS[direction] * attention_forward_flops(case.batch, case.heads, case.seqlen, case.seqlen,
+                                                           case.head_dim, case.causal)
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -140,15 +143,17 @@ def memory_table(memory: Sequence[dict]) -> str:
 
 def render_report(meta: dict, rows: Sequence[dict], impls: Sequence[str],
                   checks: Sequence[dict], memory: Sequence[dict]) -> str:
+    direction = meta.get("direction", "forward")
     parts = [
-        "## Forward attention, " + meta["dtype"],
+        f"## {direction.capitalize()} attention, " + meta["dtype"],
         "",
         f"GPU: {meta['gpu']}; torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}; "
         f"{meta['date']}",
         "",
         f"Command: `{meta['command']}`",
         "",
-        "TFLOPS = 4 * batch * heads * seqlen^2 * head_dim / time (half that for causal); "
+        "TFLOPS = 4 * batch * heads * seqlen^2 * head_dim / time (half that for causal), "
+        f"times {DIRECTIONS[direction]:g} for the {direction} pass; "
         "time is the median of CUDA-event timings. "
         f"{SUBJECT}/peer columns are TFLOPS ratios: above 1 means {SUBJECT} is faster. "
         "n/a: the implementation rejected the shape or failed --check.",
@@ -243,14 +248,44 @@ def sdpa_call(inputs: Inputs, causal: bool, backend: SDPBackend | None) -> torch
         return F.scaled_dot_product_attention(*args, is_causal=causal)
 
 
-def make_runner(impl: str, inputs: Inputs, causal: bool,
-                subject: ModuleType | None) -> Callable[[], object]:
+def make_runner(impl: str, inputs: Inputs, causal: bool, subject: ModuleType | None,
+                direction: str = "forward") -> Callable[[], object]:
+    if direction != "forward":
+        return make_gradient_runner(impl, inputs, causal, subject, direction)
     if impl == SUBJECT:
         return lambda: subject.flash_forward(inputs.q, inputs.k, inputs.v, causal=causal)
     if impl == SUBJECT_SM80:
         return lambda: subject.flash_forward(inputs.q, inputs.k, inputs.v, causal=causal, kernel="sm80")
     backend = SDPBackend.MATH if impl == MATH_IMPL else SDPA_BACKENDS[impl]
     return lambda: sdpa_call(inputs, causal, backend)
+
+
+def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: ModuleType | None,
+                         direction: str) -> Callable[[], object]:
+    """The backward pass alone (its forward run once, outside the timed call) or forward and
+    backward together, with a random upstream gradient."""
+    if impl in (SUBJECT, SUBJECT_SM80):
+        kernel = "sm80" if impl == SUBJECT_SM80 else None
+        q, k, v = inputs.q, inputs.k, inputs.v
+        dout = torch.randn_like(q)
+        if direction == "backward":
+            out, lse = subject.flash_forward(q, k, v, causal=causal, kernel=kernel)
+            return lambda: subject.flash_backward(dout, q, k, v, out, lse, causal=causal)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        return lambda: torch.autograd.grad(subject.flash_attention(*leaves, causal=causal, kernel=kernel),
+                                           leaves, dout)
+    backend = SDPBackend.MATH if impl == MATH_IMPL else SDPA_BACKENDS[impl]
+    leaves = [t.detach().requires_grad_() for t in (inputs.q_bhsd, inputs.k_bhsd, inputs.v_bhsd)]
+    dout = torch.randn_like(leaves[0])
+
+    def forward():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+    if direction == "backward":
+        out = forward()
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    return lambda: torch.autograd.grad(forward(), leaves, dout)
 
 
 def first_call_error(fn: Callable[[], object]) -> str | None:
@@ -394,6 +429,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="dtype of q, k and v (default: %(default)s)")
     parser.add_argument("--causal", choices=("both", "true", "false"), default="both",
                         help="which masking to measure (default: %(default)s)")
+    parser.add_argument("--direction", choices=tuple(DIRECTIONS), default="forward",
+                        help="what is timed: the forward pass, the backward pass alone (its forward "
+                             "runs once, untimed) or both; FLOPs are 1, 2.5 and 3.5 times the "
+                             "forward's (default: %(default)s)")
     parser.add_argument("--impls", type=_impl_list, metavar="NAME[,NAME...]",
                         default=",".join(IMPLS),
                         help=f"implementations to run (default: all of {', '.join(IMPLS)}); "
@@ -482,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
-    meta = environment(args.dtype, subject)
+    meta = {**environment(args.dtype, subject), "direction": args.direction}
     rows: list[dict] = []
     checks: list[dict] = []
     for case in benchmark_cases(head_dims, args.seqlens, args.causals):
@@ -497,13 +536,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"check {label}: {'ok' if result['passed'] else 'FAILED'}: {result['detail']}",
                   flush=True)
         for impl in args.impls:
-            fn = make_runner(impl, inputs, case.causal, subject)
+            fn = make_runner(impl, inputs, case.causal, subject, args.direction)
             error = "failed --check" if impl == SUBJECT and subject_wrong else first_call_error(fn)
             ms = None if error else median_ms(fn, args.warmup, args.reps, args.min_time_ms)
-            speed = None if ms is None else tflops(case_flops(case), ms)
+            speed = None if ms is None else tflops(case_flops(case, args.direction), ms)
             rows.append({"head_dim": case.head_dim, "seqlen": case.seqlen, "batch": case.batch,
                          "heads": case.heads, "causal": case.causal, "dtype": args.dtype,
-                         "impl": impl, "ms": ms, "tflops": speed, "error": error})
+                         "direction": args.direction, "impl": impl, "ms": ms, "tflops": speed,
+                         "error": error})
             result_text = f"not run: {error}" if error else f"{ms:8.3f} ms {speed:7.1f} TFLOPS"
             print(f"{label} {impl:<18} {result_text}", flush=True)
         del inputs

@@ -3,7 +3,7 @@
 # benchmark and an Nsight Compute profile, with every log under OUT_DIR.
 #
 # Usage: benchmarks/gpu_session.sh OUT_DIR [steps...]
-#   steps: any of build test bench profile (default: all four, in that order)
+#   steps: any of build test bench bench_bwd profile (default: build test bench profile)
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
 #   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), PYTEST_ARGS.
 set -uo pipefail
@@ -37,6 +37,14 @@ for step in $steps; do
       python3 benchmarks/benchmark_forward.py --check --memory ${BENCH_ARGS:-} \
         --json "$out_dir/bench.json" --markdown "$out_dir/bench.md" --plot "$out_dir/bench.png" \
         >"$out_dir/bench.log" 2>&1
+      status=$?
+      ;;
+    bench_bwd)
+      for direction in backward forward+backward; do
+        python3 benchmarks/benchmark_forward.py --direction "$direction" --impls flash_cutlass,sdpa_flash,sdpa_cudnn \
+          ${BENCH_ARGS:-} --json "$out_dir/bench_$direction.json" --markdown "$out_dir/bench_$direction.md" \
+          >"$out_dir/bench_$direction.log" 2>&1
+      done
       status=$?
       ;;
     profile)

@@ -169,3 +169,27 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "forward.png"
     bench.plot_tflops(rows, ["flash_cutlass", "sdpa_cudnn"], path, "test")
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_backward_flops_follow_the_flashattention_convention():
+    case = bench.Case(head_dim=128, causal=True, seqlen=4096, batch=4, heads=16)
+    forward = bench.case_flops(case)
+    assert bench.case_flops(case, "backward") == 2.5 * forward
+    assert bench.case_flops(case, "forward+backward") == 3.5 * forward
+
+
+@pytest.mark.parametrize("direction", ["backward", "forward+backward"])
+def test_gradient_runners_of_flash_cutlass_return_three_gradients(direction):
+    import flash_cutlass
+
+    case = bench.Case(head_dim=32, causal=True, seqlen=40, batch=2, heads=4)
+    inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
+    grads = bench.make_runner(bench.SUBJECT, inputs, True, flash_cutlass, direction)()
+    assert [g.shape for g in grads] == [inputs.q.shape] * 3
+
+
+def test_report_names_the_direction():
+    meta = {"dtype": "bf16", "gpu": "gpu", "torch": "t", "cuda": "c", "cudnn": 1, "date": "d", "command": "x",
+            "direction": "backward"}
+    report = bench.render_report(meta, [], [bench.SUBJECT], [], [])
+    assert report.startswith("## Backward attention, bf16") and "times 2.5 for the backward pass" in report

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Compile one forward instantiation and summarize its SASS, without a GPU.
+
+Reads what usually answers a performance question before any GPU time is spent: registers and
+spills (ptxas), the matrix instructions (HMMA for the sm80 path, HGMMA for the Hopper path),
+shared-memory and global copies, local-memory traffic, and, for the Hopper path, the order of
+warpgroup MMA issue/wait points and softmax exponentials in the main loop (a block of MUFU.EX2
+between `WARPGROUP.DEPBAR.LE gsb0, 0x1` and `... 0x0` means the softmax overlaps an MMA).
+
+    python3 benchmarks/sass_report.py --path sm90 --head-dim 128
+    python3 benchmarks/sass_report.py --path sm80 --head-dim 64 --dtype fp16 --causal
+
+Needs nvcc and cuobjdump (from the CUDA toolkit, or the copy Triton ships under
+triton/backends/nvidia/bin) and the CUTLASS headers setup.py would use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAD_DIMS = {"sm80": (32, 64, 96, 128, 192, 256), "sm90": (64, 128, 256)}
+TARGETS = {"sm80": "-gencode=arch=compute_80,code=sm_80", "sm90": "-gencode=arch=compute_90a,code=sm_90a"}
+COUNTED = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU.EX2", "BAR.SYNC", "LDL", "STL", "SHFL")
+SEQUENCE = re.compile(r"(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR\.LE gsb0, 0x[0-9a-f]+|MUFU\.EX2|HGMMA)")
+
+
+def cutlass_include() -> Path:
+    spec = importlib.util.find_spec("cutlass_library")
+    candidates = [ROOT / "third_party" / "cutlass"]
+    if spec is not None and spec.submodule_search_locations:
+        candidates.append(Path(list(spec.submodule_search_locations)[0]) / "source")
+    for root in candidates:
+        if (root / "include" / "cute" / "tensor.hpp").exists():
+            return root / "include"
+    sys.exit("CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0 or clone third_party/cutlass")
+
+
+def cuobjdump() -> str:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin:
+        bundled = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if bundled.exists():
+            return str(bundled)
+    sys.exit("cuobjdump not found on PATH or in Triton's package")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", choices=sorted(HEAD_DIMS), default="sm90", help="kernel path (default: %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=128, help="compiled head dim (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
+    parser.add_argument("--causal", action="store_true", help="the causal instantiation")
+    args = parser.parse_args(argv)
+    if args.head_dim not in HEAD_DIMS[args.path]:
+        parser.error(f"--head-dim must be one of {HEAD_DIMS[args.path]} for the {args.path} path")
+
+    source = ROOT / "csrc" / "instantiations" / (
+        f"fwd_{args.path}_hdim{args.head_dim}_{args.dtype}_{'causal' if args.causal else 'noncausal'}.cu")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", TARGETS[args.path], "-O3", "--use_fast_math",
+                "--expt-relaxed-constexpr", "-std=c++17", f"-I{ROOT / 'include'}", f"-I{cutlass_include()}",
+                "-Xptxas=-v", str(source), "-o", str(cubin)]
+        build = subprocess.run(nvcc, capture_output=True, text=True)
+        if build.returncode != 0:
+            sys.exit(f"nvcc failed:\n{build.stderr}")
+        sass = subprocess.run([cuobjdump(), "--dump-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+
+    print(f"{source.name} ({TARGETS[args.path].rsplit('code=', 1)[1]})")
+    for line in build.stderr.splitlines():
+        if "registers" in line or "spill" in line:
+            print("  ptxas:", line.split(":", 1)[-1].strip())
+    instructions = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)", sass)]
+    counts = collections.Counter()
+    for opcode in instructions:
+        for name in COUNTED:
+            if opcode == name or opcode.startswith(name + "."):
+                counts[name] += 1
+    print(f"  {len(instructions)} SASS instructions; " + ", ".join(f"{n} {counts[n]}" for n in COUNTED))
+    if args.path == "sm90":
+        runs = []
+        for match in SEQUENCE.finditer(sass):
+            token = match.group(1)
+            if runs and runs[-1][0] == token:
+                runs[-1][1] += 1
+            else:
+                runs.append([token, 1])
+        print("  issue/wait/softmax order: " + " | ".join(f"{t} x{n}" if n > 1 else t for t, n in runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

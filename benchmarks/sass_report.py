@@ -11,7 +11,8 @@ between `WARPGROUP.DEPBAR.LE gsb0, 0x1` and `... 0x0` means the softmax overlaps
     python3 benchmarks/sass_report.py --path sm80 --head-dim 64 --dtype fp16 --causal
 
 Needs nvcc and cuobjdump (from the CUDA toolkit, or the copy Triton ships under
-triton/backends/nvidia/bin) and the CUTLASS headers setup.py would use.
+triton/backends/nvidia/bin) and the CUTLASS headers setup.py would use (CUTLASS_PATH,
+third_party/cutlass or the nvidia-cutlass wheel).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -34,6 +36,9 @@ SEQUENCE = re.compile(r"(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR\.LE gsb0, 0x[0-9a-f
 
 
 def cutlass_include() -> Path:
+    """The CUTLASS headers setup.py would use: $CUTLASS_PATH, third_party/cutlass, the wheel."""
+    if os.environ.get("CUTLASS_PATH"):
+        return Path(os.environ["CUTLASS_PATH"]) / "include"
     spec = importlib.util.find_spec("cutlass_library")
     candidates = [ROOT / "third_party" / "cutlass"]
     if spec is not None and spec.submodule_search_locations:

@@ -239,21 +239,18 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
   return {dq_accum, dk_accum, dv_accum};
 }
 
-std::vector<int64_t> compiled_head_dims() {
+// The entries of a 0-terminated compiled head-dim list.
+template <int kCount>
+std::vector<int64_t> head_dims_of(const int (&compiled)[kCount]) {
   std::vector<int64_t> dims;
-  for (int d : kCompiledHeadDims) {
+  for (int d : compiled) {
     if (d != 0) dims.push_back(d);
   }
   return dims;
 }
 
-std::vector<int64_t> compiled_sm90_head_dims() {
-  std::vector<int64_t> dims;
-  for (int d : kCompiledSm90HeadDims) {
-    if (d != 0) dims.push_back(d);
-  }
-  return dims;
-}
+std::vector<int64_t> compiled_head_dims() { return head_dims_of(kCompiledHeadDims); }
+std::vector<int64_t> compiled_sm90_head_dims() { return head_dims_of(kCompiledSm90HeadDims); }
 
 std::vector<std::string> compiled_dtypes() {
   std::vector<std::string> names;

@@ -46,13 +46,17 @@ inline constexpr bool kCompiledBFloat16 =
     false;
 #endif
 
-// Smallest compiled head dim >= head_dim, or 0 when none is.
-inline int kernel_head_dim(int head_dim) {
-  for (int compiled : kCompiledHeadDims) {
-    if (compiled != 0 && compiled >= head_dim) return compiled;
+// Smallest head dim of a 0-terminated compiled list that is >= head_dim, or 0 when none is.
+template <int kCount>
+inline int smallest_compiled_at_least(const int (&compiled)[kCount], int head_dim) {
+  for (int d : compiled) {
+    if (d != 0 && d >= head_dim) return d;
   }
   return 0;
 }
+
+// The sm80-path kernel a head dim runs in.
+inline int kernel_head_dim(int head_dim) { return smallest_compiled_at_least(kCompiledHeadDims, head_dim); }
 
 // The compiled head dims of the Hopper path (built with FLASH_CUTLASS_SM90), ascending.
 inline constexpr int kCompiledSm90HeadDims[] = {
@@ -68,13 +72,8 @@ inline constexpr int kCompiledSm90HeadDims[] = {
     0  // end marker, keeps the array non-empty
 };
 
-// Smallest compiled Hopper-path head dim >= head_dim, or 0 when none is.
-inline int sm90_kernel_head_dim(int head_dim) {
-  for (int compiled : kCompiledSm90HeadDims) {
-    if (compiled != 0 && compiled >= head_dim) return compiled;
-  }
-  return 0;
-}
+// The Hopper-path kernel a head dim runs in.
+inline int sm90_kernel_head_dim(int head_dim) { return smallest_compiled_at_least(kCompiledSm90HeadDims, head_dim); }
 
 inline bool dtype_compiled(DType dtype) {
   return dtype == DType::kFloat16 ? kCompiledFloat16 : kCompiledBFloat16;

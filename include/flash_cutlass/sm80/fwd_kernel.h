@@ -202,10 +202,8 @@ __global__ void __launch_bounds__(FwdTraitsFor<kHeadDim, Element>::kThreads, 1)
     flash_fwd_sm80(__grid_constant__ const FwdParams params) {
   using Traits = FwdTraitsFor<kHeadDim, Element>;
   extern __shared__ __align__(128) char smem[];
-  const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int m_block = num_m_blocks - 1 - int(blockIdx.x % num_m_blocks);
-  const int batch_head = int(blockIdx.x / num_m_blocks);
-  fwd_query_block<Traits, kCausal>(params, smem, m_block, batch_head / params.heads, batch_head % params.heads);
+  const QueryTile tile = query_tile_of_this_cta<Traits::kBlockM>(params);
+  fwd_query_block<Traits, kCausal>(params, smem, tile.m_block, tile.batch, tile.head);
 }
 
 }  // namespace flash_cutlass::sm80

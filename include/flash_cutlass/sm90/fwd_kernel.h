@@ -48,13 +48,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-  // Grid: one CTA per (query block, head, batch), flattened into x. Query blocks run from the
-  // last to the first so that, with causal masking, the longest blocks start first.
-  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-  const int m_block = num_m_blocks - 1 - int(blockIdx.x % num_m_blocks);
-  const int batch_head = int(blockIdx.x / num_m_blocks);
-  const int head = batch_head % params.heads;
-  const int batch = batch_head / params.heads;
+  const QueryTile tile = query_tile_of_this_cta<kBlockM>(params);
+  const int m_block = tile.m_block, head = tile.head, batch = tile.batch;
   const int head_k = head / (params.heads / params.heads_k);
   const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);

@@ -154,7 +154,7 @@ def main():
 
     sm90 = sm90_enabled(archs)
 
-    sources = ["csrc/flash_api.cpp", "csrc/sm80_fwd_info.cu"]
+    sources = ["csrc/flash_api.cpp", "csrc/sm80_kernel_info.cu"]
     for path in sorted((ROOT / "csrc" / "instantiations").glob("*_sm*.cu")):
         match = re.fullmatch(r"(?:fwd|bwd)_(sm80|sm90)_hdim(\d+)_(fp16|bf16)_(causal|noncausal)\.cu", path.name)
         if not match or int(match.group(2)) not in head_dims or match.group(3) not in dtypes:

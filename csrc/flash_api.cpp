@@ -49,6 +49,15 @@ DType dtype_of(const at::Tensor& t) {
 // Which forward kernel runs a call; the values are those of flash_cutlass/interface.py.
 enum class KernelChoice : int64_t { kAuto = 0, kSm80 = 1, kSm90 = 2 };
 
+// Refuses, before any launch, a kernel whose shared memory exceeds what q's GPU allows a block.
+void check_smem(int smem_needed, const char* direction, int64_t head_dim, int kernel_hdim, const at::Tensor& q) {
+  int smem_limit = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
+  TORCH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim, " ", direction,
+              " kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
+              " allows ", smem_limit / 1024, " KiB; this head dim is not supported on this GPU yet");
+}
+
 // Returns the reason the Hopper path cannot run a call of this head dim on this device, or an
 // empty string when it can.
 std::string sm90_unavailable_reason(int head_dim, const at::Tensor& q) {
@@ -145,55 +154,64 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
       return;
     }
   }
-  int smem_limit = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-  const int smem_needed = sm80::fwd_smem_bytes(kernel_hdim);
-  TORCH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
-              " kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
-              " allows ", smem_limit / 1024, " KiB; this head dim is not supported on this GPU yet");
+  check_smem(sm80::fwd_smem_bytes(kernel_hdim), "forward", head_dim, kernel_hdim, q);
   const cudaError_t status = run_fwd_sm80(params, dtype, kernel_hdim, stream);
   TORCH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
 }
 
-// The sm80-path backward: returns fp32 (dq_accum (batch, heads, seqlen_q, kernel_hdim),
-// dk_accum and dv_accum (batch, seqlen_k, heads, kernel_hdim)), unscaled and per query head;
-// flash_cutlass/interface.py scales them, sums dK/dV over GQA groups and converts.
-std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 const at::Tensor& dsoftmax_sum, double softmax_scale, bool causal,
-                                 bool deterministic) {
+// The sm80-path backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k
+// and v, last dimension contiguous). D = rowsum(dout * out) and the fp32 dQ accumulator are
+// computed on the device; with GQA, dK and dV come per query head in fp32 and are summed over
+// each group here.
+void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
+              const at::Tensor& dv, double softmax_scale, bool causal, bool deterministic) {
   check_operand(dout, "dout", 4);
   check_operand(q, "q", 4);
   check_operand(k, "k", 4);
   check_operand(v, "v", 4);
   check_operand(out, "out", 4);
+  check_operand(dq, "dq", 4);
+  check_operand(dk, "dk", 4);
+  check_operand(dv, "dv", 4);
   const DType dtype = dtype_of(q);
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dout, &k, &v, &out}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dout, q, k, v and out must share one dtype");
-    TORCH_CHECK(t->device() == q.device(), "dout, q, k, v and out must be on one device");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dout, &k, &v, &out, &dq, &dk, &dv}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dout, q, k, v, out, dq, dk and dv must share one dtype");
+    TORCH_CHECK(t->device() == q.device(), "dout, q, k, v, out, dq, dk and dv must be on one device");
   }
   const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
   const int64_t seqlen_k = k.size(1), heads_k = k.size(2);
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout and out must have q's shape");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && dq.sizes() == q.sizes(),
+              "dout, out and dq must have q's shape");
   TORCH_CHECK(k.size(0) == batch && v.sizes() == k.sizes() && k.size(3) == head_dim, "k and v must match q");
+  TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(), "dk and dv must have k's shape");
   TORCH_CHECK(heads_k > 0 && heads % heads_k == 0, "heads must be a multiple of heads_k");
   TORCH_CHECK(head_dim % kAlignElems == 0, "head_dim must be a multiple of 8, got ", head_dim);
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&lse, &dsoftmax_sum}) {
-    TORCH_CHECK(t->is_cuda() && t->device() == q.device() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                    t->dim() == 3 && t->size(0) == batch && t->size(1) == heads && t->size(2) == seqlen_q,
-                "lse and dsoftmax_sum must be contiguous float32 (batch, heads, seqlen_q) tensors on q's device");
-  }
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == heads && lse.size(2) == seqlen_q,
+              "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
   TORCH_CHECK(dtype_compiled(dtype), "dtype ", q.scalar_type(), " was not compiled in (build flag FLASH_CUTLASS_DTYPES)");
   const int kernel_hdim = kernel_head_dim(static_cast<int>(head_dim));
   TORCH_CHECK(kernel_hdim != 0, "head_dim ", head_dim, " exceeds every compiled head dim (build flag FLASH_CUTLASS_HEAD_DIMS)");
   TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "sequence lengths must be < 2^31");
+  if (batch == 0 || seqlen_q == 0 || seqlen_k == 0 || heads == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return;
+  }
+  check_smem(sm80::bwd_smem_bytes(kernel_hdim), "backward", head_dim, kernel_hdim, q);
 
   const auto fp32 = q.options().dtype(at::kFloat);
-  at::Tensor dq_accum = at::zeros({batch, heads, seqlen_q, kernel_hdim}, fp32);
-  at::Tensor dk_accum = at::zeros({batch, seqlen_k, heads, kernel_hdim}, fp32);
-  at::Tensor dv_accum = at::zeros({batch, seqlen_k, heads, kernel_hdim}, fp32);
-  if (batch == 0 || seqlen_q == 0 || seqlen_k == 0 || heads == 0) return {dq_accum, dk_accum, dv_accum};
+  at::Tensor dsoftmax_sum = at::empty({batch, heads, seqlen_q}, fp32);
+  at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, kernel_hdim}, fp32);
+  const bool grouped = heads != heads_k;
+  at::Tensor dk_accum, dv_accum;
+  if (grouped) {
+    dk_accum = at::empty({batch, seqlen_k, heads, kernel_hdim}, fp32);
+    dv_accum = at::empty({batch, seqlen_k, heads, kernel_hdim}, fp32);
+  }
 
   BwdParams params;
   params.q = q.data_ptr();
@@ -219,8 +237,21 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
   params.dout_head_stride = dout.stride(2);
   params.dsoftmax_sum = dsoftmax_sum.data_ptr<float>();
   params.dq_accum = dq_accum.data_ptr<float>();
-  params.dk_accum = dk_accum.data_ptr<float>();
-  params.dv_accum = dv_accum.data_ptr<float>();
+  params.dq = dq.data_ptr();
+  params.dq_batch_stride = dq.stride(0);
+  params.dq_row_stride = dq.stride(1);
+  params.dq_head_stride = dq.stride(2);
+  if (grouped) {
+    params.dk_accum = dk_accum.data_ptr<float>();
+    params.dv_accum = dv_accum.data_ptr<float>();
+  } else {
+    TORCH_CHECK(dk.strides() == dv.strides(), "dk and dv must have the same strides");
+    params.dk = dk.data_ptr();
+    params.dv = dv.data_ptr();
+    params.dkv_batch_stride = dk.stride(0);
+    params.dkv_row_stride = dk.stride(1);
+    params.dkv_head_stride = dk.stride(2);
+  }
   params.batch = static_cast<int>(batch);
   params.seqlen_q = static_cast<int>(seqlen_q);
   params.seqlen_k = static_cast<int>(seqlen_k);
@@ -236,7 +267,15 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const cudaError_t status = run_bwd_sm80(params, dtype, kernel_hdim, stream);
   TORCH_CHECK(status == cudaSuccess, "flash_cutlass backward kernel launch failed: ", cudaGetErrorString(status));
-  return {dq_accum, dk_accum, dv_accum};
+  if (grouped) {
+    // Sum each group's query heads in a fixed order (deterministic either way).
+    const int64_t group = heads / heads_k;
+    auto group_sum = [&](const at::Tensor& accum) {
+      return accum.view({batch, seqlen_k, heads_k, group, kernel_hdim}).sum(3).narrow(3, 0, head_dim);
+    };
+    dk.copy_(group_sum(dk_accum).mul_(softmax_scale));
+    dv.copy_(group_sum(dv_accum));
+  }
 }
 
 // The entries of a 0-terminated compiled head-dim list.
@@ -267,10 +306,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &flash_cutlass::forward, "Attention forward into preallocated out and lse",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("kernel_choice"));
-  m.def("backward", &flash_cutlass::backward, "Attention backward: fp32 dq/dk/dv accumulators (internal)",
+  m.def("backward", &flash_cutlass::backward, "Attention backward into preallocated dq, dk and dv",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
-        pybind11::arg("lse"), pybind11::arg("dsoftmax_sum"), pybind11::arg("softmax_scale"), pybind11::arg("causal"),
-        pybind11::arg("deterministic"));
+        pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("deterministic"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);

@@ -274,8 +274,7 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     gradients. CPU tensors run flash_cutlass.reference.attention_backward (always deterministic).
     """
     check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    head_dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if q.device.type != "cuda":
         return tuple(g.contiguous() for g in reference.attention_backward(dout, q, k, v, out, lse, scale, causal))
@@ -286,12 +285,8 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
         pad = (0, padded_head_dim - head_dim)
         dout, q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (dout, q, k, v, out))
     dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
-    # D = rowsum(dout * out) in fp32, (batch, heads, seqlen_q).
-    dsoftmax_sum = (dout.float() * out.float()).sum(dim=-1).transpose(1, 2).contiguous()
-    dq_accum, dk_accum, dv_accum = _extension().backward(dout, q, k, v, out, lse.contiguous(), dsoftmax_sum,
-                                                         scale, causal, deterministic)
-    group = heads // heads_k
-    dq = (dq_accum[..., :head_dim] * scale).transpose(1, 2).to(q.dtype)
-    dk = (dk_accum[..., :head_dim].reshape(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3) * scale).to(q.dtype)
-    dv = dv_accum[..., :head_dim].reshape(batch, seqlen_k, heads_k, group, head_dim).sum(dim=3).to(q.dtype)
-    return dq.contiguous(), dk, dv
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, scale, causal, deterministic)
+    if padded_head_dim != head_dim:
+        dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
+    return dq, dk, dv

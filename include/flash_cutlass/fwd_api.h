@@ -1,4 +1,4 @@
-// Torch-free, kernel-free declarations of the forward entry points: what the host file
+// Torch-free, kernel-free declarations of the forward and backward entry points: what the host file
 // (csrc/flash_api.cpp) sees. Each instantiation lives in its own file under csrc/instantiations/.
 #pragma once
 
@@ -22,6 +22,8 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
 
 // Dynamic shared memory one CTA of the forward kernel for `kernel_hdim` needs, in bytes.
 int fwd_smem_bytes(int kernel_hdim);
+// The same for the backward's main kernel (the largest of its kernels).
+int bwd_smem_bytes(int kernel_hdim);
 }  // namespace sm80
 
 }  // namespace flash_cutlass

@@ -46,9 +46,19 @@ struct FwdParams {
 struct BwdParams : FwdParams {
   const void* dout = nullptr;
   int64_t dout_batch_stride = 0, dout_row_stride = 0, dout_head_stride = 0;
-  // D = rowsum(dout * out), fp32 (batch, heads, seqlen_q), contiguous.
-  const float* dsoftmax_sum = nullptr;
+  // D = rowsum(dout * out), fp32 (batch, heads, seqlen_q), contiguous; written by the preprocess.
+  float* dsoftmax_sum = nullptr;
+  // dQ before scaling, fp32 (batch, heads, seqlen_q, kernel head dim), contiguous; zeroed by the
+  // preprocess, converted into dq by the postprocess.
   float* dq_accum = nullptr;
+  // The gradients, in the inputs' dtype, shaped like q, k and v (head dims as the call's).
+  void* dq = nullptr;
+  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  void* dk = nullptr;  // dk and dv: written directly when heads == heads_k
+  void* dv = nullptr;
+  int64_t dkv_batch_stride = 0, dkv_row_stride = 0, dkv_head_stride = 0;
+  // With GQA (heads > heads_k): dK (unscaled) and dV per query head, fp32
+  // (batch, seqlen_k, heads, kernel head dim), contiguous; the caller sums each group.
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
   // dQ summed in a fixed order (a second kernel) instead of with atomics: bitwise reproducible.

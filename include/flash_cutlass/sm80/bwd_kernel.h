@@ -1,8 +1,16 @@
-// The sm80-path backward kernel: one CTA per (key block, head, batch) keeps its K and V tiles in
-// shared memory and walks the query blocks that see them, recomputing P from Q, K and the
-// forward's log-sum-exp:
-//   dV += P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dK += dS^T Q,  dQ += dS K (fp32 atomics).
-// dK and dV stay in registers for the whole walk; no score matrix ever reaches global memory.
+// The sm80-path backward kernels.
+//
+// flash_bwd_preprocess_sm80: D = rowsum(dO * O) per query row, and dq_accum zeroed.
+// flash_bwd_sm80: one CTA per (key block, head, batch) keeps its K and V tiles in shared memory
+//   and walks the query blocks that see them, recomputing P from Q, K and the forward's
+//   log-sum-exp:
+//     dV += P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dK += dS^T Q,  dQ += dS K (fp32 atomics).
+//   dK and dV stay in registers for the whole walk; the next query block's Q is loaded while the
+//   current one is computed (two Q buffers), and its dO once the current dO has been read.
+// flash_bwd_dq_sm80 (deterministic mode): dQ from a CTA per query block walking the key blocks in
+//   order, instead of the atomics.
+// flash_bwd_postprocess_sm80: dQ = softmax_scale * dq_accum in the inputs' dtype and layout.
+// No score matrix ever reaches global memory.
 #pragma once
 
 #include <cmath>
@@ -18,28 +26,35 @@
 
 namespace flash_cutlass::sm80 {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsN_, class Element_>
+// A TiledMMA of kWarpsM x (kWarps / kWarpsM) warps, each warp 16 x 16 per step.
+template <class MmaOp, int kWarps, int kWarpsM>
+using WarpGridMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>,
+                                   cute::Layout<cute::Shape<cute::Int<kWarpsM>, cute::Int<kWarps / kWarpsM>, cute::_1>>,
+                                   cute::Tile<cute::Int<16 * kWarpsM>, cute::Int<16 * (kWarps / kWarpsM)>, cute::_16>>;
+
+// kBlockM query rows per step of the walk, kBlockN keys per CTA, 8 warps. Each GEMM has its own
+// warp grid: kWarpsMSdP warps along the query rows of S and dP, kWarpsNdKV along the keys of dK
+// and dV, kWarpsMdQ along the query rows of dQ (the other warps split the second dimension).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ, class Element_>
 struct BwdKernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;  // query rows per step of the walk
-  static constexpr int kBlockN = kBlockN_;  // keys of this CTA
-  // Every GEMM splits its M (query rows or keys) across 4 warps of 16 rows, and its N across
-  // kWarpsN warps: 2 at head dims above 128 keep the dK and dV accumulators in registers.
-  static constexpr int kWarpsM = 4;
-  static constexpr int kWarpsN = kWarpsN_;
-  static constexpr int kThreads = kWarpsM * kWarpsN * 32;
-  static_assert(kBlockM == 16 * kWarpsM && kBlockN == 16 * kWarpsM);
-  static_assert(kBlockN % (16 * kWarpsN) == 0 && kHeadDim % (16 * kWarpsN) == 0);
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * (kWarps / kWarpsMSdP)) == 0);
+  static_assert(kBlockN % (16 * kWarpsNdKV) == 0 && kHeadDim % (16 * (kWarps / kWarpsNdKV)) == 0);
+  static_assert(kBlockM % (16 * kWarpsMdQ) == 0 && kHeadDim % (16 * (kWarps / kWarpsMdQ)) == 0);
 
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                    cute::SM80_16x8x16_F32F16F16F32_TN,
                                    cute::SM80_16x8x16_F32BF16BF16F32_TN>;
-  using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>,
-                                  cute::Layout<cute::Shape<cute::Int<kWarpsM>, cute::Int<kWarpsN>, cute::_1>>,
-                                  cute::Tile<cute::Int<16 * kWarpsM>, cute::Int<16 * kWarpsN>, cute::_16>>;
+  using TiledMmaSdP = WarpGridMma<MmaOp, kWarps, kWarpsMSdP>;  // M = query rows, N = keys
+  using TiledMmadKV = WarpGridMma<MmaOp, kWarps, kWarpsNdKV>;  // M = keys, N = head dim
+  using TiledMmadQ = WarpGridMma<MmaOp, kWarps, kWarpsMdQ>;    // M = query rows, N = head dim
 
-  using SmemLayoutQ = PaddedRowMajor<kBlockM, kHeadDim>;    // Q and dO
+  using SmemLayoutQ = PaddedRowMajor<kBlockM, kHeadDim>;    // Q (two buffers) and dO
   using SmemLayoutKV = PaddedRowMajor<kBlockN, kHeadDim>;   // K and V
   using SmemLayoutP = PaddedRowMajor<kBlockM, kBlockN>;     // P and dS
   using SmemLayoutQt = decltype(cute::select<1, 0>(SmemLayoutQ{}));
@@ -62,17 +77,37 @@ struct BwdKernelTraits {
   static constexpr int kSmemElemsQ = cute::cosize_v<SmemLayoutQ>;
   static constexpr int kSmemElemsKV = cute::cosize_v<SmemLayoutKV>;
   static constexpr int kSmemElemsP = cute::cosize_v<SmemLayoutP>;
-  static constexpr int kSmemBytes = (2 * kSmemElemsQ + 2 * kSmemElemsKV + 2 * kSmemElemsP) * int(sizeof(Element));
+  // Main kernel: two Q buffers, dO, K, V, P, dS.
+  static constexpr int kSmemBytes = (3 * kSmemElemsQ + 2 * kSmemElemsKV + 2 * kSmemElemsP) * int(sizeof(Element));
+  // Deterministic dQ kernel: Q, dO, K, V, dS.
+  static constexpr int kSmemBytesDq = (2 * kSmemElemsQ + 2 * kSmemElemsKV + kSmemElemsP) * int(sizeof(Element));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
 };
 
+// Per head dim: (kBlockM, kBlockN, kWarpsMSdP, kWarpsNdKV, kWarpsMdQ). The dK and dV accumulators
+// (2 * kBlockN * kHeadDim / 256 registers per thread) and S and dP (2 * kBlockM * kBlockN / 256)
+// must fit next to each other in 255 registers; up to head dim 192 the tiles also fit the
+// shared memory of an A100 (163 KiB).
 template <int kHeadDim, class Element>
-using BwdTraitsFor = BwdKernelTraits<kHeadDim, 64, 64, (kHeadDim > 128 ? 2 : 1), Element>;
+struct BwdTraitsSelect;
+template <class Element>
+struct BwdTraitsSelect<32, Element> { using type = BwdKernelTraits<32, 128, 128, 4, 4, 4, Element>; };
+template <class Element>
+struct BwdTraitsSelect<64, Element> { using type = BwdKernelTraits<64, 128, 128, 4, 4, 4, Element>; };
+template <class Element>
+struct BwdTraitsSelect<96, Element> { using type = BwdKernelTraits<96, 64, 128, 2, 4, 4, Element>; };
+template <class Element>
+struct BwdTraitsSelect<128, Element> { using type = BwdKernelTraits<128, 64, 128, 2, 4, 2, Element>; };
+template <class Element>
+struct BwdTraitsSelect<192, Element> { using type = BwdKernelTraits<192, 64, 64, 4, 2, 2, Element>; };
+template <class Element>
+struct BwdTraitsSelect<256, Element> { using type = BwdKernelTraits<256, 64, 64, 4, 2, 2, Element>; };
+template <int kHeadDim, class Element>
+using BwdTraitsFor = typename BwdTraitsSelect<kHeadDim, Element>::type;
 
-// acc (M x N, fp32, TiledMma's C layout) -> shared memory tile of Element, for a transposed reread.
-template <class Traits, class Acc, class Smem>
-__device__ __forceinline__ void store_acc_to_smem(typename Traits::TiledMma const& tiled_mma, Acc const& acc,
-                                                  Smem& smem, int tidx) {
+// acc (fp32, in tiled_mma's C layout) -> a shared memory tile of Element, for a transposed reread.
+template <class Traits, class TiledMma, class Acc, class Smem>
+__device__ __forceinline__ void store_acc_to_smem(TiledMma const& tiled_mma, Acc const& acc, Smem& smem, int tidx) {
   using namespace cute;
   auto smem_tiled_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomP{}, tiled_mma);
   auto smem_thr_copy = smem_tiled_copy.get_thread_slice(tidx);
@@ -99,6 +134,57 @@ __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, C
     for (int c = 0; c < size<1>(s); ++c) {
       s(r, c) = exp2f(s(r, c) * scale_log2 - lse_log2);
       dp(r, c) = s(r, c) * (dp(r, c) - dsum);
+    }
+  }
+}
+
+// Whether a (query block, key block) tile holds any masked score: keys past seqlen_k, or, with
+// kCausal, keys right of the diagonal of some row.
+template <bool kCausal>
+__device__ __forceinline__ bool tile_needs_mask(KeyMask<kCausal> const& mask, int row_start, int key_start,
+                                                int block_n) {
+  const bool key_tail = key_start + block_n > mask.seqlen_k;
+  return key_tail || (kCausal && key_start + block_n > mask.key_limit(row_start));
+}
+
+// Adds each pair of neighbouring fp32 columns of acc (tiled MMA C layout: values 2i and 2i+1 of a
+// thread are adjacent columns of one row) into dst[row * row_stride + col] with atomics; rows at
+// or past rows_left are skipped.
+template <class Acc, class Coords>
+__device__ __forceinline__ void atomic_add_rows(float* dst, int64_t row_stride, Acc const& acc, Coords const& coords,
+                                                int rows_left) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int row = get<0>(coords(i));
+    if (row < rows_left) {
+      float* p = dst + int64_t(row) * row_stride + get<1>(coords(i));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      atomicAdd(reinterpret_cast<float2*>(p), make_float2(acc(i), acc(i + 1)));
+#else
+      atomicAdd(p, acc(i));
+      atomicAdd(p + 1, acc(i + 1));
+#endif
+    }
+  }
+}
+
+// Stores acc * scale (pairs of neighbouring columns, as above) as To into
+// dst[row * row_stride + col] for rows below rows_left and columns below cols.
+template <class To, class Acc, class Coords>
+__device__ __forceinline__ void store_rows(To* dst, int64_t row_stride, Acc const& acc, float scale,
+                                           Coords const& coords, int rows_left, int cols) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int row = get<0>(coords(i));
+    const int col = get<1>(coords(i));
+    if (row < rows_left && col < cols) {
+      cutlass::Array<float, 2> pair;
+      pair[0] = acc(i) * scale;
+      pair[1] = acc(i + 1) * scale;
+      *reinterpret_cast<cutlass::Array<To, 2>*>(dst + int64_t(row) * row_stride + col) =
+          cutlass::NumericArrayConverter<To, float, 2>{}(pair);
     }
   }
 }
@@ -136,32 +222,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + batch_offset + head_offset),
                        make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
   };
-  Tensor mQ = gmem_matrix(params.q, batch * params.q_batch_stride, head * params.q_head_stride, params.seqlen_q,
-                          params.q_row_stride);
-  Tensor mdO = gmem_matrix(params.dout, batch * params.dout_batch_stride, head * params.dout_head_stride,
-                           params.seqlen_q, params.dout_row_stride);
-  Tensor mK = gmem_matrix(params.k, batch * params.k_batch_stride, head_k * params.k_head_stride, params.seqlen_k,
-                          params.k_row_stride);
-  Tensor mV = gmem_matrix(params.v, batch * params.v_batch_stride, head_k * params.v_head_stride, params.seqlen_k,
-                          params.v_row_stride);
-  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
-  Tensor gdO = local_tile(mdO, TileQ{}, make_coord(_, 0));
-  Tensor gK = local_tile(mK, TileKV{}, make_coord(n_block, 0));
-  Tensor gV = local_tile(mV, TileKV{}, make_coord(n_block, 0));
+  Tensor gQ = local_tile(gmem_matrix(params.q, batch * params.q_batch_stride, head * params.q_head_stride,
+                                     params.seqlen_q, params.q_row_stride),
+                         TileQ{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
+  Tensor gdO = local_tile(gmem_matrix(params.dout, batch * params.dout_batch_stride, head * params.dout_head_stride,
+                                      params.seqlen_q, params.dout_row_stride),
+                          TileQ{}, make_coord(_, 0));
+  Tensor gK = local_tile(gmem_matrix(params.k, batch * params.k_batch_stride, head_k * params.k_head_stride,
+                                     params.seqlen_k, params.k_row_stride),
+                         TileKV{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(gmem_matrix(params.v, batch * params.v_batch_stride, head_k * params.v_head_stride,
+                                     params.seqlen_k, params.v_row_stride),
+                         TileKV{}, make_coord(n_block, 0));
   const int64_t row_offset = (int64_t(batch) * params.heads + head) * params.seqlen_q;
   const float* lse_row = params.lse + row_offset;
   const float* dsum_row = params.dsoftmax_sum + row_offset;
   float* dq_accum = params.dq_accum + row_offset * kHeadDim;
 
   extern __shared__ __align__(128) char smem[];
-  Element* smem_q = reinterpret_cast<Element*>(smem);
-  Element* smem_do = smem_q + Traits::kSmemElemsQ;
+  Element* smem_q = reinterpret_cast<Element*>(smem);  // two buffers
+  Element* smem_do = smem_q + 2 * Traits::kSmemElemsQ;
   Element* smem_k = smem_do + Traits::kSmemElemsQ;
   Element* smem_v = smem_k + Traits::kSmemElemsKV;
   Element* smem_p = smem_v + Traits::kSmemElemsKV;
   Element* smem_ds = smem_p + Traits::kSmemElemsP;
-  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
-  Tensor sQt = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQt{});
   Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQ{});
   Tensor sdOt = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQt{});
   Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
@@ -171,11 +255,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   Tensor sPt = make_tensor(make_smem_ptr(smem_p), typename Traits::SmemLayoutPt{});
   Tensor sdS = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutP{});
   Tensor sdSt = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutPt{});
+  auto sQ_buffer = [&](int buffer) {
+    return make_tensor(make_smem_ptr(smem_q + buffer * Traits::kSmemElemsQ), typename Traits::SmemLayoutQ{});
+  };
+  auto sQt_buffer = [&](int buffer) {
+    return make_tensor(make_smem_ptr(smem_q + buffer * Traits::kSmemElemsQ), typename Traits::SmemLayoutQt{});
+  };
 
   typename Traits::GmemTiledCopy gmem_tiled_copy;
   auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
   Tensor tQgQ = gmem_thr_copy.partition_S(gQ);
-  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
   Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);
   Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);
   Tensor tKgK = gmem_thr_copy.partition_S(gK);
@@ -184,116 +273,143 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
   Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tdOsdO)));
   CUTE_UNROLL
   for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < params.head_dim;
+  auto load_q = [&](int m_block, int buffer) {
+    copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), gmem_thr_copy.partition_D(sQ_buffer(buffer)),
+                          tQcQ, col_ok, params.seqlen_q - m_block * kBlockM);
+  };
+  auto load_do = [&](int m_block) {
+    copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO, tQcQ, col_ok,
+                          params.seqlen_q - m_block * kBlockM);
+  };
 
-  typename Traits::TiledMma tiled_mma;
-  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_mma_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_mma_dkv = mma_dkv.get_thread_slice(tidx);
+  auto thr_mma_dq = mma_dq.get_thread_slice(tidx);
   // S = Q K^T and dP = dO V^T: M = query rows.
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(sK);
-  Tensor tdPrdO = thr_mma.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_mma.partition_fragment_B(sV);
+  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ_buffer(0));
+  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
   // dV = P^T dO and dK = dS^T Q: M = keys.
-  Tensor tdVrPt = thr_mma.partition_fragment_A(sPt);
-  Tensor tdVrdOt = thr_mma.partition_fragment_B(sdOt);
-  Tensor tdKrdSt = thr_mma.partition_fragment_A(sdSt);
-  Tensor tdKrQt = thr_mma.partition_fragment_B(sQt);
+  Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPt);
+  Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);
+  Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQt_buffer(0));
   // dQ = dS K: M = query rows, N = head dim.
-  Tensor tdQrdS = thr_mma.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_mma.partition_fragment_B(sKt);
+  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);
 
-  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto copy_a_t = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
-  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto copy_b_t = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
-  auto thr_copy_a = copy_a.get_thread_slice(tidx);
-  auto thr_copy_a_t = copy_a_t.get_thread_slice(tidx);
-  auto thr_copy_b = copy_b.get_thread_slice(tidx);
-  auto thr_copy_b_t = copy_b_t.get_thread_slice(tidx);
-  Tensor tSsQ = thr_copy_a.partition_S(sQ);
-  Tensor tSsK = thr_copy_b.partition_S(sK);
-  Tensor tdPsdO = thr_copy_a.partition_S(sdO);
-  Tensor tdPsV = thr_copy_b.partition_S(sV);
-  Tensor tdVsPt = thr_copy_a_t.partition_S(sPt);
-  Tensor tdVsdOt = thr_copy_b_t.partition_S(sdOt);
-  Tensor tdKsdSt = thr_copy_a_t.partition_S(sdSt);
-  Tensor tdKsQt = thr_copy_b_t.partition_S(sQt);
-  Tensor tdQsdS = thr_copy_a.partition_S(sdS);
-  Tensor tdQsKt = thr_copy_b_t.partition_S(sKt);
+  auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+  auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
+  auto thr_copy_a_sdp = copy_a_sdp.get_thread_slice(tidx);
+  auto thr_copy_b_sdp = copy_b_sdp.get_thread_slice(tidx);
+  auto thr_copy_a_dkv = copy_a_dkv.get_thread_slice(tidx);
+  auto thr_copy_b_dkv = copy_b_dkv.get_thread_slice(tidx);
+  auto thr_copy_a_dq = copy_a_dq.get_thread_slice(tidx);
+  auto thr_copy_b_dq = copy_b_dq.get_thread_slice(tidx);
+  Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
+  Tensor tdPsdO = thr_copy_a_sdp.partition_S(sdO);
+  Tensor tdPsV = thr_copy_b_sdp.partition_S(sV);
+  Tensor tdVsPt = thr_copy_a_dkv.partition_S(sPt);
+  Tensor tdVsdOt = thr_copy_b_dkv.partition_S(sdOt);
+  Tensor tdKsdSt = thr_copy_a_dkv.partition_S(sdSt);
+  Tensor tdQsdS = thr_copy_a_dq.partition_S(sdS);
+  Tensor tdQsKt = thr_copy_b_dq.partition_S(sKt);
 
-  Tensor acc_dk = partition_fragment_C(tiled_mma, TileKV{});
-  Tensor acc_dv = partition_fragment_C(tiled_mma, TileKV{});
+  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
   clear(acc_dk);
   clear(acc_dv);
-  Tensor tScS = as_rows_cols(thr_mma.partition_C(make_identity_tensor(TileS{})));
-  Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(TileQ{}));
+  Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(TileS{})));
+  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(TileQ{}));
   const float scale_log2 = params.softmax_scale_log2;
 
-  // K and V once, rows past seqlen_k zero-filled (0 * NaN must not reach dQ).
+  // K and V once, rows past seqlen_k zero-filled (0 * NaN must not reach dQ), with the first Q
+  // and dO.
   copy_tile_async<true>(gmem_tiled_copy, tKgK, tKsK, tKVcKV, col_ok, rows_left_k);
   copy_tile_async<true>(gmem_tiled_copy, tVgV, tVsV, tKVcKV, col_ok, rows_left_k);
+  if (m_block_begin < m_block_end) {
+    load_q(m_block_begin, 0);
+    load_do(m_block_begin);
+  }
   cp_async_fence();
 
   for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
+    const int buffer = (m_block - m_block_begin) & 1;
     const int row_start = m_block * kBlockM;
-    const int rows_left_q = params.seqlen_q - row_start;
-    // Q and dO of this block; the previous step's reads of them and of P/dS are done.
-    __syncthreads();
-    copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ, tQcQ, col_ok, rows_left_q);
-    copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO, tQcQ, col_ok, rows_left_q);
-    cp_async_fence();
+    // This block's Q and dO have landed, and every warp is done with the previous step's P, dS
+    // and Q buffer: the next Q goes into that buffer while this step computes.
     cp_async_wait<0>();
     __syncthreads();
+    if (m_block + 1 < m_block_end) {
+      load_q(m_block + 1, buffer ^ 1);
+      cp_async_fence();
+    }
+    Tensor sQ = sQ_buffer(buffer);
+    Tensor sQt = sQt_buffer(buffer);
 
-    // P = exp(scale * S - lse), from the forward's log-sum-exp. Rows past seqlen_q and rows that
-    // see no key (lse = -inf) get P = 0 through lse = +inf.
-    Tensor acc_s = partition_fragment_C(tiled_mma, TileS{});
+    // P = exp(scale * S - lse), from the forward's log-sum-exp.
+    Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_s);
-    gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a, thr_copy_a, copy_b, thr_copy_b);
+    gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, thr_copy_a_sdp.partition_S(sQ), tSsK, copy_a_sdp, thr_copy_a_sdp,
+                   copy_b_sdp, thr_copy_b_sdp);
     Tensor s = as_rows_cols(acc_s);
-    mask.apply(s, tScS, row_start, key_start);
-    Tensor acc_dp = partition_fragment_C(tiled_mma, TileS{});
+    if (tile_needs_mask(mask, row_start, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
+    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
-    gemm_smem_smem(tiled_mma, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a, thr_copy_a, copy_b, thr_copy_b);
+    gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
+                   thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
     probabilities_and_ds(s, dp, tScS, row_start, params.seqlen_q, scale_log2, lse_row, dsum_row);
-    store_acc_to_smem<Traits>(tiled_mma, acc_s, sP, tidx);
-    store_acc_to_smem<Traits>(tiled_mma, acc_dp, sdS, tidx);
+    store_acc_to_smem<Traits>(mma_sdp, acc_s, sP, tidx);
+    store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
 
-    gemm_smem_smem(tiled_mma, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_a_t, thr_copy_a_t, copy_b_t,
-                   thr_copy_b_t);
-    gemm_smem_smem(tiled_mma, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_a_t, thr_copy_a_t, copy_b_t,
-                   thr_copy_b_t);
+    gemm_smem_smem(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_a_dkv, thr_copy_a_dkv, copy_b_dkv,
+                   thr_copy_b_dkv);
+    // Every warp is done with this dO: load the next one.
+    __syncthreads();
+    if (m_block + 1 < m_block_end) {
+      load_do(m_block + 1);
+      cp_async_fence();
+    }
+    gemm_smem_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, thr_copy_b_dkv.partition_S(sQt), copy_a_dkv,
+                   thr_copy_a_dkv, copy_b_dkv, thr_copy_b_dkv);
     if constexpr (kAccumulateDq) {
-      Tensor acc_dq = partition_fragment_C(tiled_mma, TileQ{});
+      Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
       clear(acc_dq);
-      gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, thr_copy_a, copy_b_t, thr_copy_b_t);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) {
-        const int row = get<0>(tdQcdQ(i));
-        if (row < rows_left_q) {
-          atomicAdd(dq_accum + int64_t(row_start + row) * kHeadDim + get<1>(tdQcdQ(i)), acc_dq(i));
-        }
-      }
+      gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,
+                     thr_copy_b_dq);
+      atomic_add_rows(dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
+                      params.seqlen_q - row_start);
     }
   }
 
-  // dK and dV of this key block for this query head, fp32, unscaled (the caller multiplies dK and
-  // dQ by the softmax scale and sums over the heads of a GQA group).
-  Tensor tKVc = thr_mma.partition_C(make_identity_tensor(TileKV{}));
-  const int64_t kv_row_stride = int64_t(params.heads) * kHeadDim;
-  float* dk = params.dk_accum + (int64_t(batch) * params.seqlen_k + key_start) * kv_row_stride + int64_t(head) * kHeadDim;
-  float* dv = params.dv_accum + (int64_t(batch) * params.seqlen_k + key_start) * kv_row_stride + int64_t(head) * kHeadDim;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); ++i) {
-    const int row = get<0>(tKVc(i));
-    if (row < rows_left_k) {
-      dk[int64_t(row) * kv_row_stride + get<1>(tKVc(i))] = acc_dk(i);
-      dv[int64_t(row) * kv_row_stride + get<1>(tKVc(i))] = acc_dv(i);
-    }
+  // dK (times the softmax scale) and dV of this key block: straight into dk and dv in the inputs'
+  // dtype, or, with GQA, per query head in fp32 for the caller to sum over each group.
+  Tensor tKVc = thr_mma_dkv.partition_C(make_identity_tensor(TileKV{}));
+  if (params.dk != nullptr) {
+    const int64_t offset = int64_t(batch) * params.dkv_batch_stride + int64_t(key_start) * params.dkv_row_stride +
+                           int64_t(head) * params.dkv_head_stride;
+    store_rows(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale, tKVc,
+               rows_left_k, params.head_dim);
+    store_rows(static_cast<Element*>(params.dv) + offset, params.dkv_row_stride, acc_dv, 1.f, tKVc, rows_left_k,
+               params.head_dim);
+  } else {
+    const int64_t row_stride = int64_t(params.heads) * kHeadDim;
+    const int64_t offset = (int64_t(batch) * params.seqlen_k + key_start) * row_stride + int64_t(head) * kHeadDim;
+    store_rows(params.dk_accum + offset, row_stride, acc_dk, 1.f, tKVc, rows_left_k, kHeadDim);
+    store_rows(params.dv_accum + offset, row_stride, acc_dv, 1.f, tKVc, rows_left_k, kHeadDim);
   }
 }
 
@@ -370,28 +486,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   CUTE_UNROLL
   for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < params.head_dim;
 
-  typename Traits::TiledMma tiled_mma;
-  auto thr_mma = tiled_mma.get_thread_slice(tidx);
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(sK);
-  Tensor tdPrdO = thr_mma.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_mma.partition_fragment_B(sV);
-  Tensor tdQrdS = thr_mma.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_mma.partition_fragment_B(sKt);
-  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto copy_b_t = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
-  auto thr_copy_a = copy_a.get_thread_slice(tidx);
-  auto thr_copy_b = copy_b.get_thread_slice(tidx);
-  auto thr_copy_b_t = copy_b_t.get_thread_slice(tidx);
-  Tensor tSsQ = thr_copy_a.partition_S(sQ);
-  Tensor tSsK = thr_copy_b.partition_S(sK);
-  Tensor tdPsdO = thr_copy_a.partition_S(sdO);
-  Tensor tdPsV = thr_copy_b.partition_S(sV);
-  Tensor tdQsdS = thr_copy_a.partition_S(sdS);
-  Tensor tdQsKt = thr_copy_b_t.partition_S(sKt);
-  Tensor tScS = as_rows_cols(thr_mma.partition_C(make_identity_tensor(TileS{})));
-  Tensor acc_dq = partition_fragment_C(tiled_mma, TileQ{});
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_mma_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_mma_dq = mma_dq.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
+  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);
+  auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+  auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
+  auto thr_copy_a_sdp = copy_a_sdp.get_thread_slice(tidx);
+  auto thr_copy_b_sdp = copy_b_sdp.get_thread_slice(tidx);
+  auto thr_copy_a_dq = copy_a_dq.get_thread_slice(tidx);
+  auto thr_copy_b_dq = copy_b_dq.get_thread_slice(tidx);
+  Tensor tSsQ = thr_copy_a_sdp.partition_S(sQ);
+  Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
+  Tensor tdPsdO = thr_copy_a_sdp.partition_S(sdO);
+  Tensor tdPsV = thr_copy_b_sdp.partition_S(sV);
+  Tensor tdQsdS = thr_copy_a_dq.partition_S(sdS);
+  Tensor tdQsKt = thr_copy_b_dq.partition_S(sKt);
+  Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(TileS{})));
+  Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
   clear(acc_dq);
 
   copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
@@ -400,36 +520,108 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   for (int n_block = 0; n_block < key_blocks.end; ++n_block) {
     // K and V of this block; the previous step's reads of them and of dS are done.
     __syncthreads();
-    const int rows_left_k = params.seqlen_k - n_block * kBlockN;
+    const int key_start = n_block * kBlockN;
+    const int rows_left_k = params.seqlen_k - key_start;
     copy_tile_async<true>(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, col_ok, rows_left_k);
     copy_tile_async<true>(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, col_ok, rows_left_k);
     cp_async_fence();
     cp_async_wait<0>();
     __syncthreads();
 
-    Tensor acc_s = partition_fragment_C(tiled_mma, TileS{});
+    Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_s);
-    gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a, thr_copy_a, copy_b, thr_copy_b);
+    gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp, thr_copy_b_sdp);
     Tensor s = as_rows_cols(acc_s);
-    mask.apply(s, tScS, row_start, n_block * kBlockN);
-    Tensor acc_dp = partition_fragment_C(tiled_mma, TileS{});
+    if (tile_needs_mask(mask, row_start, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
+    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
-    gemm_smem_smem(tiled_mma, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a, thr_copy_a, copy_b, thr_copy_b);
+    gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
+                   thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
     probabilities_and_ds(s, dp, tScS, row_start, params.seqlen_q, params.softmax_scale_log2,
                          params.lse + row_offset, params.dsoftmax_sum + row_offset);
-    store_acc_to_smem<Traits>(tiled_mma, acc_dp, sdS, tidx);
+    store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
-    gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, thr_copy_a, copy_b_t, thr_copy_b_t);
+    gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,
+                   thr_copy_b_dq);
   }
 
-  Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(TileQ{}));
-  float* dq_accum = params.dq_accum + (row_offset + row_start) * kHeadDim;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); ++i) {
-    const int row = get<0>(tdQcdQ(i));
-    if (row < rows_left_q) dq_accum[int64_t(row) * kHeadDim + get<1>(tdQcdQ(i))] = acc_dq(i);
+  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(TileQ{}));
+  store_rows(params.dq_accum + (row_offset + row_start) * kHeadDim, kHeadDim, acc_dq, 1.f, tdQcdQ, rows_left_q,
+             kHeadDim);
+}
+
+// The threads that share one row of kHeadDim elements, 8 per thread: a power of two (so that a
+// row never straddles a warp or a CTA and the shuffle reduction is a butterfly); the threads
+// past kHeadDim / 8 idle.
+constexpr int threads_per_row(int head_dim) {
+  int threads = 1;
+  while (threads * 8 < head_dim) threads *= 2;
+  return threads;
+}
+template <int kHeadDim>
+constexpr int kThreadsPerRow = threads_per_row(kHeadDim);
+constexpr int kPrePostThreads = 128;
+static_assert(kThreadsPerRow<256> <= 32 && kPrePostThreads % 32 == 0);
+
+// One row (batch, query, head) per kThreadsPerRow threads, rows in memory order of dout:
+// dsoftmax_sum[batch, head, query] = sum(dout * out) over the head dim, in fp32, and the row of
+// dq_accum zeroed.
+template <int kHeadDim, class Element>
+__global__ void __launch_bounds__(kPrePostThreads) flash_bwd_preprocess_sm80(__grid_constant__ const BwdParams params) {
+  constexpr int kGroup = kThreadsPerRow<kHeadDim>;
+  const int64_t row = (int64_t(blockIdx.x) * kPrePostThreads + threadIdx.x) / kGroup;
+  const int lane = threadIdx.x % kGroup;
+  const int64_t rows = int64_t(params.batch) * params.seqlen_q * params.heads;
+  const int head = int(row % params.heads);
+  const int query = int((row / params.heads) % params.seqlen_q);
+  const int batch = int(row / (int64_t(params.heads) * params.seqlen_q));
+  const int col = lane * 8;
+  float sum = 0.f;
+  if (row < rows && col < params.head_dim) {
+    const Element* dout = static_cast<const Element*>(params.dout) + batch * params.dout_batch_stride +
+                          query * params.dout_row_stride + head * params.dout_head_stride + col;
+    const Element* out = static_cast<const Element*>(params.out) + batch * params.out_batch_stride +
+                         query * params.out_row_stride + head * params.out_head_stride + col;
+    const cutlass::Array<Element, 8> dout8 = *reinterpret_cast<const cutlass::Array<Element, 8>*>(dout);
+    const cutlass::Array<Element, 8> out8 = *reinterpret_cast<const cutlass::Array<Element, 8>*>(out);
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) sum += float(dout8[i]) * float(out8[i]);
   }
+  CUTE_UNROLL
+  for (int offset = kGroup / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (row < rows && col < kHeadDim) {
+    const int64_t out_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
+    if (lane == 0) params.dsoftmax_sum[out_row] = sum;
+    float4* dq_accum = reinterpret_cast<float4*>(params.dq_accum + out_row * kHeadDim + col);
+    dq_accum[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    dq_accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// dq[batch, query, head, :head_dim] = softmax_scale * dq_accum[batch, head, query, :head_dim] in
+// Element, one row per kThreadsPerRow threads as above.
+template <int kHeadDim, class Element>
+__global__ void __launch_bounds__(kPrePostThreads) flash_bwd_postprocess_sm80(__grid_constant__ const BwdParams params) {
+  constexpr int kGroup = kThreadsPerRow<kHeadDim>;
+  const int64_t row = (int64_t(blockIdx.x) * kPrePostThreads + threadIdx.x) / kGroup;
+  const int col = (threadIdx.x % kGroup) * 8;
+  const int64_t rows = int64_t(params.batch) * params.seqlen_q * params.heads;
+  if (row >= rows || col >= params.head_dim) return;
+  const int head = int(row % params.heads);
+  const int query = int((row / params.heads) % params.seqlen_q);
+  const int batch = int(row / (int64_t(params.heads) * params.seqlen_q));
+  const int64_t accum_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
+  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + accum_row * kHeadDim + col);
+  const float4 lo = src[0], hi = src[1];
+  cutlass::Array<float, 8> values;
+  values[0] = lo.x, values[1] = lo.y, values[2] = lo.z, values[3] = lo.w;
+  values[4] = hi.x, values[5] = hi.y, values[6] = hi.z, values[7] = hi.w;
+  CUTE_UNROLL
+  for (int i = 0; i < 8; ++i) values[i] *= params.softmax_scale;
+  Element* dq = static_cast<Element*>(params.dq) + batch * params.dq_batch_stride + query * params.dq_row_stride +
+                head * params.dq_head_stride + col;
+  *reinterpret_cast<cutlass::Array<Element, 8>*>(dq) = cutlass::NumericArrayConverter<Element, float, 8>{}(values);
 }
 
 }  // namespace flash_cutlass::sm80

@@ -5,8 +5,9 @@
 //   and walks the query blocks that see them, recomputing P from Q, K and the forward's
 //   log-sum-exp:
 //     dV += P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dK += dS^T Q,  dQ += dS K (fp32 atomics).
-//   dK and dV stay in registers for the whole walk; the next query block's Q is loaded while the
-//   current one is computed (two Q buffers), and its dO once the current dO has been read.
+//   dK and dV stay in registers for the whole walk; the next query block's Q, LSE and D are
+//   loaded while the current one is computed (two buffers), and its dO once the current dO has
+//   been read.
 // flash_bwd_dq_sm80 (deterministic mode): dQ from a CTA per query block walking the key blocks in
 //   order, instead of the atomics.
 // flash_bwd_postprocess_sm80: dQ = softmax_scale * dq_accum in the inputs' dtype and layout.
@@ -77,8 +78,9 @@ struct BwdKernelTraits {
   static constexpr int kSmemElemsQ = cute::cosize_v<SmemLayoutQ>;
   static constexpr int kSmemElemsKV = cute::cosize_v<SmemLayoutKV>;
   static constexpr int kSmemElemsP = cute::cosize_v<SmemLayoutP>;
-  // Main kernel: two Q buffers, dO, K, V, P, dS.
-  static constexpr int kSmemBytes = (3 * kSmemElemsQ + 2 * kSmemElemsKV + 2 * kSmemElemsP) * int(sizeof(Element));
+  // Main kernel: two Q buffers, dO, K, V, P, dS, and two buffers of the query rows' LSE and D.
+  static constexpr int kSmemBytes = (3 * kSmemElemsQ + 2 * kSmemElemsKV + 2 * kSmemElemsP) * int(sizeof(Element)) +
+                                    2 * 2 * kBlockM * int(sizeof(float));
   // Deterministic dQ kernel: Q, dO, K, V, dS.
   static constexpr int kSmemBytesDq = (2 * kSmemElemsQ + 2 * kSmemElemsKV + kSmemElemsP) * int(sizeof(Element));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
@@ -115,25 +117,48 @@ __device__ __forceinline__ void store_acc_to_smem(TiledMma const& tiled_mma, Acc
   copy(smem_tiled_copy, smem_thr_copy.retile_S(converted), smem_thr_copy.partition_D(smem));
 }
 
-// In place: S -> P = exp(scale * S - lse) and dP -> dS = P * (dP - D) (without the softmax scale),
-// for one (query block, key block) tile as (rows, cols), rows starting at row_start. Rows past
-// seqlen_q and rows that see no key (lse = -inf) get P = 0 through lse = +inf.
-template <class TensorS, class TensorDP, class Coords>
-__device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Coords const& coords, int row_start,
-                                                     int seqlen_q, float scale_log2, const float* lse_row,
-                                                     const float* dsum_row) {
+// Copies 4 bytes from global to shared memory with cp.async; with src_bytes 0, writes zero.
+__device__ __forceinline__ void cp_async_4(float* smem, const float* gmem, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(cute::cast_smem_ptr_to_uint(smem)),
+               "l"(gmem), "r"(src_bytes));
+}
+
+// Per row of a (query block, key block) tile as (rows, cols), rows starting at row_start: the
+// forward's log-sum-exp in log2 units and D, read from lse[row - row_start] and
+// dsum[row - row_start]. Rows past seqlen_q and rows that see no key (lse = -inf) get lse = +inf,
+// so their P is 0.
+template <int kRows>
+struct RowStats {
+  float lse_log2[kRows];
+  float dsum[kRows];
+};
+template <class Coords>
+__device__ __forceinline__ auto load_row_stats(Coords const& coords, int row_start, int seqlen_q, const float* lse,
+                                               const float* dsum) {
+  using namespace cute;
+  constexpr int kRows = decltype(size<0>(coords))::value;
+  RowStats<kRows> stats;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int local_row = get<0>(coords(r, 0));
+    const bool in_range = row_start + local_row < seqlen_q;
+    const float row_lse = in_range ? lse[local_row] : INFINITY;
+    stats.lse_log2[r] = (row_lse == -INFINITY ? INFINITY : row_lse) * float(M_LOG2E);
+    stats.dsum[r] = in_range ? dsum[local_row] : 0.f;
+  }
+  return stats;
+}
+
+// In place: S -> P = exp(scale * S - lse) and dP -> dS = P * (dP - D) (without the softmax scale).
+template <class TensorS, class TensorDP, class Stats>
+__device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Stats const& stats, float scale_log2) {
   using namespace cute;
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s); ++r) {
-    const int row = row_start + get<0>(coords(r, 0));
-    float lse = row < seqlen_q ? lse_row[row] : INFINITY;
-    lse = lse == -INFINITY ? INFINITY : lse;
-    const float lse_log2 = lse * float(M_LOG2E);
-    const float dsum = row < seqlen_q ? dsum_row[row] : 0.f;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
-      s(r, c) = exp2f(s(r, c) * scale_log2 - lse_log2);
-      dp(r, c) = s(r, c) * (dp(r, c) - dsum);
+      s(r, c) = exp2f(s(r, c) * scale_log2 - stats.lse_log2[r]);
+      dp(r, c) = s(r, c) * (dp(r, c) - stats.dsum[r]);
     }
   }
 }
@@ -246,6 +271,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   Element* smem_v = smem_k + Traits::kSmemElemsKV;
   Element* smem_p = smem_v + Traits::kSmemElemsKV;
   Element* smem_ds = smem_p + Traits::kSmemElemsP;
+  float* smem_stats = reinterpret_cast<float*>(smem_ds + Traits::kSmemElemsP);  // [buffer][lse, D][kBlockM]
   Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQ{});
   Tensor sdOt = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQt{});
   Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
@@ -279,6 +305,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   auto load_q = [&](int m_block, int buffer) {
     copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), gmem_thr_copy.partition_D(sQ_buffer(buffer)),
                           tQcQ, col_ok, params.seqlen_q - m_block * kBlockM);
+  };
+  // The LSE and D of a query block's rows, rows past seqlen_q zero-filled.
+  auto load_stats = [&](int m_block, int buffer) {
+    if (tidx < 2 * kBlockM) {
+      const int row = m_block * kBlockM + tidx % kBlockM;
+      const float* src = (tidx < kBlockM ? lse_row : dsum_row) + min(row, params.seqlen_q - 1);
+      cp_async_4(smem_stats + buffer * 2 * kBlockM + tidx, src, row < params.seqlen_q ? 4 : 0);
+    }
   };
   auto load_do = [&](int m_block) {
     copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO, tQcQ, col_ok,
@@ -340,6 +374,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   copy_tile_async<true>(gmem_tiled_copy, tVgV, tVsV, tKVcKV, col_ok, rows_left_k);
   if (m_block_begin < m_block_end) {
     load_q(m_block_begin, 0);
+    load_stats(m_block_begin, 0);
     load_do(m_block_begin);
   }
   cp_async_fence();
@@ -353,6 +388,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     __syncthreads();
     if (m_block + 1 < m_block_end) {
       load_q(m_block + 1, buffer ^ 1);
+      load_stats(m_block + 1, buffer ^ 1);
       cp_async_fence();
     }
     Tensor sQ = sQ_buffer(buffer);
@@ -370,7 +406,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
                    thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
-    probabilities_and_ds(s, dp, tScS, row_start, params.seqlen_q, scale_log2, lse_row, dsum_row);
+    const float* stats_buffer = smem_stats + buffer * 2 * kBlockM;
+    const auto stats = load_row_stats(tScS, row_start, params.seqlen_q, stats_buffer, stats_buffer + kBlockM);
+    probabilities_and_ds(s, dp, stats, scale_log2);
     store_acc_to_smem<Traits>(mma_sdp, acc_s, sP, tidx);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
@@ -513,6 +551,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(TileS{})));
   Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
   clear(acc_dq);
+  const auto stats = load_row_stats(tScS, row_start, params.seqlen_q, params.lse + row_offset + row_start,
+                                    params.dsoftmax_sum + row_offset + row_start);
 
   copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
   copy_tile_async<true>(gmem_tiled_copy, tdOgdO, tdOsdO, tQcQ, col_ok, rows_left_q);
@@ -538,8 +578,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
                    thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
-    probabilities_and_ds(s, dp, tScS, row_start, params.seqlen_q, params.softmax_scale_log2,
-                         params.lse + row_offset, params.dsoftmax_sum + row_offset);
+    probabilities_and_ds(s, dp, stats, params.softmax_scale_log2);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
     gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,

@@ -93,3 +93,96 @@ def test_deterministic_mode_is_bitwise_reproducible_and_correct(cuda_gen, head_d
     same_dtype = gradients(q, k, v, dout, scale, causal, None)
     for name, grad, ref, base in zip("qkv", first, oracle, same_dtype):
         fa2_check(grad, ref, base, f"deterministic d{name}")
+
+
+def check_gradients(grads, q, k, v, dout, scale, causal, label):
+    """fa2_check of (dq, dk, dv) against the fp32 oracle, and their shapes and dtypes."""
+    oracle = gradients(q, k, v, dout, scale, causal, torch.float32)
+    same_dtype = gradients(q, k, v, dout, scale, causal, None)
+    for name, grad, ref, base, t in zip("qkv", grads, oracle, same_dtype, (q, k, v)):
+        assert grad.shape == t.shape and grad.dtype == t.dtype, f"{label} d{name}"
+        fa2_check(grad, ref, base, f"{label} d{name}")
+
+
+def hopper_forward_unavailable() -> str:
+    if not flash_cutlass.compiled_sm90_head_dims():
+        return "the Hopper forward path was not built"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the Hopper forward path needs compute capability 9.0"
+    return ""
+
+
+@pytest.mark.parametrize("forward_kernel", ["sm80", "sm90"])
+def test_backward_of_either_forward_path(cuda_gen, forward_kernel):
+    if forward_kernel == "sm90":
+        if hopper_forward_unavailable():
+            pytest.skip(hopper_forward_unavailable())
+        head_dim = flash_cutlass.compiled_sm90_head_dims()[0]
+    else:
+        head_dim = COMPILED_HEAD_DIMS[0]
+    dtype = COMPILED_DTYPES[-1]
+    q, k, v, dout = (torch.randn(2, 333, 4, head_dim, generator=cuda_gen, device="cuda").to(dtype) for _ in range(4))
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, kernel=forward_kernel)
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True)
+    check_gradients(grads, q, k, v, dout, head_dim ** -0.5, True, f"after the {forward_kernel} forward")
+
+
+@pytest.mark.parametrize("head_dim", [20, 40, 80, 200])
+def test_backward_head_dims_between_compiled_sizes(cuda_gen, head_dim):
+    if head_dim > max(COMPILED_HEAD_DIMS):
+        pytest.skip(f"head_dim {head_dim} exceeds the compiled head dims {COMPILED_HEAD_DIMS}")
+    dtype = COMPILED_DTYPES[0]
+    q, dout = (torch.randn(2, 129, 4, head_dim, generator=cuda_gen, device="cuda").to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, 77, 2, head_dim, generator=cuda_gen, device="cuda").to(dtype) for _ in range(2))
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True)
+    assert all(g.is_contiguous() for g in grads)
+    check_gradients(grads, q, k, v, dout, head_dim ** -0.5, True, f"head_dim {head_dim}")
+
+
+def test_backward_of_strided_slices_equals_contiguous(cuda_gen):
+    head_dim = COMPILED_HEAD_DIMS[0]
+    dtype = COMPILED_DTYPES[-1]
+    qkv = torch.randn(2, 301, 3, 6, head_dim, generator=cuda_gen, device="cuda").to(dtype)
+    q, k, v = qkv.unbind(dim=2)
+    dout = torch.randn(2, 301, 6, 2 * head_dim, generator=cuda_gen, device="cuda").to(dtype)[..., :head_dim]
+    assert not q.is_contiguous() and not dout.is_contiguous()
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    strided = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    contiguous = flash_cutlass.flash_backward(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                              out, lse, causal=True, deterministic=True)
+    for name, a, b in zip("qkv", strided, contiguous):
+        assert torch.equal(a, b), f"d{name} of strided inputs differs from that of their contiguous copies"
+    check_gradients(strided, q, k, v, dout, head_dim ** -0.5, True, "packed qkv")
+
+
+def test_backward_of_empty_inputs():
+    head_dim = COMPILED_HEAD_DIMS[0]
+    dtype = COMPILED_DTYPES[-1]
+    for batch, seqlen_q, seqlen_k in ((0, 16, 16), (2, 0, 16), (2, 16, 0)):
+        q = torch.randn(batch, seqlen_q, 4, head_dim, device="cuda", dtype=dtype)
+        k = torch.randn(batch, seqlen_k, 2, head_dim, device="cuda", dtype=dtype)
+        out, lse = flash_cutlass.flash_forward(q, k, k)
+        dq, dk, dv = flash_cutlass.flash_backward(torch.ones_like(out), q, k, k, out, lse)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+        for grad in (dq, dk, dv):
+            assert not grad.any(), "gradients of an empty attention must be zero"
+
+
+def test_backward_memory_is_linear_in_seqlen(cuda_gen):
+    # seqlen 8192, 8 heads: a score matrix would take 8 * 8192^2 * 4 bytes = 2 GiB; the backward's
+    # own buffers (the gradients, fp32 dQ accumulator, D) take under 100 MiB.
+    head_dim = 128 if 128 in COMPILED_HEAD_DIMS else COMPILED_HEAD_DIMS[-1]
+    dtype = COMPILED_DTYPES[-1]
+    q, k, v, dout = (torch.randn(1, 8192, 8, head_dim, generator=cuda_gen, device="cuda").to(dtype)
+                     for _ in range(4))
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    input_bytes = q.numel() * q.element_size()
+    assert peak <= 8 * input_bytes, f"backward allocated {peak} bytes at its peak, inputs are {input_bytes} each"
+    del grads

@@ -78,13 +78,22 @@ std::string sm90_unavailable_reason(int head_dim, const at::Tensor& q) {
   return "";
 }
 
-void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-             double softmax_scale, bool causal, int64_t kernel_choice) {
+// The checks both directions make of q, k, v, out and lse (as the forward returns them), and the
+// sizes they describe.
+struct AttentionShape {
+  int64_t batch, seqlen_q, heads, head_dim, seqlen_k, heads_k;
+  DType dtype;
+  int kernel_hdim;  // the compiled sm80-path head dim that runs head_dim
+};
+
+AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                               const at::Tensor& lse, double softmax_scale) {
   check_operand(q, "q", 4);
   check_operand(k, "k", 4);
   check_operand(v, "v", 4);
   check_operand(out, "out", 4);
-  const DType dtype = dtype_of(q);
+  AttentionShape shape;
+  shape.dtype = dtype_of(q);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &out}) {
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, k, v and out must share one dtype");
     TORCH_CHECK(t->device() == q.device(), "q, k, v and out must be on one device");
@@ -102,16 +111,25 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
                   lse.size(2) == seqlen_q,
               "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
-  TORCH_CHECK(dtype_compiled(dtype), "dtype ", q.scalar_type(),
+  TORCH_CHECK(dtype_compiled(shape.dtype), "dtype ", q.scalar_type(),
               " was not compiled in (build flag FLASH_CUTLASS_DTYPES)");
-  const int kernel_hdim = kernel_head_dim(static_cast<int>(head_dim));
-  TORCH_CHECK(kernel_hdim != 0, "head_dim ", head_dim,
+  shape.kernel_hdim = kernel_head_dim(static_cast<int>(head_dim));
+  TORCH_CHECK(shape.kernel_hdim != 0, "head_dim ", head_dim,
               " exceeds every compiled head dim (build flag FLASH_CUTLASS_HEAD_DIMS)");
-  if (batch == 0 || seqlen_q == 0 || heads == 0) return;
-  TORCH_CHECK(seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
   TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "sequence lengths must be < 2^31");
+  shape.batch = batch;
+  shape.seqlen_q = seqlen_q;
+  shape.heads = heads;
+  shape.head_dim = head_dim;
+  shape.seqlen_k = seqlen_k;
+  shape.heads_k = heads_k;
+  return shape;
+}
 
-  FwdParams params;
+// Writes the pointers, strides, sizes and scale of q, k, v, out and lse into params.
+void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& out, const at::Tensor& lse, AttentionShape const& shape,
+                          double softmax_scale, bool causal) {
   params.q = q.data_ptr();
   params.k = k.data_ptr();
   params.v = v.data_ptr();
@@ -129,15 +147,27 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   params.out_batch_stride = out.stride(0);
   params.out_row_stride = out.stride(1);
   params.out_head_stride = out.stride(2);
-  params.batch = static_cast<int>(batch);
-  params.seqlen_q = static_cast<int>(seqlen_q);
-  params.seqlen_k = static_cast<int>(seqlen_k);
-  params.heads = static_cast<int>(heads);
-  params.heads_k = static_cast<int>(heads_k);
-  params.head_dim = static_cast<int>(head_dim);
+  params.batch = static_cast<int>(shape.batch);
+  params.seqlen_q = static_cast<int>(shape.seqlen_q);
+  params.seqlen_k = static_cast<int>(shape.seqlen_k);
+  params.heads = static_cast<int>(shape.heads);
+  params.heads_k = static_cast<int>(shape.heads_k);
+  params.head_dim = static_cast<int>(shape.head_dim);
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   params.causal = causal;
+}
+
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+             double softmax_scale, bool causal, int64_t kernel_choice) {
+  const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
+  if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) return;
+  TORCH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
+  const DType dtype = shape.dtype;
+  const int64_t head_dim = shape.head_dim;
+  const int kernel_hdim = shape.kernel_hdim;
+  FwdParams params;
+  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal);
 
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -166,35 +196,20 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
               const at::Tensor& dv, double softmax_scale, bool causal, bool deterministic) {
+  const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   check_operand(dout, "dout", 4);
-  check_operand(q, "q", 4);
-  check_operand(k, "k", 4);
-  check_operand(v, "v", 4);
-  check_operand(out, "out", 4);
   check_operand(dq, "dq", 4);
   check_operand(dk, "dk", 4);
   check_operand(dv, "dv", 4);
-  const DType dtype = dtype_of(q);
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dout, &k, &v, &out, &dq, &dk, &dv}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dout, q, k, v, out, dq, dk and dv must share one dtype");
-    TORCH_CHECK(t->device() == q.device(), "dout, q, k, v, out, dq, dk and dv must be on one device");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dout, &dq, &dk, &dv}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dout, dq, dk and dv must have q's dtype");
+    TORCH_CHECK(t->device() == q.device(), "dout, dq, dk and dv must be on q's device");
   }
-  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
-  const int64_t seqlen_k = k.size(1), heads_k = k.size(2);
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && dq.sizes() == q.sizes(),
-              "dout, out and dq must have q's shape");
-  TORCH_CHECK(k.size(0) == batch && v.sizes() == k.sizes() && k.size(3) == head_dim, "k and v must match q");
+  TORCH_CHECK(dout.sizes() == q.sizes() && dq.sizes() == q.sizes(), "dout and dq must have q's shape");
   TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(), "dk and dv must have k's shape");
-  TORCH_CHECK(heads_k > 0 && heads % heads_k == 0, "heads must be a multiple of heads_k");
-  TORCH_CHECK(head_dim % kAlignElems == 0, "head_dim must be a multiple of 8, got ", head_dim);
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
-                  lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == heads && lse.size(2) == seqlen_q,
-              "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
-  TORCH_CHECK(dtype_compiled(dtype), "dtype ", q.scalar_type(), " was not compiled in (build flag FLASH_CUTLASS_DTYPES)");
-  const int kernel_hdim = kernel_head_dim(static_cast<int>(head_dim));
-  TORCH_CHECK(kernel_hdim != 0, "head_dim ", head_dim, " exceeds every compiled head dim (build flag FLASH_CUTLASS_HEAD_DIMS)");
-  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "sequence lengths must be < 2^31");
+  const int64_t batch = shape.batch, seqlen_q = shape.seqlen_q, heads = shape.heads, head_dim = shape.head_dim;
+  const int64_t seqlen_k = shape.seqlen_k, heads_k = shape.heads_k;
+  const int kernel_hdim = shape.kernel_hdim;
   if (batch == 0 || seqlen_q == 0 || seqlen_k == 0 || heads == 0) {
     dq.zero_();
     dk.zero_();
@@ -214,23 +229,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   }
 
   BwdParams params;
-  params.q = q.data_ptr();
-  params.k = k.data_ptr();
-  params.v = v.data_ptr();
-  params.out = out.data_ptr();
-  params.lse = lse.data_ptr<float>();
-  params.q_batch_stride = q.stride(0);
-  params.q_row_stride = q.stride(1);
-  params.q_head_stride = q.stride(2);
-  params.k_batch_stride = k.stride(0);
-  params.k_row_stride = k.stride(1);
-  params.k_head_stride = k.stride(2);
-  params.v_batch_stride = v.stride(0);
-  params.v_row_stride = v.stride(1);
-  params.v_head_stride = v.stride(2);
-  params.out_batch_stride = out.stride(0);
-  params.out_row_stride = out.stride(1);
-  params.out_head_stride = out.stride(2);
+  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal);
   params.dout = dout.data_ptr();
   params.dout_batch_stride = dout.stride(0);
   params.dout_row_stride = dout.stride(1);
@@ -252,20 +251,11 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     params.dkv_row_stride = dk.stride(1);
     params.dkv_head_stride = dk.stride(2);
   }
-  params.batch = static_cast<int>(batch);
-  params.seqlen_q = static_cast<int>(seqlen_q);
-  params.seqlen_k = static_cast<int>(seqlen_k);
-  params.heads = static_cast<int>(heads);
-  params.heads_k = static_cast<int>(heads_k);
-  params.head_dim = static_cast<int>(head_dim);
-  params.softmax_scale = static_cast<float>(softmax_scale);
-  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  params.causal = causal;
   params.deterministic = deterministic;
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const cudaError_t status = run_bwd_sm80(params, dtype, kernel_hdim, stream);
+  const cudaError_t status = run_bwd_sm80(params, shape.dtype, kernel_hdim, stream);
   TORCH_CHECK(status == cudaSuccess, "flash_cutlass backward kernel launch failed: ", cudaGetErrorString(status));
   if (grouped) {
     // Sum each group's query heads in a fixed order (deterministic either way).

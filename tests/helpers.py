@@ -1,12 +1,25 @@
-"""Shared test utilities: the CUDA skip marker and the FlashAttention-2 pass rule."""
+"""Shared test utilities: the CUDA skip marker, what the build compiled, and the FlashAttention-2
+pass rule."""
 
 import pytest
 import torch
+
+import flash_cutlass
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA GPU (sm_80 or newer); none is visible",
 )
+
+try:
+    COMPILED_HEAD_DIMS = flash_cutlass.compiled_head_dims()
+    COMPILED_SM90_HEAD_DIMS = flash_cutlass.compiled_sm90_head_dims()
+    COMPILED_DTYPES = flash_cutlass.compiled_dtypes()
+except RuntimeError:
+    # The extension is not built: the GPU tests that parametrize over these skip anyway.
+    COMPILED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+    COMPILED_SM90_HEAD_DIMS = (64, 128, 256)
+    COMPILED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def fa2_check(

@@ -10,16 +10,9 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import naive_attention
-from helpers import fa2_check, requires_cuda
+from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, requires_cuda
 
 pytestmark = requires_cuda
-
-try:
-    COMPILED_HEAD_DIMS = flash_cutlass.compiled_head_dims()
-    COMPILED_DTYPES = flash_cutlass.compiled_dtypes()
-except RuntimeError:
-    COMPILED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-    COMPILED_DTYPES = (torch.float16, torch.bfloat16)
 
 HEADS = 8
 SEQLENS = [(1, 1), (17, 17), (113, 255), (255, 113), (256, 256), (1023, 1023), (1, 2049), (2049, 17)]
@@ -31,6 +24,15 @@ def gradients(q, k, v, dout, scale, causal, compute_dtype):
     leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
     out, _ = naive_attention(*leaves, scale, causal)
     return torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+
+def check_gradients(grads, q, k, v, dout, scale, causal, label):
+    """fa2_check of (dq, dk, dv) against the fp32 oracle, and their shapes and dtypes."""
+    oracle = gradients(q, k, v, dout, scale, causal, torch.float32)
+    same_dtype = gradients(q, k, v, dout, scale, causal, None)
+    for name, grad, ref, base, t in zip("qkv", grads, oracle, same_dtype, (q, k, v)):
+        assert grad.shape == t.shape and grad.dtype == t.dtype, f"{label} d{name}"
+        fa2_check(grad, ref, base, f"{label} d{name}")
 
 
 @pytest.mark.parametrize("gqa", list(GQA_HEADS_K))
@@ -52,11 +54,7 @@ def test_backward_matches_oracle(cuda_gen, dtype, head_dim, causal, seqlen_q, se
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm80")
     grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal)
-    oracle = gradients(q, k, v, dout, scale, causal, torch.float32)
-    same_dtype = gradients(q, k, v, dout, scale, causal, None)
-    for name, grad, ref, base, t in zip("qkv", grads, oracle, same_dtype, (q, k, v)):
-        assert grad.shape == t.shape and grad.dtype == t.dtype, f"d{name}"
-        fa2_check(grad, ref, base, f"d{name}")
+    check_gradients(grads, q, k, v, dout, scale, causal, "oracle grid")
 
 
 def test_autograd_matches_flash_backward(cuda_gen):
@@ -88,24 +86,11 @@ def test_deterministic_mode_is_bitwise_reproducible_and_correct(cuda_gen, head_d
     second = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b), "two deterministic runs differ"
-    scale = head_dim ** -0.5
-    oracle = gradients(q, k, v, dout, scale, causal, torch.float32)
-    same_dtype = gradients(q, k, v, dout, scale, causal, None)
-    for name, grad, ref, base in zip("qkv", first, oracle, same_dtype):
-        fa2_check(grad, ref, base, f"deterministic d{name}")
-
-
-def check_gradients(grads, q, k, v, dout, scale, causal, label):
-    """fa2_check of (dq, dk, dv) against the fp32 oracle, and their shapes and dtypes."""
-    oracle = gradients(q, k, v, dout, scale, causal, torch.float32)
-    same_dtype = gradients(q, k, v, dout, scale, causal, None)
-    for name, grad, ref, base, t in zip("qkv", grads, oracle, same_dtype, (q, k, v)):
-        assert grad.shape == t.shape and grad.dtype == t.dtype, f"{label} d{name}"
-        fa2_check(grad, ref, base, f"{label} d{name}")
+    check_gradients(first, q, k, v, dout, head_dim ** -0.5, causal, "deterministic")
 
 
 def hopper_forward_unavailable() -> str:
-    if not flash_cutlass.compiled_sm90_head_dims():
+    if not COMPILED_SM90_HEAD_DIMS:
         return "the Hopper forward path was not built"
     if torch.cuda.get_device_capability() != (9, 0):
         return "the Hopper forward path needs compute capability 9.0"
@@ -117,7 +102,7 @@ def test_backward_of_either_forward_path(cuda_gen, forward_kernel):
     if forward_kernel == "sm90":
         if hopper_forward_unavailable():
             pytest.skip(hopper_forward_unavailable())
-        head_dim = flash_cutlass.compiled_sm90_head_dims()[0]
+        head_dim = COMPILED_SM90_HEAD_DIMS[0]
     else:
         head_dim = COMPILED_HEAD_DIMS[0]
     dtype = COMPILED_DTYPES[-1]

@@ -11,18 +11,10 @@ import torch
 import flash_cutlass
 from flash_cutlass.interface import forward_into
 from flash_cutlass.reference import naive_attention
-from helpers import fa2_check, requires_cuda
+from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, requires_cuda
 
 pytestmark = requires_cuda
 
-try:
-    COMPILED_HEAD_DIMS = flash_cutlass.compiled_head_dims()
-    COMPILED_SM90_HEAD_DIMS = flash_cutlass.compiled_sm90_head_dims()
-    COMPILED_DTYPES = flash_cutlass.compiled_dtypes()
-except RuntimeError:
-    COMPILED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-    COMPILED_SM90_HEAD_DIMS = (64, 128, 256)
-    COMPILED_DTYPES = (torch.float16, torch.bfloat16)
 # Every compiled kernel: the sm80 path at each head dim, the Hopper path at each of its own.
 KERNEL_HEAD_DIMS = [("sm80", d) for d in COMPILED_HEAD_DIMS] + [("sm90", d) for d in COMPILED_SM90_HEAD_DIMS]
 KERNELS = ("sm80", "sm90")

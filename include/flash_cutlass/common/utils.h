@@ -1,5 +1,8 @@
-// Small CuTe helpers shared by the kernels: fragment re-layouts, type conversion, quad reductions.
+// Small CuTe helpers shared by the kernels: global views of one head, fragment re-layouts, type
+// conversion, quad reductions.
 #pragma once
+
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/array.h>
@@ -13,6 +16,33 @@ namespace flash_cutlass {
 template <DType kDType> struct ElementOf;
 template <> struct ElementOf<DType::kFloat16> { using type = cutlass::half_t; };
 template <> struct ElementOf<DType::kBFloat16> { using type = cutlass::bfloat16_t; };
+
+// The K/V head that query head `head` reads (GQA: heads / heads_k query heads share one).
+__device__ __forceinline__ int kv_head_of(int head, FwdParams const& params) {
+  return head / (params.heads / params.heads_k);
+}
+
+// The (rows, kHeadDim) matrix of one (batch, head) of a (batch, seqlen, heads, head_dim) tensor in
+// global memory, rows row_stride apart, columns contiguous.
+template <class Element, int kHeadDim, class Pointer>
+__device__ __forceinline__ auto head_matrix(Pointer base, int batch, int64_t batch_stride, int head,
+                                            int64_t head_stride, int rows, int64_t row_stride) {
+  using namespace cute;
+  using Value = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, Element const, Element>;
+  return make_tensor(make_gmem_ptr(static_cast<Value*>(base) + batch * batch_stride + head * head_stride),
+                     make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+}
+
+// Which columns of a thread's global copies (coords: the copy's partition of an identity tile,
+// (CPY, CPY_M, CPY_K)) lie below head_dim; the same for every row and every tile of that width.
+template <class Coords>
+__device__ __forceinline__ auto columns_below(Coords const& coords, int head_dim) {
+  using namespace cute;
+  Tensor ok = make_tensor<bool>(make_shape(size<2>(coords)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(ok); ++k) ok(k) = get<1>(coords(0, 0, k)) < head_dim;
+  return ok;
+}
 
 // The accumulator of an SM80 16x8 MMA is laid out ((2 cols, 2 rows), MMA_M, MMA_N).
 // Softmax wants it as (rows, cols) = ((2, MMA_M), (2, MMA_N)), so that a row is one index.

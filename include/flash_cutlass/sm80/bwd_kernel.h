@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   const int batch_head = int(blockIdx.x / num_n_blocks);
   const int head = batch_head % params.heads;
   const int batch = batch_head / params.heads;
-  const int head_k = head / (params.heads / params.heads_k);
+  const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
   const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
   const int key_start = n_block * kBlockN;
@@ -243,22 +243,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   const int m_block_begin = first_row / kBlockM;
   const int m_block_end = (params.seqlen_q + kBlockM - 1) / kBlockM;
 
-  auto gmem_matrix = [](auto const* base, int64_t batch_offset, int64_t head_offset, int rows, int64_t row_stride) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + batch_offset + head_offset),
-                       make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
-  };
-  Tensor gQ = local_tile(gmem_matrix(params.q, batch * params.q_batch_stride, head * params.q_head_stride,
-                                     params.seqlen_q, params.q_row_stride),
-                         TileQ{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
-  Tensor gdO = local_tile(gmem_matrix(params.dout, batch * params.dout_batch_stride, head * params.dout_head_stride,
-                                      params.seqlen_q, params.dout_row_stride),
-                          TileQ{}, make_coord(_, 0));
-  Tensor gK = local_tile(gmem_matrix(params.k, batch * params.k_batch_stride, head_k * params.k_head_stride,
-                                     params.seqlen_k, params.k_row_stride),
-                         TileKV{}, make_coord(n_block, 0));
-  Tensor gV = local_tile(gmem_matrix(params.v, batch * params.v_batch_stride, head_k * params.v_head_stride,
-                                     params.seqlen_k, params.v_row_stride),
-                         TileKV{}, make_coord(n_block, 0));
+  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, batch, params.q_batch_stride, head, params.q_head_stride,
+                                             params.seqlen_q, params.q_row_stride);
+  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
+  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout, batch, params.dout_batch_stride, head,
+                                              params.dout_head_stride, params.seqlen_q, params.dout_row_stride);
+  Tensor gdO = local_tile(mdO, TileQ{}, make_coord(_, 0));
+  Tensor mK = head_matrix<Element, kHeadDim>(params.k, batch, params.k_batch_stride, head_k, params.k_head_stride,
+                                             params.seqlen_k, params.k_row_stride);
+  Tensor gK = local_tile(mK, TileKV{}, make_coord(n_block, 0));
+  Tensor mV = head_matrix<Element, kHeadDim>(params.v, batch, params.v_batch_stride, head_k, params.v_head_stride,
+                                             params.seqlen_k, params.v_row_stride);
+  Tensor gV = local_tile(mV, TileKV{}, make_coord(n_block, 0));
   const int64_t row_offset = (int64_t(batch) * params.heads + head) * params.seqlen_q;
   const float* lse_row = params.lse + row_offset;
   const float* dsum_row = params.dsoftmax_sum + row_offset;
@@ -299,9 +295,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
   Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tdOsdO)));
-  CUTE_UNROLL
-  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < params.head_dim;
+  Tensor col_ok = columns_below(tQcQ, params.head_dim);
   auto load_q = [&](int m_block, int buffer) {
     copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), gmem_thr_copy.partition_D(sQ_buffer(buffer)),
                           tQcQ, col_ok, params.seqlen_q - m_block * kBlockM);
@@ -470,29 +464,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   const int batch_head = int(blockIdx.x / num_m_blocks);
   const int head = batch_head % params.heads;
   const int batch = batch_head / params.heads;
-  const int head_k = head / (params.heads / params.heads_k);
+  const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
   const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
   const int row_start = m_block * kBlockM;
   const int rows_left_q = params.seqlen_q - row_start;
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
-  auto gmem_matrix = [](auto const* base, int64_t batch_offset, int64_t head_offset, int rows, int64_t row_stride) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + batch_offset + head_offset),
-                       make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
-  };
-  Tensor gQ = local_tile(gmem_matrix(params.q, batch * params.q_batch_stride, head * params.q_head_stride,
-                                     params.seqlen_q, params.q_row_stride),
-                         TileQ{}, make_coord(m_block, 0));
-  Tensor gdO = local_tile(gmem_matrix(params.dout, batch * params.dout_batch_stride, head * params.dout_head_stride,
-                                      params.seqlen_q, params.dout_row_stride),
-                          TileQ{}, make_coord(m_block, 0));
-  Tensor gK = local_tile(gmem_matrix(params.k, batch * params.k_batch_stride, head_k * params.k_head_stride,
-                                     params.seqlen_k, params.k_row_stride),
-                         TileKV{}, make_coord(_, 0));
-  Tensor gV = local_tile(gmem_matrix(params.v, batch * params.v_batch_stride, head_k * params.v_head_stride,
-                                     params.seqlen_k, params.v_row_stride),
-                         TileKV{}, make_coord(_, 0));
+  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, batch, params.q_batch_stride, head, params.q_head_stride,
+                                             params.seqlen_q, params.q_row_stride);
+  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));
+  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout, batch, params.dout_batch_stride, head,
+                                              params.dout_head_stride, params.seqlen_q, params.dout_row_stride);
+  Tensor gdO = local_tile(mdO, TileQ{}, make_coord(m_block, 0));
+  Tensor mK = head_matrix<Element, kHeadDim>(params.k, batch, params.k_batch_stride, head_k, params.k_head_stride,
+                                             params.seqlen_k, params.k_row_stride);
+  Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));
+  Tensor mV = head_matrix<Element, kHeadDim>(params.v, batch, params.v_batch_stride, head_k, params.v_head_stride,
+                                             params.seqlen_k, params.v_row_stride);
+  Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
   const int64_t row_offset = (int64_t(batch) * params.heads + head) * params.seqlen_q;
 
   extern __shared__ __align__(128) char smem[];
@@ -520,9 +510,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
   Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  CUTE_UNROLL
-  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < params.head_dim;
+  Tensor col_ok = columns_below(tQcQ, params.head_dim);
 
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadQ mma_dq;
@@ -607,7 +595,8 @@ static_assert(kThreadsPerRow<256> <= 32 && kPrePostThreads % 32 == 0);
 // dsoftmax_sum[batch, head, query] = sum(dout * out) over the head dim, in fp32, and the row of
 // dq_accum zeroed.
 template <int kHeadDim, class Element>
-__global__ void __launch_bounds__(kPrePostThreads) flash_bwd_preprocess_sm80(__grid_constant__ const BwdParams params) {
+__global__ void __launch_bounds__(kPrePostThreads)
+    flash_bwd_preprocess_sm80(__grid_constant__ const BwdParams params) {
   constexpr int kGroup = kThreadsPerRow<kHeadDim>;
   const int64_t row = (int64_t(blockIdx.x) * kPrePostThreads + threadIdx.x) / kGroup;
   const int lane = threadIdx.x % kGroup;
@@ -641,7 +630,8 @@ __global__ void __launch_bounds__(kPrePostThreads) flash_bwd_preprocess_sm80(__g
 // dq[batch, query, head, :head_dim] = softmax_scale * dq_accum[batch, head, query, :head_dim] in
 // Element, one row per kThreadsPerRow threads as above.
 template <int kHeadDim, class Element>
-__global__ void __launch_bounds__(kPrePostThreads) flash_bwd_postprocess_sm80(__grid_constant__ const BwdParams params) {
+__global__ void __launch_bounds__(kPrePostThreads)
+    flash_bwd_postprocess_sm80(__grid_constant__ const BwdParams params) {
   constexpr int kGroup = kThreadsPerRow<kHeadDim>;
   const int64_t row = (int64_t(blockIdx.x) * kPrePostThreads + threadIdx.x) / kGroup;
   const int col = (threadIdx.x % kGroup) * 8;

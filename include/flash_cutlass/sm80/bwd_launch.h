@@ -3,21 +3,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/sm80/bwd_kernel.h"
 
 namespace flash_cutlass::sm80 {
-
-inline cudaError_t launch_bwd_kernel(void (*kernel)(BwdParams), int64_t num_ctas, int threads, int smem_bytes,
-                                     BwdParams const& params, cudaStream_t stream) {
-  if (smem_bytes > 48 * 1024) {
-    const cudaError_t status =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (status != cudaSuccess) return status;
-  }
-  if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(static_cast<unsigned>(num_ctas)), threads, smem_bytes, stream>>>(params);
-  return cudaGetLastError();
-}
 
 // Preprocess (D, dq_accum zeroed), the main kernel (dK, dV, and dQ by atomics), with
 // params.deterministic a second kernel that sums dQ over the key blocks in a fixed order instead,
@@ -29,24 +18,24 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const int64_t batch_heads = int64_t(params.batch) * params.heads;
   const int64_t row_threads = batch_heads * params.seqlen_q * kThreadsPerRow<kHeadDim>;
   const int64_t prepost_ctas = (row_threads + kPrePostThreads - 1) / kPrePostThreads;
-  cudaError_t status = launch_bwd_kernel(&flash_bwd_preprocess_sm80<kHeadDim, Element>, prepost_ctas,
-                                         kPrePostThreads, 0, params, stream);
+  cudaError_t status = launch_kernel(&flash_bwd_preprocess_sm80<kHeadDim, Element>, prepost_ctas, kPrePostThreads,
+                                     0, params, stream);
   if (status != cudaSuccess) return status;
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (!params.deterministic) {
-    status = launch_bwd_kernel(&flash_bwd_sm80<Traits, kCausal, true>, num_n_blocks * batch_heads, Traits::kThreads,
-                               Traits::kSmemBytes, params, stream);
+    status = launch_kernel(&flash_bwd_sm80<Traits, kCausal, true>, num_n_blocks * batch_heads, Traits::kThreads,
+                           Traits::kSmemBytes, params, stream);
   } else {
-    status = launch_bwd_kernel(&flash_bwd_sm80<Traits, kCausal, false>, num_n_blocks * batch_heads,
-                               Traits::kThreads, Traits::kSmemBytes, params, stream);
+    status = launch_kernel(&flash_bwd_sm80<Traits, kCausal, false>, num_n_blocks * batch_heads, Traits::kThreads,
+                           Traits::kSmemBytes, params, stream);
     if (status != cudaSuccess) return status;
     const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    status = launch_bwd_kernel(&flash_bwd_dq_sm80<Traits, kCausal>, num_m_blocks * batch_heads, Traits::kThreads,
-                               Traits::kSmemBytesDq, params, stream);
+    status = launch_kernel(&flash_bwd_dq_sm80<Traits, kCausal>, num_m_blocks * batch_heads, Traits::kThreads,
+                           Traits::kSmemBytesDq, params, stream);
   }
   if (status != cudaSuccess) return status;
-  return launch_bwd_kernel(&flash_bwd_postprocess_sm80<kHeadDim, Element>, prepost_ctas, kPrePostThreads, 0, params,
-                           stream);
+  return launch_kernel(&flash_bwd_postprocess_sm80<kHeadDim, Element>, prepost_ctas, kPrePostThreads, 0, params,
+                       stream);
 }
 
 }  // namespace flash_cutlass::sm80

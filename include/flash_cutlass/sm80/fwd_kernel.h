@@ -30,25 +30,20 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
 
   const int tidx = threadIdx.x;
-  const int head_k = head / (params.heads / params.heads_k);
+  const int head_k = kv_head_of(head, params);
   const int rows_left_q = params.seqlen_q - m_block * kBlockM;
   const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
   // Global views of this (batch, head): (seqlen, kHeadDim); columns past head_dim are predicated.
-  auto gmem_matrix = [](auto const* base, int64_t batch_offset, int64_t head_offset, int rows, int64_t row_stride) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + batch_offset + head_offset),
-                       make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
-  };
-  Tensor mQ = gmem_matrix(params.q, batch * params.q_batch_stride, head * params.q_head_stride,
-                          params.seqlen_q, params.q_row_stride);
-  Tensor mK = gmem_matrix(params.k, batch * params.k_batch_stride, head_k * params.k_head_stride,
-                          params.seqlen_k, params.k_row_stride);
-  Tensor mV = gmem_matrix(params.v, batch * params.v_batch_stride, head_k * params.v_head_stride,
-                          params.seqlen_k, params.v_row_stride);
-  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(params.out) + batch * params.out_batch_stride +
-                                        head * params.out_head_stride),
-                          make_shape(params.seqlen_q, Int<kHeadDim>{}), make_stride(params.out_row_stride, _1{}));
+  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, batch, params.q_batch_stride, head, params.q_head_stride,
+                                             params.seqlen_q, params.q_row_stride);
+  Tensor mK = head_matrix<Element, kHeadDim>(params.k, batch, params.k_batch_stride, head_k, params.k_head_stride,
+                                             params.seqlen_k, params.k_row_stride);
+  Tensor mV = head_matrix<Element, kHeadDim>(params.v, batch, params.v_batch_stride, head_k, params.v_head_stride,
+                                             params.seqlen_k, params.v_row_stride);
+  Tensor mO = head_matrix<Element, kHeadDim>(params.out, batch, params.out_batch_stride, head,
+                                             params.out_head_stride, params.seqlen_q, params.out_row_stride);
   Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
   Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));       // (kBlockN, kHeadDim, n_blocks)
   Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
@@ -75,9 +70,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
   Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
   // A thread's columns are the same in every tile of Q, K, V and O.
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  CUTE_UNROLL
-  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < params.head_dim;
+  Tensor col_ok = columns_below(tQcQ, params.head_dim);
 
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tidx);

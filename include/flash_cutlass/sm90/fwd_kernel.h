@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const QueryTile tile = query_tile_of_this_cta<kBlockM>(params);
   const int m_block = tile.m_block, head = tile.head, batch = tile.batch;
-  const int head_k = head / (params.heads / params.heads_k);
+  const int head_k = kv_head_of(head, params);
   const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
   const int warpgroup = cutlass::canonical_warp_group_idx();

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm90/fwd_kernel.h"
 
@@ -38,14 +39,8 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
   };
 
-  auto* kernel = &flash_fwd_sm90<Traits, kCausal>;
-  constexpr int kSmemBytes = Traits::kSmemBytes;
-  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (status != cudaSuccess) return status;
-  const int64_t num_ctas = num_query_tiles<Traits::kBlockM>(params);
-  if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(static_cast<unsigned>(num_ctas)), Traits::kThreads, kSmemBytes, stream>>>(kernel_params);
-  return cudaGetLastError();
+  return launch_kernel(&flash_fwd_sm90<Traits, kCausal>, num_query_tiles<Traits::kBlockM>(params), Traits::kThreads,
+                       Traits::kSmemBytes, kernel_params, stream);
 }
 
 }  // namespace flash_cutlass::sm90

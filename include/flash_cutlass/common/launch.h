@@ -1,0 +1,24 @@
+// Host-side launch of a kernel that takes its parameters by value, on a 1-D grid.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace flash_cutlass {
+
+// Raises the kernel's dynamic shared memory limit where it needs more than the default 48 KiB,
+// refuses grids past 2^31 - 1 CTAs, and launches.
+template <class Params>
+cudaError_t launch_kernel(void (*kernel)(Params), int64_t num_ctas, int threads, int smem_bytes,
+                          Params const& params, cudaStream_t stream) {
+  if (smem_bytes > 48 * 1024) {
+    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (status != cudaSuccess) return status;
+  }
+  if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  kernel<<<dim3(static_cast<unsigned>(num_ctas)), threads, smem_bytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_cutlass

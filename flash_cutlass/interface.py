@@ -262,6 +262,11 @@ def check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, determ
     expected = (q.shape[0], q.shape[2], q.shape[1])
     if tuple(lse.shape) != expected:
         raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {expected}, got {tuple(lse.shape)}")
+    check_deterministic(deterministic)
+
+
+def check_deterministic(deterministic) -> None:
+    """Raises TypeError unless deterministic is a bool."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
 

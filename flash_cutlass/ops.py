@@ -2,7 +2,8 @@
 flash_attention built on them.
 
 The ops have fake (meta) implementations, so torch.compile traces through them without graph
-breaks, and the forward op's autograd formula is the backward op.
+breaks, and the forward op's autograd formula is the backward op. The forward op takes the
+backward's `deterministic` flag too (the forward ignores it), so that autograd can pass it on.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from flash_cutlass import interface
 
 @torch.library.custom_op("flash_cutlass::forward", mutates_args=())
 def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float], causal: bool,
-               kernel: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+               kernel: Optional[str], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return interface.flash_forward(q, k, v, softmax_scale, causal, kernel)
 
 
 @forward_op.register_fake
-def _forward_fake(q, k, v, softmax_scale, causal, kernel):
+def _forward_fake(q, k, v, softmax_scale, causal, kernel, deterministic):
     interface.check_forward_inputs(q, k, v, softmax_scale, causal)
     interface.kernel_choice(kernel)
     batch, seqlen_q, heads, _ = q.shape
@@ -43,29 +44,35 @@ def _backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, _ = inputs
+    q, k, v, softmax_scale, causal, _, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal, False)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                             ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False, return_lse: bool = False,
-                    kernel: Optional[str] = None):
+def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
+                    deterministic: bool = False, return_lse: bool = False, kernel: Optional[str] = None):
     """Autograd-enabled attention: out = softmax(softmax_scale * q k^T) v, differentiable in q, k
     and v (flash_backward is its gradient), and traceable by torch.compile.
 
-    Arguments as flash_forward's. Returns out, or (out, lse) with return_lse; lse carries no
-    gradient (it is marked non-differentiable).
+    Arguments as flash_forward's; deterministic is flash_backward's (bitwise reproducible
+    gradients). Returns out, or (out, lse) with return_lse; lse carries no gradient (it is marked
+    non-differentiable).
     """
-    out, lse = forward_op(q, k, v, softmax_scale, causal, kernel)
+    # Checked here, before the op's schema would convert them (1 into True, say).
+    interface.check_forward_inputs(q, k, v, softmax_scale, causal)
+    interface.kernel_choice(kernel)
+    interface.check_deterministic(deterministic)
+    out, lse = forward_op(q, k, v, softmax_scale, causal, kernel, deterministic)
     return (out, lse) if return_lse else out

@@ -229,6 +229,16 @@ def test_backward_rejects_unknown_kernel_in_the_environment(gen, monkeypatch):
         flash_cutlass.flash_backward(**backward_args(gen))
 
 
+def test_flash_attention_rejects_non_bool_causal(gen):
+    with pytest.raises(TypeError, match=r"^causal must be a bool, got int"):
+        flash_cutlass.flash_attention(*qkv(gen=gen), causal=1)
+
+
+def test_flash_attention_rejects_non_bool_deterministic(gen):
+    with pytest.raises(TypeError, match=r"^deterministic must be a bool, got int"):
+        flash_cutlass.flash_attention(*qkv(gen=gen), deterministic=1)
+
+
 def test_cpu_attention_gradients_match_fp64_autograd(gen):
     q, k, v = (t.requires_grad_() for t in qkv(gen=gen))
     out = flash_cutlass.flash_attention(q, k, v, causal=True)

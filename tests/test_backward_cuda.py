@@ -89,6 +89,19 @@ def test_autograd_matches_flash_backward(cuda_gen):
         torch.testing.assert_close(leaf.grad, grad, atol=1e-2, rtol=1e-2)
 
 
+def test_autograd_passes_deterministic_to_the_backward(cuda_gen):
+    head_dim = COMPILED_HEAD_DIMS[0]
+    dtype = COMPILED_DTYPES[-1]
+    q, k, v = (torch.randn(2, 300, 4, head_dim, generator=cuda_gen, device="cuda").to(dtype) for _ in range(3))
+    dout = torch.randn(2, 300, 4, head_dim, generator=cuda_gen, device="cuda").to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(flash_cutlass.flash_attention(*leaves, causal=True, deterministic=True), leaves, dout)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    expected = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    for name, grad, ref in zip("qkv", grads, expected):
+        assert torch.equal(grad, ref), f"d{name} of flash_attention(deterministic=True) differs"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
 def test_deterministic_mode_is_bitwise_reproducible_and_correct(cuda_gen, head_dim, causal):

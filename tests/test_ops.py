@@ -22,10 +22,10 @@ def inputs(device, gen_seed=0, causal=True, batch=2, seqlen_q=40, seqlen_k=56, h
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal", [False, True])
-def test_forward_op_passes_opcheck(device, causal):
+@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, False), (True, True)])
+def test_forward_op_passes_opcheck(device, causal, deterministic):
     q, k, v = (t.requires_grad_() for t in inputs(device))
-    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, None))
+    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, None, deterministic))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compile one forward instantiation and summarize its SASS, without a GPU.
+"""Compile one kernel instantiation and summarize its SASS, without a GPU.
 
 Reads what usually answers a performance question before any GPU time is spent: registers and
 spills (ptxas), the matrix instructions (HMMA for the sm80 path, HGMMA for the Hopper path),
@@ -9,6 +9,7 @@ between `WARPGROUP.DEPBAR.LE gsb0, 0x1` and `... 0x0` means the softmax overlaps
 
     python3 benchmarks/sass_report.py --path sm90 --head-dim 128
     python3 benchmarks/sass_report.py --path sm80 --head-dim 64 --dtype fp16 --causal
+    python3 benchmarks/sass_report.py --direction backward --path sm80 --head-dim 128
 
 Needs nvcc and cuobjdump (from the CUDA toolkit, or the copy Triton ships under
 triton/backends/nvidia/bin) and the CUTLASS headers setup.py would use (CUTLASS_PATH,
@@ -29,7 +30,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAD_DIMS = {"sm80": (32, 64, 96, 128, 192, 256), "sm90": (64, 128, 256)}
+# Head dims of each (direction, kernel path).
+HEAD_DIMS = {
+    ("forward", "sm80"): (32, 64, 96, 128, 192, 256),
+    ("forward", "sm90"): (64, 128, 256),
+    ("backward", "sm80"): (32, 64, 96, 128, 192, 256),
+}
 TARGETS = {"sm80": "-gencode=arch=compute_80,code=sm_80", "sm90": "-gencode=arch=compute_90a,code=sm_90a"}
 COUNTED = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU.EX2", "BAR.SYNC", "LDL", "STL", "SHFL")
 SEQUENCE = re.compile(r"(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR\.LE gsb0, 0x[0-9a-f]+|MUFU\.EX2|HGMMA)")
@@ -63,23 +69,30 @@ def cuobjdump() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--path", choices=sorted(HEAD_DIMS), default="sm90", help="kernel path (default: %(default)s)")
+    parser.add_argument("--direction", choices=("forward", "backward"), default="forward",
+                        help="which kernels (default: %(default)s); the backward's ptxas lines cover each of its kernels")
+    parser.add_argument("--path", choices=sorted(TARGETS), default="sm90", help="kernel path (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=128, help="compiled head dim (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
     parser.add_argument("--causal", action="store_true", help="the causal instantiation")
     args = parser.parse_args(argv)
-    if args.head_dim not in HEAD_DIMS[args.path]:
-        parser.error(f"--head-dim must be one of {HEAD_DIMS[args.path]} for the {args.path} path")
+    head_dims = HEAD_DIMS.get((args.direction, args.path), ())
+    if not head_dims:
+        parser.error(f"there is no {args.direction} kernel of the {args.path} path")
+    if args.head_dim not in head_dims:
+        parser.error(f"--head-dim must be one of {head_dims} for the {args.direction} {args.path} path")
 
     dtype = {"bf16": "kBFloat16", "fp16": "kFloat16"}[args.dtype]
-    name = f"fwd_{args.path}_hdim{args.head_dim}_{args.dtype}_{'causal' if args.causal else 'noncausal'}"
+    short, params = ("fwd", "FwdParams") if args.direction == "forward" else ("bwd", "BwdParams")
+    name = f"{short}_{args.path}_hdim{args.head_dim}_{args.dtype}_{'causal' if args.causal else 'noncausal'}"
     with tempfile.TemporaryDirectory() as tmp:
         # One instantiation alone (csrc/instantiations groups every dtype and mask of a head dim).
         source = Path(tmp) / f"{name}.cu"
         source.write_text(
-            f'#include "flash_cutlass/{args.path}/fwd_launch.h"\n'
-            f"template cudaError_t flash_cutlass::{args.path}::run_fwd<{args.head_dim}, flash_cutlass::DType::{dtype}, "
-            f"{str(args.causal).lower()}>(flash_cutlass::FwdParams const&, cudaStream_t);\n")
+            f'#include "flash_cutlass/{args.path}/{short}_launch.h"\n'
+            f"template cudaError_t flash_cutlass::{args.path}::run_{short}<{args.head_dim}, "
+            f"flash_cutlass::DType::{dtype}, {str(args.causal).lower()}>(flash_cutlass::{params} const&, "
+            f"cudaStream_t);\n")
         cubin = Path(tmp) / "kernel.cubin"
         nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", TARGETS[args.path], "-O3", "--use_fast_math",
                 "--expt-relaxed-constexpr", "-std=c++17", f"-I{ROOT / 'include'}", f"-I{cutlass_include()}",
@@ -92,8 +105,12 @@ def main(argv=None) -> int:
 
     print(f"{name} ({TARGETS[args.path].rsplit('code=', 1)[1]})")
     for line in build.stderr.splitlines():
-        if "registers" in line or "spill" in line:
-            print("  ptxas:", line.split(":", 1)[-1].strip())
+        entry = re.search(r"Compiling entry function '_ZN13flash_cutlass4sm[89]0\d+(flash_\w+?)I", line)
+        if entry:
+            flags = re.findall(r"Lb([01])E", line)
+            print(f"  {entry.group(1)}" + (f" (bool template arguments {', '.join(flags)})" if flags else ""))
+        elif "registers" in line or "spill" in line:
+            print("    ptxas:", line.split(":", 1)[-1].strip())
     instructions = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)", sass)]
     counts = collections.Counter()
     for opcode in instructions:

@@ -257,8 +257,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
-    gemm_wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, buffer), acc_s);
-    gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, buffer), acc_dp);
+    issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, buffer), acc_s);
+    issue_gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, buffer), acc_dp);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
+    warpgroup_fence_operand(acc_dp);
     Tensor st = as_rows_cols(acc_s);
     Tensor dpt = as_rows_cols(acc_dp);
     const float* lse = storage.stats[buffer][0];
@@ -277,14 +280,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     copy(smem_tiled_copy_ds, smem_thr_copy_ds.retile_S(dst), tdSsdS);
     Tensor tdVrPt = make_tensor(pt.data(), acc_layout_as_operand_a(pt.layout()));
     Tensor tdKrdSt = make_tensor(dst.data(), acc_layout_as_operand_a(dst.layout()));
-    gemm_wgmma<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, buffer), acc_dv);
-    gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, buffer), acc_dk);
+    issue_gemm_wgmma<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, buffer), acc_dv);
+    issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, buffer), acc_dk);
 
-    // dQ = dS K once both warpgroups' dS^T is in shared memory.
+    // dQ = dS K once both warpgroups' dS^T is in shared memory (dV and dK run meanwhile).
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
     Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
-    gemm_wgmma<true>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+    issue_gemm_wgmma<true>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_fence_operand(acc_dk);
+    warpgroup_fence_operand(acc_dq);
+    warpgroup_fence_operand(pt);
+    warpgroup_fence_operand(dst);
     sm80::atomic_add_rows(dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
                           params.seqlen_q - row_start);
   }

@@ -3,7 +3,7 @@
 # benchmark and an Nsight Compute profile, with every log under OUT_DIR.
 #
 # Usage: benchmarks/gpu_session.sh OUT_DIR [steps...]
-#   steps: any of build test bench bench_bwd profile (default: build test bench profile)
+#   steps: any of build test bench bench_bwd profile profile_bwd (default: build test bench profile)
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
 #   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), PYTEST_ARGS.
 set -uo pipefail
@@ -53,6 +53,11 @@ for step in $steps; do
       status=$?
       bash benchmarks/profile_ncu.sh "$out_dir/ncu_sm80" --kernel sm80 >>"$out_dir/ncu_console.log" 2>&1
       status=$(( status | $? ))
+      ;;
+    profile_bwd)
+      bash benchmarks/profile_ncu.sh "$out_dir/ncu_bwd" --direction backward --seqlen 4096 --batch 4 \
+        >"$out_dir/ncu_bwd_console.log" 2>&1
+      status=$?
       ;;
     *)
       echo "unknown step: $step" >&2

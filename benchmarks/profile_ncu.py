@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Run one flash_cutlass.flash_forward call for Nsight Compute to profile.
+"""Run one flash_cutlass.flash_forward (or, with --direction backward, flash_backward) call for
+Nsight Compute to profile.
 
 The script makes random q, k, v of shape (batch, seqlen, heads, head_dim), calls flash_forward
 --warmup times, then makes the one profiled call. That call sits between
 torch.cuda.profiler.start() and stop() (cudaProfilerStart/cudaProfilerStop) and inside an NVTX
-range named "flash_forward", so ncu can single it out in either of these ways:
+range named "flash_forward" ("flash_backward"), so ncu can single it out in either of these ways
+(for the backward, filter with regex:flash_bwd_sm, its main kernel):
 
 1. Profiler start/stop, which benchmarks/profile_ncu.sh uses; warm-up launches are never
    profiled, whatever their number:
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-NVTX_RANGE = "flash_forward"
+NVTX_RANGES = {"forward": "flash_forward", "backward": "flash_backward"}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -58,8 +60,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernel", choices=("auto", "sm80", "sm90"), default="auto",
                         help="flash_forward's kernel choice (default: %(default)s: the Hopper path "
                              "on an H100/H200 for head dims 64/128/256, the sm80 path otherwise)")
+    parser.add_argument("--direction", choices=("forward", "backward"), default="forward",
+                        help="profile flash_forward, or flash_backward (its forward runs once, before "
+                             "the warm-up; ncu's kernel filter then wants flash_bwd_sm) (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, metavar="N",
-                        help="flash_forward calls before the profiled one (default: %(default)s)")
+                        help="calls before the profiled one (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random inputs (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -87,18 +92,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     shape = (args.batch, args.seqlen, args.heads, args.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=DTYPES[args.dtype]) for _ in range(3))
+    if args.direction == "forward":
+        def call():
+            flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
+    else:
+        out, lse = flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
+        dout = torch.randn_like(out)
+
+        def call():
+            flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=args.causal)
+    name = NVTX_RANGES[args.direction]
     for _ in range(args.warmup):
-        flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
+        call()
     torch.cuda.synchronize()
 
     torch.cuda.profiler.start()
-    torch.cuda.nvtx.range_push(NVTX_RANGE)
-    flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
+    torch.cuda.nvtx.range_push(name)
+    call()
     torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
-    print(f"profiled one flash_forward call after {args.warmup} warm-up calls: batch {args.batch}, "
+    print(f"profiled one {name} call after {args.warmup} warm-up calls: batch {args.batch}, "
           f"seqlen {args.seqlen}, heads {args.heads}, head_dim {args.head_dim}, "
           f"causal {args.causal}, {args.dtype}, kernel {args.kernel}")
     return 0

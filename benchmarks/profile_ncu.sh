@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Profile one flash_cutlass forward launch with Nsight Compute.
+# Profile one flash_cutlass forward (or backward) kernel launch with Nsight Compute.
 #
 # Usage: benchmarks/profile_ncu.sh [OUT_DIR] [profile_ncu.py options...]
 #
@@ -10,7 +10,7 @@
 #   NCU             ncu executable (default: ncu)
 #   PYTHON          interpreter that can import torch and flash_cutlass (default: python3)
 #   KERNEL_REGEX    kernels to profile, matched against the kernel's function name
-#                   (default: flash_fwd)
+#                   (default: flash_fwd, or flash_bwd_sm with --direction backward)
 #   NCU_METRICS     comma-separated metrics, replacing the METRICS list in this script
 #   NCU_EXTRA_ARGS  more ncu options, split on spaces, e.g. "--set full" or
 #                   "--import-source yes"
@@ -70,8 +70,10 @@ mkdir -p "$out_dir"
 report=$out_dir/flash_fwd
 rm -f "$report.ncu-rep"
 
+default_regex=flash_fwd
+[[ " $* " == *" --direction backward "* ]] && default_regex=flash_bwd_sm
 "$ncu" --clock-control none --profile-from-start off \
-  --kernel-name "regex:${KERNEL_REGEX:-flash_fwd}" --launch-count 1 \
+  --kernel-name "regex:${KERNEL_REGEX:-$default_regex}" --launch-count 1 \
   "${section_args[@]}" --metrics "$metrics" \
   --export "$report" --force-overwrite \
   "${extra_args[@]}" \

@@ -38,11 +38,8 @@ struct FwdParams {
   bool causal = false;
 };
 
-// One backward call: the forward's tensors (q, k, v, out, lse, scale, causal, shapes) and the
-// gradients. The kernel accumulates dQ in fp32 with atomics into dq_accum (batch, heads,
-// seqlen_q, head_dim_kernel), contiguous, zeroed by the caller; it writes dK and dV in fp32 per
-// query head into dk_accum / dv_accum (batch, seqlen_k, heads, head_dim_kernel), contiguous,
-// which the caller scales, sums over the heads of a GQA group and converts.
+// One backward call: the forward's tensors (q, k, v, out, lse, scale, causal, shapes), dout, the
+// gradients and the fp32 work buffers below.
 struct BwdParams : FwdParams {
   const void* dout = nullptr;
   int64_t dout_batch_stride = 0, dout_row_stride = 0, dout_head_stride = 0;

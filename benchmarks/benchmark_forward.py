@@ -270,7 +270,7 @@ def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: Modul
         dout = torch.randn_like(q)
         if direction == "backward":
             out, lse = subject.flash_forward(q, k, v, causal=causal, kernel=kernel)
-            return lambda: subject.flash_backward(dout, q, k, v, out, lse, causal=causal)
+            return lambda: subject.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         return lambda: torch.autograd.grad(subject.flash_attention(*leaves, causal=causal, kernel=kernel),
                                            leaves, dout)

@@ -41,7 +41,7 @@ for step in $steps; do
       ;;
     bench_bwd)
       for direction in backward forward+backward; do
-        python3 benchmarks/benchmark_forward.py --direction "$direction" --impls flash_cutlass,sdpa_flash,sdpa_cudnn \
+        python3 benchmarks/benchmark_forward.py --direction "$direction" --impls flash_cutlass,flash_cutlass_sm80,sdpa_flash,sdpa_cudnn \
           ${BENCH_ARGS:-} --json "$out_dir/bench_$direction.json" --markdown "$out_dir/bench_$direction.md" \
           >"$out_dir/bench_$direction.log" 2>&1
       done

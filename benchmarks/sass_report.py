@@ -35,6 +35,7 @@ HEAD_DIMS = {
     ("forward", "sm80"): (32, 64, 96, 128, 192, 256),
     ("forward", "sm90"): (64, 128, 256),
     ("backward", "sm80"): (32, 64, 96, 128, 192, 256),
+    ("backward", "sm90"): (64, 128),
 }
 TARGETS = {"sm80": "-gencode=arch=compute_80,code=sm_80", "sm90": "-gencode=arch=compute_90a,code=sm_90a"}
 COUNTED = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU.EX2", "BAR.SYNC", "LDL", "STL", "SHFL")

@@ -195,8 +195,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 // each group here.
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
-              const at::Tensor& dv, double softmax_scale, bool causal, bool deterministic) {
+              const at::Tensor& dv, double softmax_scale, bool causal, bool deterministic, int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
+  TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   check_operand(dout, "dout", 4);
   check_operand(dq, "dq", 4);
   check_operand(dk, "dk", 4);
@@ -216,16 +217,30 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     dv.zero_();
     return;
   }
-  check_smem(sm80::bwd_smem_bytes(kernel_hdim), "backward", head_dim, kernel_hdim, q);
+  // The Hopper backward (head dims up to 128, atomic dQ) where it runs; the sm80 path otherwise.
+  const KernelChoice choice = static_cast<KernelChoice>(kernel_choice);
+  int sm90_hdim = 0;
+  if (choice != KernelChoice::kSm80) {
+    std::string reason = sm90_unavailable_reason(static_cast<int>(head_dim), q);
+    if (reason.empty() && sm90_bwd_kernel_head_dim(static_cast<int>(head_dim)) == 0) {
+      reason = "head_dim " + std::to_string(head_dim) + " exceeds the Hopper backward's compiled head dims";
+    }
+    if (reason.empty() && deterministic) reason = "deterministic=True runs on the sm80 path only";
+    TORCH_CHECK(choice != KernelChoice::kSm90 || reason.empty(), "kernel='sm90' cannot run this backward: ", reason);
+    const int candidate = sm90_bwd_kernel_head_dim(static_cast<int>(head_dim));
+    if (reason.empty() && (choice == KernelChoice::kSm90 || candidate == kernel_hdim)) sm90_hdim = candidate;
+  }
+  if (sm90_hdim == 0) check_smem(sm80::bwd_smem_bytes(kernel_hdim), "backward", head_dim, kernel_hdim, q);
+  const int accum_hdim = sm90_hdim != 0 ? sm90_hdim : kernel_hdim;
 
   const auto fp32 = q.options().dtype(at::kFloat);
   at::Tensor dsoftmax_sum = at::empty({batch, heads, seqlen_q}, fp32);
-  at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, kernel_hdim}, fp32);
+  at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
   const bool grouped = heads != heads_k;
   at::Tensor dk_accum, dv_accum;
   if (grouped) {
-    dk_accum = at::empty({batch, seqlen_k, heads, kernel_hdim}, fp32);
-    dv_accum = at::empty({batch, seqlen_k, heads, kernel_hdim}, fp32);
+    dk_accum = at::empty({batch, seqlen_k, heads, accum_hdim}, fp32);
+    dv_accum = at::empty({batch, seqlen_k, heads, accum_hdim}, fp32);
   }
 
   BwdParams params;
@@ -255,13 +270,14 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const cudaError_t status = run_bwd_sm80(params, shape.dtype, kernel_hdim, stream);
+  const cudaError_t status = sm90_hdim != 0 ? run_bwd_sm90(params, shape.dtype, sm90_hdim, stream)
+                                            : run_bwd_sm80(params, shape.dtype, kernel_hdim, stream);
   TORCH_CHECK(status == cudaSuccess, "flash_cutlass backward kernel launch failed: ", cudaGetErrorString(status));
   if (grouped) {
     // Sum each group's query heads in a fixed order (deterministic either way).
     const int64_t group = heads / heads_k;
     auto group_sum = [&](const at::Tensor& accum) {
-      return accum.view({batch, seqlen_k, heads_k, group, kernel_hdim}).sum(3).narrow(3, 0, head_dim);
+      return accum.view({batch, seqlen_k, heads_k, group, accum_hdim}).sum(3).narrow(3, 0, head_dim);
     };
     dk.copy_(group_sum(dk_accum).mul_(softmax_scale));
     dv.copy_(group_sum(dv_accum));
@@ -299,7 +315,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &flash_cutlass::backward, "Attention backward into preallocated dq, dk and dv",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
-        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("deterministic"));
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("deterministic"),
+        pybind11::arg("kernel_choice"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);

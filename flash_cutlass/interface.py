@@ -27,9 +27,10 @@ else:
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 _ALIGN_ELEMS = 8  # 16 bytes of fp16/bf16: the width of every global memory access
-# Forward kernels a call may ask for, and their codes in the extension's forward().
+# Kernels a call may ask for, and their codes in the extension's forward() and backward().
 KERNELS = {"auto": 0, "sm80": 1, "sm90": 2}
 KERNEL_ENV = "FLASH_CUTLASS_FORWARD_KERNEL"
+BACKWARD_KERNEL_ENV = "FLASH_CUTLASS_BACKWARD_KERNEL"
 
 
 def _extension():
@@ -106,13 +107,14 @@ def _check_tensor(t, name: str) -> None:
         )
 
 
-def kernel_choice(kernel: Optional[str]) -> str:
-    """The forward kernel a call asks for: `kernel` if given, else $FLASH_CUTLASS_FORWARD_KERNEL,
-    else 'auto'. Raises ValueError naming the argument (or the variable) for anything else."""
+def kernel_choice(kernel: Optional[str], env: str = KERNEL_ENV) -> str:
+    """The kernel a call asks for: `kernel` if given, else the environment variable `env`
+    ($FLASH_CUTLASS_FORWARD_KERNEL or $FLASH_CUTLASS_BACKWARD_KERNEL), else 'auto'. Raises
+    ValueError naming the argument (or the variable) for anything else."""
     if kernel is None:
-        value = os.environ.get(KERNEL_ENV, "").strip() or "auto"
+        value = os.environ.get(env, "").strip() or "auto"
         if value not in KERNELS:
-            raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(KERNELS)}, got {value!r}")
+            raise ValueError(f"{env} must be one of {', '.join(KERNELS)}, got {value!r}")
         return value
     if not isinstance(kernel, str) or kernel not in KERNELS:
         raise ValueError(f"kernel must be None or one of {', '.join(repr(k) for k in KERNELS)}, got {kernel!r}")
@@ -270,15 +272,19 @@ def check_deterministic(deterministic) -> None:
 
 
 def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
-                   deterministic: bool = False):
+                   deterministic: bool = False, kernel: Optional[str] = None):
     """Gradients of flash_forward: returns (dq, dk, dv) in the dtypes and shapes of q, k and v.
 
     dout and out are shaped like q; out and lse are what flash_forward returned for these inputs.
     softmax_scale and causal must be those of the forward call. deterministic=True sums dQ in a
     fixed order (a second kernel pass) instead of with atomics, so two runs give bitwise identical
-    gradients. CPU tensors run flash_cutlass.reference.attention_backward (always deterministic).
+    gradients. kernel picks the CUDA kernel as in flash_forward ($FLASH_CUTLASS_BACKWARD_KERNEL
+    when None): 'auto' runs the Hopper backward on compute capability 9.0 for head dims up to 128
+    without deterministic=True, and the sm80 path otherwise. CPU tensors run
+    flash_cutlass.reference.attention_backward (always deterministic).
     """
     check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+    kernel = kernel_choice(kernel, BACKWARD_KERNEL_ENV)
     head_dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if q.device.type != "cuda":
@@ -291,7 +297,8 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
         dout, q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (dout, q, k, v, out))
     dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, scale, causal, deterministic)
+    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, scale, causal, deterministic,
+                          KERNELS[kernel])
     if padded_head_dim != head_dim:
         dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
     return dq, dk, dv

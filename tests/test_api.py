@@ -217,6 +217,18 @@ def test_backward_rejects_non_bool_deterministic(gen):
         flash_cutlass.flash_backward(**backward_args(gen), deterministic=1)
 
 
+@pytest.mark.parametrize("kernel", ["sm70", "", 90])
+def test_backward_rejects_unknown_kernel(gen, kernel):
+    with pytest.raises(ValueError, match=r"^kernel must be None or one of 'auto', 'sm80', 'sm90', got"):
+        flash_cutlass.flash_backward(**backward_args(gen), kernel=kernel)
+
+
+def test_backward_rejects_unknown_kernel_in_the_environment(gen, monkeypatch):
+    monkeypatch.setenv("FLASH_CUTLASS_BACKWARD_KERNEL", "fastest")
+    with pytest.raises(ValueError, match=r"^FLASH_CUTLASS_BACKWARD_KERNEL must be one of auto, sm80, sm90"):
+        flash_cutlass.flash_backward(**backward_args(gen))
+
+
 def test_flash_attention_rejects_non_bool_causal(gen):
     with pytest.raises(TypeError, match=r"^causal must be a bool, got int"):
         flash_cutlass.flash_attention(*qkv(gen=gen), causal=1)

@@ -14,6 +14,22 @@ from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS
 
 pytestmark = requires_cuda
 
+# Head dims of the Hopper backward (head dims up to 128 of the Hopper path).
+SM90_BACKWARD_HEAD_DIMS = tuple(d for d in COMPILED_SM90_HEAD_DIMS if d <= 128)
+BACKWARD_KERNELS = ("sm80", "sm90")
+
+
+def skip_unless_backward_runs(kernel: str, head_dim: int) -> None:
+    if kernel != "sm90":
+        return
+    if not COMPILED_SM90_HEAD_DIMS:
+        pytest.skip("the Hopper path was not built")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    if head_dim > max(SM90_BACKWARD_HEAD_DIMS, default=0):
+        pytest.skip(f"head_dim {head_dim} exceeds the Hopper backward's head dims {SM90_BACKWARD_HEAD_DIMS}")
+
+
 HEADS = 8
 SEQLENS = [(1, 1), (17, 17), (113, 255), (255, 113), (256, 256), (1023, 1023), (1, 2049), (2049, 17)]
 GQA_HEADS_K = {"mha": HEADS, "gqa4": HEADS // 4, "mqa": 1}
@@ -40,9 +56,11 @@ def check_gradients(grads, q, k, v, dout, scale, causal, label):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=["fp16", "bf16"])
-def test_backward_matches_oracle(cuda_gen, dtype, head_dim, causal, seqlen_q, seqlen_k, gqa):
+@pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
+def test_backward_matches_oracle(cuda_gen, kernel, dtype, head_dim, causal, seqlen_q, seqlen_k, gqa):
     if dtype not in COMPILED_DTYPES:
         pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
+    skip_unless_backward_runs(kernel, head_dim)
     batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
 
     def rand(*shape):
@@ -53,8 +71,8 @@ def test_backward_matches_oracle(cuda_gen, dtype, head_dim, causal, seqlen_q, se
     dout = rand(batch, seqlen_q, HEADS, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm80")
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal)
-    check_gradients(grads, q, k, v, dout, scale, causal, "oracle grid")
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel)
+    check_gradients(grads, q, k, v, dout, scale, causal, f"{kernel} backward")
 
 
 def test_autograd_matches_flash_backward(cuda_gen):
@@ -126,14 +144,16 @@ def test_backward_of_either_forward_path(cuda_gen, forward_kernel):
 
 
 @pytest.mark.parametrize("head_dim", [20, 40, 80, 200])
-def test_backward_head_dims_between_compiled_sizes(cuda_gen, head_dim):
+@pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
+def test_backward_head_dims_between_compiled_sizes(cuda_gen, kernel, head_dim):
     if head_dim > max(COMPILED_HEAD_DIMS):
         pytest.skip(f"head_dim {head_dim} exceeds the compiled head dims {COMPILED_HEAD_DIMS}")
+    skip_unless_backward_runs(kernel, head_dim)
     dtype = COMPILED_DTYPES[0]
     q, dout = (torch.randn(2, 129, 4, head_dim, generator=cuda_gen, device="cuda").to(dtype) for _ in range(2))
     k, v = (torch.randn(2, 77, 2, head_dim, generator=cuda_gen, device="cuda").to(dtype) for _ in range(2))
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True)
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, kernel=kernel)
     assert all(g.is_contiguous() for g in grads)
     check_gradients(grads, q, k, v, dout, head_dim ** -0.5, True, f"head_dim {head_dim}")
 
@@ -184,3 +204,26 @@ def test_backward_memory_is_linear_in_seqlen(cuda_gen):
     input_bytes = q.numel() * q.element_size()
     assert peak <= 8 * input_bytes, f"backward allocated {peak} bytes at its peak, inputs are {input_bytes} each"
     del grads
+
+
+def test_forced_hopper_backward_where_it_cannot_run_raises(cuda_gen):
+    head_dim = COMPILED_HEAD_DIMS[-1]
+    q = torch.randn(1, 64, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
+    out, lse = flash_cutlass.flash_forward(q, q, q)
+    with pytest.raises(RuntimeError, match="kernel='sm90' cannot run this backward: "):
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, deterministic=True, kernel="sm90")
+
+
+def test_backward_kernel_environment_variable(cuda_gen, monkeypatch):
+    head_dim = COMPILED_HEAD_DIMS[0]
+    q = torch.randn(1, 100, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
+    out, lse = flash_cutlass.flash_forward(q, q, q)
+    monkeypatch.setenv("FLASH_CUTLASS_BACKWARD_KERNEL", "sm80")
+    by_env = flash_cutlass.flash_backward(out, q, q, q, out, lse, deterministic=True)
+    monkeypatch.delenv("FLASH_CUTLASS_BACKWARD_KERNEL")
+    forced = flash_cutlass.flash_backward(out, q, q, q, out, lse, deterministic=True, kernel="sm80")
+    for a, b in zip(by_env, forced):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("FLASH_CUTLASS_BACKWARD_KERNEL", "fast")
+    with pytest.raises(ValueError, match="FLASH_CUTLASS_BACKWARD_KERNEL must be one of"):
+        flash_cutlass.flash_backward(out, q, q, q, out, lse)

@@ -14,6 +14,7 @@ HEAD_DIMS = {
     ("fwd", "sm80"): (32, 64, 96, 128, 192, 256),
     ("fwd", "sm90"): (64, 128, 256),
     ("bwd", "sm80"): (32, 64, 96, 128, 192, 256),
+    ("bwd", "sm90"): (64, 128),
 }
 DTYPES = {"FP16": "kFloat16", "BF16": "kBFloat16"}
 PARAMS = {"fwd": "FwdParams", "bwd": "BwdParams"}

@@ -75,6 +75,22 @@ inline constexpr int kCompiledSm90HeadDims[] = {
 // The Hopper-path kernel a head dim runs in.
 inline int sm90_kernel_head_dim(int head_dim) { return smallest_compiled_at_least(kCompiledSm90HeadDims, head_dim); }
 
+// The compiled head dims of the Hopper-path backward (head dims up to 128), ascending.
+inline constexpr int kCompiledSm90BwdHeadDims[] = {
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
+    64,
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
+    128,
+#endif
+    0  // end marker, keeps the array non-empty
+};
+
+// The Hopper-path backward kernel a head dim runs in (0: none).
+inline int sm90_bwd_kernel_head_dim(int head_dim) {
+  return smallest_compiled_at_least(kCompiledSm90BwdHeadDims, head_dim);
+}
+
 inline bool dtype_compiled(DType dtype) {
   return dtype == DType::kFloat16 ? kCompiledFloat16 : kCompiledBFloat16;
 }
@@ -117,6 +133,23 @@ cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_
   if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
 #endif
   return cudaErrorNotSupported;
+}
+
+template <int kHeadDim, bool kCausal>
+cudaError_t run_bwd_sm90_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
+  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
+  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+#endif
+  return cudaErrorNotSupported;
+}
+
+template <int kHeadDim>
+cudaError_t run_bwd_sm90_causal(BwdParams const& params, DType dtype, cudaStream_t stream) {
+  return params.causal ? run_bwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
+                       : run_bwd_sm90_dtype<kHeadDim, false>(params, dtype, stream);
 }
 
 template <int kHeadDim>
@@ -193,6 +226,19 @@ inline cudaError_t run_bwd_sm80(BwdParams const& params, DType dtype, int kernel
 #endif
 #ifdef FLASH_CUTLASS_HDIM_256
     case 256: return detail::run_bwd_sm80_causal<256>(params, dtype, stream);
+#endif
+    default: return cudaErrorNotSupported;
+  }
+}
+
+// Launches the Hopper-path backward compiled for `kernel_hdim` (one of kCompiledSm90BwdHeadDims).
+inline cudaError_t run_bwd_sm90(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
+  switch (kernel_hdim) {
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
+    case 64: return detail::run_bwd_sm90_causal<64>(params, dtype, stream);
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
+    case 128: return detail::run_bwd_sm90_causal<128>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }

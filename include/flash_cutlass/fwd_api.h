@@ -11,6 +11,9 @@ namespace flash_cutlass {
 namespace sm90 {
 template <int kHeadDim, DType kDType, bool kCausal>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
+
+template <int kHeadDim, DType kDType, bool kCausal>
+cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
 }  // namespace sm90
 
 namespace sm80 {

@@ -31,6 +31,26 @@ __device__ __forceinline__ void gemm_wgmma(TiledMma& tiled_mma, FragA const& fra
   if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<FragA&>(frag_a));
 }
 
+// Issues acc (+)= A * B like gemm_wgmma but does not wait: several GEMMs go out back to back, and
+// wait_gemms() waits for all of them. acc (and register A) must not be touched in between.
+template <bool kZeroInit, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void issue_gemm_wgmma(TiledMma& tiled_mma, FragA const& frag_a, FragB const& frag_b,
+                                                 Acc& acc) {
+  using namespace cute;
+  constexpr bool kRegisterA =
+      !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
+  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<FragA&>(frag_a));
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  tiled_mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(frag_a); ++k) {
+    gemm(tiled_mma, frag_a(_, _, k), frag_b(_, _, k), acc);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
 // A wgmma accumulator is laid out ((2 cols, 2 rows, N/8 col groups), MMA_M, MMA_N). Softmax wants
 // (rows, cols) = ((2, MMA_M), (2, N/8, MMA_N)), so that a row is one index.
 template <class Layout>

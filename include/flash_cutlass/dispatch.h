@@ -96,71 +96,71 @@ inline bool dtype_compiled(DType dtype) {
 }
 
 namespace detail {
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, bool kLocal>
 cudaError_t run_fwd_sm80_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kLocal>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kLocal>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, bool kLocal>
 cudaError_t run_fwd_sm90_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kLocal>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kLocal>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
 template <int kHeadDim>
-cudaError_t run_fwd_sm90_causal(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.causal ? run_fwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
+cudaError_t run_fwd_sm90_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
+  return params.is_local ? run_fwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
                        : run_fwd_sm90_dtype<kHeadDim, false>(params, dtype, stream);
 }
 
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, bool kLocal>
 cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kLocal>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kLocal>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, bool kLocal>
 cudaError_t run_bwd_sm90_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kLocal>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kLocal>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
 template <int kHeadDim>
-cudaError_t run_bwd_sm90_causal(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.causal ? run_bwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
+cudaError_t run_bwd_sm90_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
+  return params.is_local ? run_bwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
                        : run_bwd_sm90_dtype<kHeadDim, false>(params, dtype, stream);
 }
 
 template <int kHeadDim>
-cudaError_t run_bwd_sm80_causal(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.causal ? run_bwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
+cudaError_t run_bwd_sm80_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
+  return params.is_local ? run_bwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
                        : run_bwd_sm80_dtype<kHeadDim, false>(params, dtype, stream);
 }
 
 template <int kHeadDim>
-cudaError_t run_fwd_sm80_causal(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.causal ? run_fwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
+cudaError_t run_fwd_sm80_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
+  return params.is_local ? run_fwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
                        : run_fwd_sm80_dtype<kHeadDim, false>(params, dtype, stream);
 }
 }  // namespace detail
@@ -169,22 +169,22 @@ cudaError_t run_fwd_sm80_causal(FwdParams const& params, DType dtype, cudaStream
 inline cudaError_t run_fwd_sm80(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
   switch (kernel_hdim) {
 #ifdef FLASH_CUTLASS_HDIM_32
-    case 32: return detail::run_fwd_sm80_causal<32>(params, dtype, stream);
+    case 32: return detail::run_fwd_sm80_mask<32>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_64
-    case 64: return detail::run_fwd_sm80_causal<64>(params, dtype, stream);
+    case 64: return detail::run_fwd_sm80_mask<64>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_96
-    case 96: return detail::run_fwd_sm80_causal<96>(params, dtype, stream);
+    case 96: return detail::run_fwd_sm80_mask<96>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_128
-    case 128: return detail::run_fwd_sm80_causal<128>(params, dtype, stream);
+    case 128: return detail::run_fwd_sm80_mask<128>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_192
-    case 192: return detail::run_fwd_sm80_causal<192>(params, dtype, stream);
+    case 192: return detail::run_fwd_sm80_mask<192>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_256
-    case 256: return detail::run_fwd_sm80_causal<256>(params, dtype, stream);
+    case 256: return detail::run_fwd_sm80_mask<256>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }
@@ -194,13 +194,13 @@ inline cudaError_t run_fwd_sm80(FwdParams const& params, DType dtype, int kernel
 inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
   switch (kernel_hdim) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
-    case 64: return detail::run_fwd_sm90_causal<64>(params, dtype, stream);
+    case 64: return detail::run_fwd_sm90_mask<64>(params, dtype, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
-    case 128: return detail::run_fwd_sm90_causal<128>(params, dtype, stream);
+    case 128: return detail::run_fwd_sm90_mask<128>(params, dtype, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_256)
-    case 256: return detail::run_fwd_sm90_causal<256>(params, dtype, stream);
+    case 256: return detail::run_fwd_sm90_mask<256>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }
@@ -210,22 +210,22 @@ inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel
 inline cudaError_t run_bwd_sm80(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
   switch (kernel_hdim) {
 #ifdef FLASH_CUTLASS_HDIM_32
-    case 32: return detail::run_bwd_sm80_causal<32>(params, dtype, stream);
+    case 32: return detail::run_bwd_sm80_mask<32>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_64
-    case 64: return detail::run_bwd_sm80_causal<64>(params, dtype, stream);
+    case 64: return detail::run_bwd_sm80_mask<64>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_96
-    case 96: return detail::run_bwd_sm80_causal<96>(params, dtype, stream);
+    case 96: return detail::run_bwd_sm80_mask<96>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_128
-    case 128: return detail::run_bwd_sm80_causal<128>(params, dtype, stream);
+    case 128: return detail::run_bwd_sm80_mask<128>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_192
-    case 192: return detail::run_bwd_sm80_causal<192>(params, dtype, stream);
+    case 192: return detail::run_bwd_sm80_mask<192>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_256
-    case 256: return detail::run_bwd_sm80_causal<256>(params, dtype, stream);
+    case 256: return detail::run_bwd_sm80_mask<256>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }
@@ -235,10 +235,10 @@ inline cudaError_t run_bwd_sm80(BwdParams const& params, DType dtype, int kernel
 inline cudaError_t run_bwd_sm90(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
   switch (kernel_hdim) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
-    case 64: return detail::run_bwd_sm90_causal<64>(params, dtype, stream);
+    case 64: return detail::run_bwd_sm90_mask<64>(params, dtype, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
-    case 128: return detail::run_bwd_sm90_causal<128>(params, dtype, stream);
+    case 128: return detail::run_bwd_sm90_mask<128>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }

@@ -35,10 +35,15 @@ struct FwdParams {
   float softmax_scale = 0.f;
   // softmax_scale * log2(e): scores are exponentiated with exp2.
   float softmax_scale_log2 = 0.f;
-  bool causal = false;
+  // Local attention (causal, a sliding window, or both): query row i sees keys
+  // [i + d - window_left, i + d + window_right], d = seqlen_k - seqlen_q (see common/mask.h).
+  // Both sides are >= 0; an unbounded side is max(seqlen_q, seqlen_k). Causal is (unbounded, 0).
+  bool is_local = false;
+  int window_left = 0;
+  int window_right = 0;
 };
 
-// One backward call: the forward's tensors (q, k, v, out, lse, scale, causal, shapes), dout, the
+// One backward call: the forward's tensors (q, k, v, out, lse, scale, mask, shapes), dout, the
 // gradients and the fp32 work buffers below.
 struct BwdParams : FwdParams {
   const void* dout = nullptr;

@@ -11,7 +11,7 @@ namespace flash_cutlass::sm90 {
 
 // The sm80 path's preprocess, the Hopper main kernel (dK, dV, dQ by atomics), the sm80 path's
 // postprocess. Deterministic dQ is the sm80 path's (the host routes those calls there).
-template <int kHeadDim, DType kDType, bool kCausal>
+template <int kHeadDim, DType kDType, bool kLocal>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
   using Traits = BwdKernelTraits<kHeadDim, Element>;
@@ -23,7 +23,7 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
                                      sm80::kPrePostThreads, 0, params, stream);
   if (status != cudaSuccess) return status;
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  status = launch_kernel(&flash_bwd_sm90<Traits, kCausal>, num_n_blocks * batch_heads, Traits::kThreads,
+  status = launch_kernel(&flash_bwd_sm90<Traits, kLocal>, num_n_blocks * batch_heads, Traits::kThreads,
                          Traits::kSmemBytes, params, stream);
   if (status != cudaSuccess) return status;
   return launch_kernel(&sm80::flash_bwd_postprocess_sm80<kHeadDim, Element>, prepost_ctas, sm80::kPrePostThreads, 0,

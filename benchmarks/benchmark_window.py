@@ -42,6 +42,8 @@ def flex_runner(q, k, v, left, right, direction):
         inside = kv_idx <= q_idx + right if right >= 0 else q_idx >= 0
         return inside & (kv_idx >= q_idx - left) if left >= 0 else inside
 
+    # The timed backward reuses one forward graph (retain_graph=True), which donated buffers forbid.
+    torch._functorch.config.donated_buffer = False
     seqlen = q.shape[1]
     block_mask = create_block_mask(keep, None, None, seqlen, seqlen, device=q.device)
     compiled = torch.compile(flex_attention)

@@ -148,18 +148,21 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_v, smem_thr_copy_v);
     };
     // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-    // the diagonal) come first, then a loop free of masking, then (a window's left edge) masked
-    // ones again.
+    // the diagonal) come first, then a loop free of masking; with kLocal, one loop that masks the
+    // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
     process_tile(last, cute::true_type{}, cute::true_type{});
-    int n_block = last - 1;
-    for (; n_block >= max(key_blocks.unmasked_end, key_blocks.begin); --n_block) {
-      process_tile(n_block, cute::false_type{}, cute::true_type{});
-    }
-    for (; n_block >= max(key_blocks.unmasked_begin, key_blocks.begin); --n_block) {
-      process_tile(n_block, cute::false_type{}, cute::false_type{});
-    }
     if constexpr (kLocal) {
-      for (; n_block >= key_blocks.begin; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+      for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
+        if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
+          process_tile(n_block, cute::false_type{}, cute::true_type{});
+        } else {
+          process_tile(n_block, cute::false_type{}, cute::false_type{});
+        }
+      }
+    } else {
+      int n_block = last - 1;
+      for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+      for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
     }
 
     float lse[kRowsPerThread];

@@ -153,19 +153,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++state;
     };
     // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-    // the diagonal) come first, then a loop free of masking, then (a window's left edge) masked
-    // ones again. The producer loads the same blocks in the same order.
+    // the diagonal) come first, then a loop free of masking; with kLocal, one loop that masks the
+    // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
+    // The producer loads the same blocks in the same order.
     const int last = key_blocks.end - 1;
     process_tile(last, cute::true_type{}, cute::true_type{});
-    int n_block = last - 1;
-    for (; n_block >= max(key_blocks.unmasked_end, key_blocks.begin); --n_block) {
-      process_tile(n_block, cute::false_type{}, cute::true_type{});
-    }
-    for (; n_block >= max(key_blocks.unmasked_begin, key_blocks.begin); --n_block) {
-      process_tile(n_block, cute::false_type{}, cute::false_type{});
-    }
     if constexpr (kLocal) {
-      for (; n_block >= key_blocks.begin; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+      for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
+        if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
+          process_tile(n_block, cute::false_type{}, cute::true_type{});
+        } else {
+          process_tile(n_block, cute::false_type{}, cute::false_type{});
+        }
+      }
+    } else {
+      int n_block = last - 1;
+      for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+      for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
     }
     softmax.finalize(acc_o_rc, params.softmax_scale, lse);
   } else {

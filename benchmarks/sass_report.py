@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128, help="compiled head dim (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
     parser.add_argument("--causal", action="store_true", help="the causal instantiation")
+    parser.add_argument("--sass", type=Path, metavar="PATH",
+                        help="also write the whole SASS here (to diff two versions of a kernel)")
     args = parser.parse_args(argv)
     head_dims = HEAD_DIMS.get((args.direction, args.path), ())
     if not head_dims:
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
             sys.exit(f"nvcc failed:\n{build.stderr}")
         sass = subprocess.run([cuobjdump(), "--dump-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
+    if args.sass:
+        args.sass.write_text(sass)
 
     print(f"{name} ({TARGETS[args.path].rsplit('code=', 1)[1]})")
     for line in build.stderr.splitlines():

@@ -8,34 +8,41 @@
 
 namespace flash_cutlass::sm80 {
 
-// Preprocess (D, dq_accum zeroed), the main kernel (dK, dV, and dQ by atomics), with
-// params.deterministic a second kernel that sums dQ over the key blocks in a fixed order instead,
-// then the postprocess (dQ scaled and converted).
-template <int kHeadDim, DType kDType, bool kLocal>
-cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
-  using Element = typename ElementOf<kDType>::type;
-  using Traits = BwdTraitsFor<kHeadDim, Element>;
-  const int64_t batch_heads = int64_t(params.batch) * params.heads;
-  const int64_t row_threads = batch_heads * params.seqlen_q * kThreadsPerRow<kHeadDim>;
+// The preprocess (D, dq_accum zeroed), `launch_main` (the main kernel or kernels of a path), then
+// the postprocess (dQ scaled and converted): the frame of every backward path.
+template <int kHeadDim, class Element, class LaunchMain>
+cudaError_t run_bwd_stages(BwdParams const& params, cudaStream_t stream, LaunchMain&& launch_main) {
+  const int64_t row_threads = int64_t(params.batch) * params.heads * params.seqlen_q * kThreadsPerRow<kHeadDim>;
   const int64_t prepost_ctas = (row_threads + kPrePostThreads - 1) / kPrePostThreads;
   cudaError_t status = launch_kernel(&flash_bwd_preprocess_sm80<kHeadDim, Element>, prepost_ctas, kPrePostThreads,
                                      0, params, stream);
   if (status != cudaSuccess) return status;
-  const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  if (!params.deterministic) {
-    status = launch_kernel(&flash_bwd_sm80<Traits, kLocal, true>, num_n_blocks * batch_heads, Traits::kThreads,
-                           Traits::kSmemBytes, params, stream);
-  } else {
-    status = launch_kernel(&flash_bwd_sm80<Traits, kLocal, false>, num_n_blocks * batch_heads, Traits::kThreads,
-                           Traits::kSmemBytes, params, stream);
-    if (status != cudaSuccess) return status;
-    const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    status = launch_kernel(&flash_bwd_dq_sm80<Traits, kLocal>, num_m_blocks * batch_heads, Traits::kThreads,
-                           Traits::kSmemBytesDq, params, stream);
-  }
+  status = launch_main();
   if (status != cudaSuccess) return status;
   return launch_kernel(&flash_bwd_postprocess_sm80<kHeadDim, Element>, prepost_ctas, kPrePostThreads, 0, params,
                        stream);
+}
+
+// The main kernel (dK, dV, and dQ by atomics), or with params.deterministic, a second kernel that
+// sums dQ over the key blocks in a fixed order instead, between the preprocess and postprocess.
+template <int kHeadDim, DType kDType, bool kCausal>
+cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
+  using Element = typename ElementOf<kDType>::type;
+  using Traits = BwdTraitsFor<kHeadDim, Element>;
+  return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
+    const int64_t batch_heads = int64_t(params.batch) * params.heads;
+    const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    if (!params.deterministic) {
+      return launch_kernel(&flash_bwd_sm80<Traits, kCausal, true>, num_n_blocks * batch_heads, Traits::kThreads,
+                           Traits::kSmemBytes, params, stream);
+    }
+    cudaError_t status = launch_kernel(&flash_bwd_sm80<Traits, kCausal, false>, num_n_blocks * batch_heads,
+                                       Traits::kThreads, Traits::kSmemBytes, params, stream);
+    if (status != cudaSuccess) return status;
+    const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    return launch_kernel(&flash_bwd_dq_sm80<Traits, kCausal>, num_m_blocks * batch_heads, Traits::kThreads,
+                         Traits::kSmemBytesDq, params, stream);
+  });
 }
 
 }  // namespace flash_cutlass::sm80

@@ -8,31 +8,11 @@
 
 namespace flash_cutlass::sm90 {
 
-// acc (+)= A * B over every k-block. A is either shared-memory descriptors or registers (then it
-// must be fenced like the accumulator); B always comes from shared memory. kZeroInit overwrites
-// acc instead of adding to it. Returns once the warpgroup's MMAs are complete.
-template <bool kZeroInit, class TiledMma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void gemm_wgmma(TiledMma& tiled_mma, FragA const& frag_a, FragB const& frag_b, Acc& acc) {
-  using namespace cute;
-  constexpr bool kRegisterA =
-      !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
-  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<FragA&>(frag_a));
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  tiled_mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(frag_a); ++k) {
-    gemm(tiled_mma, frag_a(_, _, k), frag_b(_, _, k), acc);
-    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<FragA&>(frag_a));
-}
-
-// Issues acc (+)= A * B like gemm_wgmma but does not wait: several GEMMs go out back to back, and
-// wait_gemms() waits for all of them. acc (and register A) must not be touched in between.
+// Issues acc (+)= A * B over every k-block as wgmma instructions and does not wait: several GEMMs
+// go out back to back, and warpgroup_wait<0>() waits for all of them. A is either shared-memory
+// descriptors or registers (then it is fenced like the accumulator); B always comes from shared
+// memory. kZeroInit overwrites acc instead of adding to it. acc (and register A) must not be
+// touched before the wait.
 template <bool kZeroInit, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void issue_gemm_wgmma(TiledMma& tiled_mma, FragA const& frag_a, FragB const& frag_b,
                                                  Acc& acc) {
@@ -49,6 +29,18 @@ __device__ __forceinline__ void issue_gemm_wgmma(TiledMma& tiled_mma, FragA cons
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+
+// issue_gemm_wgmma, then the wait: returns once the warpgroup's MMAs are complete.
+template <bool kZeroInit, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void gemm_wgmma(TiledMma& tiled_mma, FragA const& frag_a, FragB const& frag_b, Acc& acc) {
+  using namespace cute;
+  issue_gemm_wgmma<kZeroInit>(tiled_mma, frag_a, frag_b, acc);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if constexpr (!std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>) {
+    warpgroup_fence_operand(const_cast<FragA&>(frag_a));
+  }
 }
 
 // A wgmma accumulator is laid out ((2 cols, 2 rows, N/8 col groups), MMA_M, MMA_N). Softmax wants

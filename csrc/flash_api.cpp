@@ -129,8 +129,9 @@ AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const a
 
 // The mask of a call into params: causal and window_size = (window_left, window_right) as the
 // Python API takes them (-1: unbounded; causal bounds the right side at 0). A side that reaches
-// every key of every row is stored as unbounded, max(seqlen_q, seqlen_k); a call with both sides
-// unbounded runs the kernels without a mask (kLocal false).
+// every key of every row counts as unbounded (stored as max(seqlen_q, seqlen_k)): causal calls
+// without a real left bound run the causal kernels, calls without any bound the unmasked ones,
+// and the rest the sliding-window kernels.
 void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_t window_right) {
   TORCH_CHECK(window_left >= -1 && window_right >= -1, "window_size entries must be >= -1, got (", window_left, ", ",
               window_right, ")");
@@ -141,9 +142,18 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
   // right >= seqlen_q - 1.
   const bool left_unbounded = window_left < 0 || window_left >= params.seqlen_k - 1;
   const bool right_unbounded = window_right < 0 || window_right >= params.seqlen_q - 1;
-  params.is_local = !(left_unbounded && right_unbounded);
   params.window_left = left_unbounded ? unbounded : static_cast<int>(window_left);
   params.window_right = right_unbounded ? unbounded : static_cast<int>(window_right);
+  if (causal && left_unbounded) {
+    params.mask = MaskKind::kCausal;
+  } else if (left_unbounded && right_unbounded) {
+    params.mask = MaskKind::kNone;
+  } else {
+    TORCH_CHECK(kCompiledWindow, "window_size ", "(", window_left, ", ", window_right,
+                ") needs the sliding-window kernels, which this build left out (FLASH_CUTLASS_WINDOW=0); "
+                "rebuild with FLASH_CUTLASS_WINDOW=1");
+    params.mask = MaskKind::kLocal;
+  }
 }
 
 // Writes the pointers, strides, sizes, scale and mask of q, k, v, out and lse into params.
@@ -342,5 +352,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);
+  m.attr("compiled_window") = flash_cutlass::kCompiledWindow;
   m.attr("compiled_archs") = std::string(FLASH_CUTLASS_ARCHS_STRING);
 }

@@ -55,6 +55,12 @@ def compiled_sm90_head_dims() -> Tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_window() -> bool:
+    """Whether this build has the sliding-window kernels (window_size=; FLASH_CUTLASS_WINDOW)."""
+    return bool(_extension().compiled_window)
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_dtypes() -> Tuple[torch.dtype, ...]:
     """Input dtypes compiled into the extension."""
     return tuple(getattr(torch, name) for name in _extension().compiled_dtypes())

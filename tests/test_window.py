@@ -123,6 +123,17 @@ GPU_SEQLENS = [(113, 255), (255, 113), (256, 256), (1023, 1023), (2049, 17), (1,
 HEADS = 8
 
 
+def window_kernels_compiled() -> bool:
+    try:
+        return flash_cutlass.compiled_window()
+    except RuntimeError:  # no extension: the GPU tests skip anyway
+        return True
+
+
+requires_window_kernels = pytest.mark.skipif(
+    not window_kernels_compiled(), reason="the sliding-window kernels were left out (FLASH_CUTLASS_WINDOW=0)")
+
+
 def kernel_unavailable(kernel, head_dim, direction):
     if kernel == "sm80":
         return ""
@@ -146,6 +157,7 @@ def cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, head_dim, heads_k):
 
 
 @requires_cuda
+@requires_window_kernels
 @pytest.mark.parametrize("seqlen_q,seqlen_k", GPU_SEQLENS)
 @pytest.mark.parametrize("window", GPU_WINDOWS)
 @pytest.mark.parametrize("causal", [False, True])
@@ -181,6 +193,7 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, ca
 
 
 @requires_cuda
+@requires_window_kernels
 def test_deterministic_backward_with_window_is_bitwise_reproducible(cuda_gen):
     dtype = COMPILED_DTYPES[-1]
     q, k, v, dout = cuda_inputs(cuda_gen, dtype, 700, 900, COMPILED_HEAD_DIMS[0], 2)
@@ -192,12 +205,28 @@ def test_deterministic_backward_with_window_is_bitwise_reproducible(cuda_gen):
 
 
 @requires_cuda
+@pytest.mark.skipif(window_kernels_compiled(), reason="this build has the sliding-window kernels")
+def test_window_without_its_kernels_names_the_build_flag(cuda_gen):
+    q, k, v, _ = cuda_inputs(cuda_gen, COMPILED_DTYPES[-1], 64, 64, COMPILED_HEAD_DIMS[0], HEADS)
+    with pytest.raises(RuntimeError, match="FLASH_CUTLASS_WINDOW=0"):
+        flash_cutlass.flash_forward(q, k, v, window_size=(8, 0))
+    # Windows that reach every key need no window kernel.
+    flash_cutlass.flash_forward(q, k, v, causal=True, window_size=(100, 0))
+
+
+@requires_cuda
 def test_window_wider_than_the_sequence_equals_full_attention(cuda_gen):
     dtype = COMPILED_DTYPES[-1]
     q, k, v, _ = cuda_inputs(cuda_gen, dtype, 300, 300, COMPILED_HEAD_DIMS[-1], HEADS)
     full = flash_cutlass.flash_forward(q, k, v)
     wide = flash_cutlass.flash_forward(q, k, v, window_size=(299, 299))
     causal = flash_cutlass.flash_forward(q, k, v, causal=True)
-    wide_causal = flash_cutlass.flash_forward(q, k, v, causal=False, window_size=(5000, 0))
-    for a, b in ((full, wide), (causal, wide_causal)):
+    causal_wide = flash_cutlass.flash_forward(q, k, v, causal=True, window_size=(5000, 7))
+    # Windows that reach every key run the kernels without a window: bitwise the same results.
+    for a, b in ((full, wide), (causal, causal_wide)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    if window_kernels_compiled():
+        # (unbounded, 0) without causal is the causal mask, computed by the window kernel.
+        local = flash_cutlass.flash_forward(q, k, v, window_size=(5000, 0))
+        torch.testing.assert_close(local[0], causal[0], atol=0, rtol=0)
+        torch.testing.assert_close(local[1], causal[1], atol=0, rtol=0)

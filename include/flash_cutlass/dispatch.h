@@ -3,6 +3,8 @@
 // pruned build links only what it compiled.
 #pragma once
 
+#include <type_traits>
+
 #include <cuda_runtime_api.h>
 
 #include "flash_cutlass/fwd_api.h"
@@ -41,6 +43,14 @@ inline constexpr bool kCompiledFloat16 =
 #endif
 inline constexpr bool kCompiledBFloat16 =
 #ifdef FLASH_CUTLASS_DTYPE_BF16
+    true;
+#else
+    false;
+#endif
+
+// The sliding-window kernels (MaskKind::kLocal), built unless FLASH_CUTLASS_WINDOW=0.
+inline constexpr bool kCompiledWindow =
+#ifdef FLASH_CUTLASS_WINDOW
     true;
 #else
     false;
@@ -96,72 +106,87 @@ inline bool dtype_compiled(DType dtype) {
 }
 
 namespace detail {
-template <int kHeadDim, bool kLocal>
+template <int kHeadDim, MaskKind kMaskKind>
 cudaError_t run_fwd_sm80_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kLocal>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kLocal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, bool kLocal>
+template <int kHeadDim, MaskKind kMaskKind>
 cudaError_t run_fwd_sm90_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kLocal>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kLocal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim>
-cudaError_t run_fwd_sm90_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.is_local ? run_fwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
-                       : run_fwd_sm90_dtype<kHeadDim, false>(params, dtype, stream);
-}
-
-template <int kHeadDim, bool kLocal>
+template <int kHeadDim, MaskKind kMaskKind>
 cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kLocal>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kLocal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, bool kLocal>
+template <int kHeadDim, MaskKind kMaskKind>
 cudaError_t run_bwd_sm90_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kLocal>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kLocal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim>
-cudaError_t run_bwd_sm90_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.is_local ? run_bwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
-                       : run_bwd_sm90_dtype<kHeadDim, false>(params, dtype, stream);
-}
-
-template <int kHeadDim>
-cudaError_t run_bwd_sm80_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.is_local ? run_bwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
-                       : run_bwd_sm80_dtype<kHeadDim, false>(params, dtype, stream);
+// Calls run(std::integral_constant<MaskKind, params.mask>{}): the instantiation of the call's
+// mask kind (the window's only when the build compiled it).
+template <class Run>
+cudaError_t with_mask_kind(FwdParams const& params, Run&& run) {
+  switch (params.mask) {
+    case MaskKind::kNone:
+      return run(std::integral_constant<MaskKind, MaskKind::kNone>{});
+    case MaskKind::kCausal:
+      return run(std::integral_constant<MaskKind, MaskKind::kCausal>{});
+    case MaskKind::kLocal:
+#ifdef FLASH_CUTLASS_WINDOW
+      return run(std::integral_constant<MaskKind, MaskKind::kLocal>{});
+#else
+      return cudaErrorNotSupported;
+#endif
+  }
+  return cudaErrorInvalidValue;
 }
 
 template <int kHeadDim>
 cudaError_t run_fwd_sm80_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.is_local ? run_fwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
-                       : run_fwd_sm80_dtype<kHeadDim, false>(params, dtype, stream);
+  return with_mask_kind(params, [&](auto kind) { return run_fwd_sm80_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
+}
+
+template <int kHeadDim>
+cudaError_t run_fwd_sm90_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
+  return with_mask_kind(params, [&](auto kind) { return run_fwd_sm90_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
+}
+
+template <int kHeadDim>
+cudaError_t run_bwd_sm80_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
+  return with_mask_kind(params, [&](auto kind) { return run_bwd_sm80_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
+}
+
+template <int kHeadDim>
+cudaError_t run_bwd_sm90_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
+  return with_mask_kind(params, [&](auto kind) { return run_bwd_sm90_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
 }
 }  // namespace detail
 

@@ -44,10 +44,12 @@ struct KeyBlockRange {
   int unmasked_end;    // query block (an empty range when unmasked_end <= unmasked_begin)
 };
 
-template <int kBlockM, int kBlockN, bool kLocal>
-__device__ __forceinline__ KeyBlockRange key_block_range(KeyMask<kLocal> const& mask, int m_block) {
+template <int kBlockM, int kBlockN, MaskKind kKind>
+__device__ __forceinline__ KeyBlockRange key_block_range(KeyMask<kKind> const& mask, int m_block) {
   const int first_row = m_block * kBlockM;
-  const int last_row = min(first_row + kBlockM, mask.seqlen_q) - 1;
+  // Rows past seqlen_q only widen the range; with a window, leave them out so that its left edge
+  // is that of the last real row.
+  const int last_row = KeyMask<kKind>::kLocal ? min(first_row + kBlockM, mask.seqlen_q) - 1 : first_row + kBlockM - 1;
   const int visible_begin = mask.key_begin(first_row);
   const int visible_end = max(0, mask.key_limit(last_row));
   const int unmasked_begin = mask.key_begin(last_row);
@@ -57,12 +59,13 @@ __device__ __forceinline__ KeyBlockRange key_block_range(KeyMask<kLocal> const& 
 }
 
 // The query blocks whose rows see any key of [key_start, key_start + block_n): [begin, end).
-template <int kBlockM, bool kLocal>
-__device__ __forceinline__ int2 query_block_range(KeyMask<kLocal> const& mask, int key_start, int block_n) {
+template <int kBlockM, MaskKind kKind>
+__device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, int key_start, int block_n) {
   const int num_m_blocks = (mask.seqlen_q + kBlockM - 1) / kBlockM;
-  if (!kLocal) return {0, num_m_blocks};
-  // Row i sees key j iff key_begin(i) <= j < key_limit(i), both non-decreasing in i.
   const int diagonal = mask.seqlen_k - mask.seqlen_q;
+  if constexpr (kKind == MaskKind::kNone) return {0, num_m_blocks};
+  // Row i sees key j iff key_begin(i) <= j < key_limit(i), both non-decreasing in i.
+  if constexpr (kKind == MaskKind::kCausal) return {max(0, key_start - diagonal) / kBlockM, num_m_blocks};
   const int key_end = min(key_start + block_n, mask.seqlen_k);
   const int first_row = max(0, key_start - diagonal - mask.window_right);
   const int row_end = min(mask.seqlen_q, key_end - diagonal + mask.window_left);

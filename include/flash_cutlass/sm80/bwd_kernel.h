@@ -207,7 +207,7 @@ __device__ __forceinline__ void store_rows(To* dst, int64_t row_stride, Acc cons
 
 // kAccumulateDq: add dS K into dq_accum with atomics; without it (deterministic mode) dQ comes
 // from flash_bwd_dq_sm80.
-template <class Traits, bool kLocal, bool kAccumulateDq>
+template <class Traits, MaskKind kMaskKind, bool kAccumulateDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   const int batch = batch_head / params.heads;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const KeyMask<kLocal> mask = key_mask_of<kLocal>(params);
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 // Deterministic dQ: one CTA per (query block, head, batch) keeps Q and dO in shared memory, walks
 // the key blocks it sees in a fixed order and accumulates dQ = dS K in registers, then stores it
 // (fp32, unscaled) into dq_accum without atomics.
-template <class Traits, bool kLocal>
+template <class Traits, MaskKind kMaskKind>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -456,7 +456,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   const int batch = batch_head / params.heads;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const KeyMask<kLocal> mask = key_mask_of<kLocal>(params);
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const int row_start = m_block * kBlockM;
   const int rows_left_q = params.seqlen_q - row_start;
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);

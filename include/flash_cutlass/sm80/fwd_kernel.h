@@ -17,7 +17,7 @@
 
 namespace flash_cutlass::sm80 {
 
-template <class Traits, bool kLocal>
+template <class Traits, MaskKind kMaskKind>
 __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* smem, int m_block, int batch,
                                                 int head) {
   using namespace cute;
@@ -32,7 +32,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   const int tidx = threadIdx.x;
   const int head_k = kv_head_of(head, params);
   const int rows_left_q = params.seqlen_q - m_block * kBlockM;
-  const KeyMask<kLocal> mask = key_mask_of<kLocal>(params);
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
   // Global views of this (batch, head): (seqlen, kHeadDim); columns past head_dim are predicated.
@@ -148,10 +148,10 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_v, smem_thr_copy_v);
     };
     // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-    // the diagonal) come first, then a loop free of masking; with kLocal, one loop that masks the
+    // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
     // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
     process_tile(last, cute::true_type{}, cute::true_type{});
-    if constexpr (kLocal) {
+    if constexpr (kMaskKind == MaskKind::kLocal) {
       for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
         if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
           process_tile(n_block, cute::false_type{}, cute::true_type{});
@@ -201,13 +201,13 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 
 // Grid: one CTA per (query block, head, batch), flattened into x. Query blocks run from the last
 // to the first so that, with a causal mask, the longest blocks start first.
-template <int kHeadDim, class Element, bool kLocal>
+template <int kHeadDim, class Element, MaskKind kMaskKind>
 __global__ void __launch_bounds__(FwdTraitsFor<kHeadDim, Element>::kThreads, 1)
     flash_fwd_sm80(__grid_constant__ const FwdParams params) {
   using Traits = FwdTraitsFor<kHeadDim, Element>;
   extern __shared__ __align__(128) char smem[];
   const QueryTile tile = query_tile_of_this_cta<Traits::kBlockM>(params);
-  fwd_query_block<Traits, kLocal>(params, smem, tile.m_block, tile.batch, tile.head);
+  fwd_query_block<Traits, kMaskKind>(params, smem, tile.m_block, tile.batch, tile.head);
 }
 
 }  // namespace flash_cutlass::sm80

@@ -100,11 +100,11 @@ struct BwdKernelTraits {
 
 // In place, on S^T and dP^T as (keys, queries): P^T = exp(scale S^T - lse) and
 // dS^T = P^T (dP^T - D), the query's LSE (in log2 units) and D read from shared memory. With
-// kMask, keys past seqlen_k and (kLocal) keys outside a query's window get P = 0 first.
-template <bool kMask, bool kLocal, class TensorS, class TensorDP, class Coords>
+// kApplyMask, keys past seqlen_k and keys outside a query's causal mask or window get P = 0 first.
+template <bool kApplyMask, MaskKind kMaskKind, class TensorS, class TensorDP, class Coords>
 __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, TensorDP& dpt, Coords const& coords,
                                                                 int key_start, int row_start,
-                                                                KeyMask<kLocal> const& mask, float scale_log2,
+                                                                KeyMask<kMaskKind> const& mask, float scale_log2,
                                                                 const float* lse, const float* dsum) {
   using namespace cute;
   CUTE_UNROLL
@@ -119,9 +119,9 @@ __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, Ten
     CUTE_UNROLL
     for (int r = 0; r < size<0>(st); ++r) {
       float s = st(r, c) * scale_log2;
-      if constexpr (kMask) {
+      if constexpr (kApplyMask) {
         const int key = key_start + get<0>(coords(r, c));
-        if (key >= key_limit || (kLocal && key < key_begin)) s = -INFINITY;
+        if (key >= key_limit || (KeyMask<kMaskKind>::kLocal && key < key_begin)) s = -INFINITY;
       }
       st(r, c) = exp2f(s - row_lse);
       dpt(r, c) = st(r, c) * (dpt(r, c) - row_dsum);
@@ -129,7 +129,7 @@ __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, Ten
   }
 }
 
-template <class Traits, bool kLocal>
+template <class Traits, MaskKind kMaskKind>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_constant__ const BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   const int batch = batch_head / params.heads;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const KeyMask<kLocal> mask = key_mask_of<kLocal>(params);
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.

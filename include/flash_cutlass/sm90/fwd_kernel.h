@@ -33,7 +33,7 @@ struct FwdKernelParams {
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 
-template <class Traits, bool kLocal>
+template <class Traits, MaskKind kMaskKind>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const QueryTile tile = query_tile_of_this_cta<kBlockM>(params);
   const int m_block = tile.m_block, head = tile.head, batch = tile.batch;
   const int head_k = kv_head_of(head, params);
-  const KeyMask<kLocal> mask = key_mask_of<kLocal>(params);
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;
@@ -153,12 +153,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++state;
     };
     // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-    // the diagonal) come first, then a loop free of masking; with kLocal, one loop that masks the
+    // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
     // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
     // The producer loads the same blocks in the same order.
     const int last = key_blocks.end - 1;
     process_tile(last, cute::true_type{}, cute::true_type{});
-    if constexpr (kLocal) {
+    if constexpr (kMaskKind == MaskKind::kLocal) {
       for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
         if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
           process_tile(n_block, cute::false_type{}, cute::true_type{});

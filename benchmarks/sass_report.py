@@ -8,7 +8,7 @@ warpgroup MMA issue/wait points and softmax exponentials in the main loop (a blo
 between `WARPGROUP.DEPBAR.LE gsb0, 0x1` and `... 0x0` means the softmax overlaps an MMA).
 
     python3 benchmarks/sass_report.py --path sm90 --head-dim 128
-    python3 benchmarks/sass_report.py --path sm80 --head-dim 64 --dtype fp16 --causal
+    python3 benchmarks/sass_report.py --path sm80 --head-dim 64 --dtype fp16 --mask causal
     python3 benchmarks/sass_report.py --direction backward --path sm80 --head-dim 128
 
 Needs nvcc and cuobjdump (from the CUDA toolkit, or the copy Triton ships under
@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     parser.add_argument("--path", choices=sorted(TARGETS), default="sm90", help="kernel path (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=128, help="compiled head dim (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
-    parser.add_argument("--causal", action="store_true", help="the causal instantiation")
+    parser.add_argument("--mask", choices=("none", "causal", "local"), default="none",
+                        help="the instantiation of this mask kind (local: sliding window; default: %(default)s)")
     parser.add_argument("--sass", type=Path, metavar="PATH",
                         help="also write the whole SASS here (to diff two versions of a kernel)")
     args = parser.parse_args(argv)
@@ -87,14 +88,15 @@ def main(argv=None) -> int:
 
     dtype = {"bf16": "kBFloat16", "fp16": "kFloat16"}[args.dtype]
     short, params = ("fwd", "FwdParams") if args.direction == "forward" else ("bwd", "BwdParams")
-    name = f"{short}_{args.path}_hdim{args.head_dim}_{args.dtype}_{'causal' if args.causal else 'noncausal'}"
+    name = f"{short}_{args.path}_hdim{args.head_dim}_{args.dtype}_{args.mask}"
+    mask_kind = {"none": "kNone", "causal": "kCausal", "local": "kLocal"}[args.mask]
     with tempfile.TemporaryDirectory() as tmp:
         # One instantiation alone (csrc/instantiations groups every dtype and mask of a head dim).
         source = Path(tmp) / f"{name}.cu"
         source.write_text(
             f'#include "flash_cutlass/{args.path}/{short}_launch.h"\n'
             f"template cudaError_t flash_cutlass::{args.path}::run_{short}<{args.head_dim}, "
-            f"flash_cutlass::DType::{dtype}, {str(args.causal).lower()}>(flash_cutlass::{params} const&, "
+            f"flash_cutlass::DType::{dtype}, flash_cutlass::MaskKind::{mask_kind}>(flash_cutlass::{params} const&, "
             f"cudaStream_t);\n")
         cubin = Path(tmp) / "kernel.cubin"
         nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", TARGETS[args.path], "-O3", "--use_fast_math",
@@ -113,7 +115,10 @@ def main(argv=None) -> int:
         entry = re.search(r"Compiling entry function '_ZN13flash_cutlass4sm[89]0\d+(flash_\w+?)I", line)
         if entry:
             flags = re.findall(r"Lb([01])E", line)
-            print(f"  {entry.group(1)}" + (f" (bool template arguments {', '.join(flags)})" if flags else ""))
+            kinds = re.findall(r"MaskKindE(\d)E", line)
+            details = ([f"mask kind {', '.join(kinds)}"] if kinds else []) + (
+                [f"bool template arguments {', '.join(flags)}"] if flags else [])
+            print(f"  {entry.group(1)}" + (f" ({'; '.join(details)})" if details else ""))
         elif "registers" in line or "spill" in line:
             print("    ptxas:", line.split(":", 1)[-1].strip())
     instructions = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)", sass)]

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 #include <string>
@@ -126,10 +127,39 @@ AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const a
   return shape;
 }
 
-// Writes the pointers, strides, sizes and scale of q, k, v, out and lse into params.
+// The mask of a call into params: causal and window_size = (window_left, window_right) as the
+// Python API takes them (-1: unbounded; causal bounds the right side at 0). A side that reaches
+// every key of every row counts as unbounded (stored as max(seqlen_q, seqlen_k)): causal calls
+// without a real left bound run the causal kernels, calls without any bound the unmasked ones,
+// and the rest the sliding-window kernels.
+void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_t window_right) {
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, "window_size entries must be >= -1, got (", window_left, ", ",
+              window_right, ")");
+  if (causal) window_right = 0;
+  const int unbounded = std::max(params.seqlen_q, params.seqlen_k);
+  // Row i sees keys from i + d - left to i + d + right (d = seqlen_k - seqlen_q): the left side
+  // reaches key 0 for every row when left >= seqlen_k - 1, the right side the last key when
+  // right >= seqlen_q - 1.
+  const bool left_unbounded = window_left < 0 || window_left >= params.seqlen_k - 1;
+  const bool right_unbounded = window_right < 0 || window_right >= params.seqlen_q - 1;
+  params.window_left = left_unbounded ? unbounded : static_cast<int>(window_left);
+  params.window_right = right_unbounded ? unbounded : static_cast<int>(window_right);
+  if (causal && left_unbounded) {
+    params.mask = MaskKind::kCausal;
+  } else if (left_unbounded && right_unbounded) {
+    params.mask = MaskKind::kNone;
+  } else {
+    TORCH_CHECK(kCompiledWindow, "window_size ", "(", window_left, ", ", window_right,
+                ") needs the sliding-window kernels, which this build left out (FLASH_CUTLASS_WINDOW=0); "
+                "rebuild with FLASH_CUTLASS_WINDOW=1");
+    params.mask = MaskKind::kLocal;
+  }
+}
+
+// Writes the pointers, strides, sizes, scale and mask of q, k, v, out and lse into params.
 void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& lse, AttentionShape const& shape,
-                          double softmax_scale, bool causal) {
+                          double softmax_scale, bool causal, int64_t window_left, int64_t window_right) {
   params.q = q.data_ptr();
   params.k = k.data_ptr();
   params.v = v.data_ptr();
@@ -155,11 +185,11 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
   params.head_dim = static_cast<int>(shape.head_dim);
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  params.causal = causal;
+  set_mask_params(params, causal, window_left, window_right);
 }
 
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-             double softmax_scale, bool causal, int64_t kernel_choice) {
+             double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) return;
   TORCH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
@@ -167,7 +197,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   const int64_t head_dim = shape.head_dim;
   const int kernel_hdim = shape.kernel_hdim;
   FwdParams params;
-  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal);
+  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right);
 
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -195,7 +225,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 // each group here.
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
-              const at::Tensor& dv, double softmax_scale, bool causal, bool deterministic, int64_t kernel_choice) {
+              const at::Tensor& dv, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+              bool deterministic, int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   check_operand(dout, "dout", 4);
@@ -244,7 +275,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   }
 
   BwdParams params;
-  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal);
+  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right);
   params.dout = dout.data_ptr();
   params.dout_batch_stride = dout.stride(0);
   params.dout_row_stride = dout.stride(1);
@@ -311,14 +342,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_cutlass CUDA kernels (internal; use the flash_cutlass package)";
   m.def("forward", &flash_cutlass::forward, "Attention forward into preallocated out and lse",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("kernel_choice"));
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
+        pybind11::arg("window_right"), pybind11::arg("kernel_choice"));
   m.def("backward", &flash_cutlass::backward, "Attention backward into preallocated dq, dk and dv",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
-        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("deterministic"),
-        pybind11::arg("kernel_choice"));
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
+        pybind11::arg("window_right"), pybind11::arg("deterministic"), pybind11::arg("kernel_choice"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);
+  m.attr("compiled_window") = flash_cutlass::kCompiledWindow;
   m.attr("compiled_archs") = std::string(FLASH_CUTLASS_ARCHS_STRING);
 }

@@ -1,6 +1,7 @@
 """flash_cutlass: exact FlashAttention for PyTorch, hand-written CUDA kernels on CUTLASS/CuTe.
 
-    out, lse = flash_cutlass.flash_forward(q, k, v, softmax_scale=None, causal=False, kernel=None)
+    out, lse = flash_cutlass.flash_forward(q, k, v, softmax_scale=None, causal=False, kernel=None,
+                                           window_size=(-1, -1))
 
 CUDA tensors (fp16/bf16, compute capability >= 8.0) run the compiled kernels; CPU tensors run
 the slow pure-PyTorch reference in flash_cutlass.reference with the same semantics.
@@ -12,6 +13,7 @@ from flash_cutlass.interface import (
     compiled_dtypes,
     compiled_head_dims,
     compiled_sm90_head_dims,
+    compiled_window,
     flash_backward,
     flash_forward,
 )
@@ -23,6 +25,7 @@ __all__ = [
     "compiled_dtypes",
     "compiled_head_dims",
     "compiled_sm90_head_dims",
+    "compiled_window",
     "flash_attention",
     "flash_backward",
     "flash_forward",

@@ -55,6 +55,12 @@ def compiled_sm90_head_dims() -> Tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_window() -> bool:
+    """Whether this build has the sliding-window kernels (window_size=; FLASH_CUTLASS_WINDOW)."""
+    return bool(_extension().compiled_window)
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_dtypes() -> Tuple[torch.dtype, ...]:
     """Input dtypes compiled into the extension."""
     return tuple(getattr(torch, name) for name in _extension().compiled_dtypes())
@@ -121,8 +127,9 @@ def kernel_choice(kernel: Optional[str], env: str = KERNEL_ENV) -> str:
     return kernel
 
 
-def check_forward_inputs(q, k, v, softmax_scale, causal) -> None:
-    """Validates the arguments of flash_forward; raises TypeError/ValueError naming the argument."""
+def check_forward_inputs(q, k, v, softmax_scale, causal, window_size=(-1, -1)) -> Tuple[int, int]:
+    """Validates the arguments of flash_forward; raises TypeError/ValueError naming the argument.
+    Returns window_size as a (left, right) tuple of ints."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_tensor(t, name)
     for t, name in ((k, "k"), (v, "v")):
@@ -152,6 +159,22 @@ def check_forward_inputs(q, k, v, softmax_scale, causal) -> None:
             raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return check_window_size(window_size)
+
+
+def check_window_size(window_size) -> Tuple[int, int]:
+    """window_size as a (left, right) tuple of ints >= -1 (-1: unbounded); raises TypeError or
+    ValueError naming the argument otherwise."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(side, int) and not isinstance(side, bool) for side in window_size)
+    ):
+        raise TypeError(f"window_size must be a (left, right) tuple of two ints, got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {(left, right)}")
+    return int(left), int(right)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -175,11 +198,13 @@ def _padded_head_dim(head_dim: int) -> int:
     )
 
 
-def forward_into(q, k, v, out, lse, softmax_scale: float, causal: bool, kernel: str = "auto") -> None:
+def forward_into(q, k, v, out, lse, softmax_scale: float, causal: bool, kernel: str = "auto",
+                 window_size: Tuple[int, int] = (-1, -1)) -> None:
     """Runs the CUDA forward kernel into preallocated out (like q) and lse (fp32, batch x heads x
     seqlen_q). q, k, v must already be valid kernel inputs: CUDA, head_dim a multiple of 8 and at
     most a compiled head dim, 16-byte aligned strides. flash_forward is the checked entry point."""
-    _extension().forward(q, k, v, out, lse, float(softmax_scale), bool(causal), KERNELS[kernel])
+    _extension().forward(q, k, v, out, lse, float(softmax_scale), bool(causal), int(window_size[0]),
+                         int(window_size[1]), KERNELS[kernel])
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -198,7 +223,7 @@ def _check_device_capability(device: torch.device) -> None:
 
 
 def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
-                  kernel: Optional[str] = None):
+                  kernel: Optional[str] = None, *, window_size: Tuple[int, int] = (-1, -1)):
     """Exact attention forward: out = softmax(softmax_scale * q k^T) v, and its log-sum-exp.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), with
@@ -207,6 +232,9 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     diagonal aligned to the bottom-right corner (query i sees key j iff j <= i + seqlen_k -
     seqlen_q). Returns out like q and lse, float32 (batch, heads, seqlen_q), the natural-log
     log-sum-exp of the scaled scores. A query row that sees no key gets out 0 and lse -inf.
+    window_size = (left, right) is sliding-window (local) attention around the same diagonal:
+    query i sees key j iff i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q; -1 leaves
+    a side unbounded, and causal=True sets right to 0 (FlashAttention-2's semantics).
 
     kernel picks the CUDA kernel: 'auto' (the default, or $FLASH_CUTLASS_FORWARD_KERNEL when
     kernel is None) runs the Hopper path (TMA + wgmma) on compute capability 9.0 for the head dims
@@ -214,14 +242,14 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     kernel), and the sm80 path otherwise; 'sm80' and 'sm90' force one (RuntimeError where the
     forced one cannot run the call). CPU tensors ignore it.
     """
-    check_forward_inputs(q, k, v, softmax_scale, causal)
+    window_size = check_forward_inputs(q, k, v, softmax_scale, causal, window_size)
     kernel = kernel_choice(kernel)
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     if q.device.type != "cuda":
-        out, lse = reference.attention_forward(q, k, v, scale, causal)
+        out, lse = reference.attention_forward(q, k, v, scale, causal, window_size=window_size)
         return out.contiguous(), lse.contiguous()
 
     _check_device(q)
@@ -236,15 +264,17 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
         q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    forward_into(q, k, v, out, lse, scale, causal, kernel)
+    forward_into(q, k, v, out, lse, scale, causal, kernel, window_size)
     if padded_head_dim != head_dim:
         out = out[..., :head_dim].contiguous()
     return out, lse
 
 
-def check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic) -> None:
-    """Validates the arguments of flash_backward; raises TypeError/ValueError naming the argument."""
-    check_forward_inputs(q, k, v, softmax_scale, causal)
+def check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
+                          window_size=(-1, -1)) -> Tuple[int, int]:
+    """Validates the arguments of flash_backward; raises TypeError/ValueError naming the argument.
+    Returns window_size as a (left, right) tuple of ints."""
+    window_size = check_forward_inputs(q, k, v, softmax_scale, causal, window_size)
     for t, name in ((dout, "dout"), (out, "out")):
         _check_tensor(t, name)
         if t.dtype != q.dtype:
@@ -263,6 +293,7 @@ def check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, determ
     if tuple(lse.shape) != expected:
         raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {expected}, got {tuple(lse.shape)}")
     check_deterministic(deterministic)
+    return window_size
 
 
 def check_deterministic(deterministic) -> None:
@@ -272,23 +303,25 @@ def check_deterministic(deterministic) -> None:
 
 
 def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
-                   deterministic: bool = False, kernel: Optional[str] = None):
+                   deterministic: bool = False, kernel: Optional[str] = None, *,
+                   window_size: Tuple[int, int] = (-1, -1)):
     """Gradients of flash_forward: returns (dq, dk, dv) in the dtypes and shapes of q, k and v.
 
     dout and out are shaped like q; out and lse are what flash_forward returned for these inputs.
-    softmax_scale and causal must be those of the forward call. deterministic=True sums dQ in a
-    fixed order (a second kernel pass) instead of with atomics, so two runs give bitwise identical
-    gradients. kernel picks the CUDA kernel as in flash_forward ($FLASH_CUTLASS_BACKWARD_KERNEL
+    softmax_scale, causal and window_size must be those of the forward call. deterministic=True
+    sums dQ in a fixed order (a second kernel pass) instead of with atomics, so two runs give
+    bitwise identical gradients. kernel picks the CUDA kernel as in flash_forward ($FLASH_CUTLASS_BACKWARD_KERNEL
     when None): 'auto' runs the Hopper backward on compute capability 9.0 for head dims up to 128
     without deterministic=True, and the sm80 path otherwise. CPU tensors run
     flash_cutlass.reference.attention_backward (always deterministic).
     """
-    check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+    window_size = check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_size)
     kernel = kernel_choice(kernel, BACKWARD_KERNEL_ENV)
     head_dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if q.device.type != "cuda":
-        return tuple(g.contiguous() for g in reference.attention_backward(dout, q, k, v, out, lse, scale, causal))
+        grads = reference.attention_backward(dout, q, k, v, out, lse, scale, causal, window_size=window_size)
+        return tuple(g.contiguous() for g in grads)
 
     _check_device(q)
     padded_head_dim = _padded_head_dim(head_dim)
@@ -297,8 +330,8 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
         dout, q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (dout, q, k, v, out))
     dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, scale, causal, deterministic,
-                          KERNELS[kernel])
+    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, scale, causal, window_size[0],
+                          window_size[1], deterministic, KERNELS[kernel])
     if padded_head_dim != head_dim:
         dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
     return dq, dk, dv

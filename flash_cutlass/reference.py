@@ -14,6 +14,10 @@ Layout and conventions shared by every function here:
 * ``causal`` masking is aligned to the bottom-right corner of the score matrix
   (the FlashAttention-2 convention): query row ``i`` may attend key ``j`` iff
   ``j <= i + seqlen_k - seqlen_q``.
+* ``window_size = (left, right)`` is sliding-window (local) attention on the same
+  diagonal: row ``i`` may attend key ``j`` iff ``i + d - left <= j <= i + d + right``
+  with ``d = seqlen_k - seqlen_q``; ``-1`` leaves a side unbounded, and ``causal``
+  sets ``right = 0`` (FlashAttention-2's semantics).
 * A query row that may attend no key gets output 0 and log-sum-exp ``-inf``.
 * The log-sum-exp is the natural logarithm of ``sum_j exp(scaled score_j)``,
   shaped ``(batch, heads, seqlen_q)``.
@@ -32,7 +36,7 @@ import numbers
 
 import torch
 
-__all__ = ["attention_backward", "attention_forward", "causal_mask", "naive_attention"]
+__all__ = ["attention_backward", "attention_forward", "causal_mask", "keep_mask", "naive_attention"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -48,6 +52,33 @@ def causal_mask(sq: int, sk: int, device: torch.device | str | None = None) -> t
     return cols <= rows + (sk - sq)
 
 
+def keep_mask(
+    sq: int,
+    sk: int,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    key_start: int = 0,
+    key_end: int | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor | None:
+    """Bool ``(sq, key_end - key_start)`` keep-mask of keys ``[key_start, key_end)``
+    (default: all ``sk``) under ``causal`` and ``window_size`` (module docstring), or
+    ``None`` when nothing is masked."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    rows = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    cols = torch.arange(key_start, sk if key_end is None else key_end, device=device).unsqueeze(0)
+    keep = torch.ones(sq, cols.shape[1], dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= cols >= rows - left
+    if right >= 0:
+        keep &= cols <= rows + right
+    return keep
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -55,6 +86,7 @@ def attention_forward(
     softmax_scale: float,
     causal: bool,
     block_size: int = 128,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled online-softmax attention forward.
 
@@ -82,16 +114,16 @@ def attention_forward(
     row_max = qg.new_full((batch, kv_heads, rows), float("-inf"))
     row_sum = qg.new_zeros((batch, kv_heads, rows))
     acc = qg.new_zeros((batch, kv_heads, rows, v.shape[-1]))
-    query_rows = torch.arange(sq, device=q.device).unsqueeze(1)
+    window_size = _check_window_size(window_size)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
         k_blk = k[:, start:end].to(compute_dtype).permute(0, 2, 3, 1)
         v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
         scores = torch.matmul(qg, k_blk) * scale
-        if causal:
-            # This block's columns of causal_mask(sq, sk), built per block: no (sq, sk) matrix.
-            keep = torch.arange(start, end, device=q.device).unsqueeze(0) <= query_rows + (sk - sq)
+        # This block's columns of the mask, built per block: no (sq, sk) matrix.
+        keep = keep_mask(sq, sk, causal, window_size, start, end, q.device)
+        if keep is not None:
             scores = _apply_keep(scores, keep, group)
 
         new_max = torch.maximum(row_max, scores.amax(dim=-1))
@@ -121,6 +153,7 @@ def attention_backward(
     softmax_scale: float,
     causal: bool,
     block_size: int = 128,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled gradient of :func:`attention_forward` with respect to ``q``, ``k`` and ``v``.
 
@@ -156,15 +189,15 @@ def attention_backward(
     dq = torch.zeros_like(qg)
     dk = torch.zeros(batch, sk, kv_heads, k.shape[-1], dtype=compute_dtype, device=q.device)
     dv = torch.zeros(batch, sk, kv_heads, v.shape[-1], dtype=compute_dtype, device=q.device)
-    query_rows = torch.arange(sq, device=q.device).unsqueeze(1)
+    window_size = _check_window_size(window_size)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
         k_blk = k[:, start:end].to(compute_dtype).transpose(1, 2)  # (b, kv_heads, n, d)
         v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
         scores = torch.matmul(qg, k_blk.transpose(-1, -2)) * scale
-        if causal:
-            keep = torch.arange(start, end, device=q.device).unsqueeze(0) <= query_rows + (sk - sq)
+        keep = keep_mask(sq, sk, causal, window_size, start, end, q.device)
+        if keep is not None:
             scores = _apply_keep(scores, keep, group)
         probs = torch.exp(scores - lse_g)
         dv[:, start:end] = torch.matmul(probs.transpose(-1, -2), dog).transpose(1, 2)
@@ -182,6 +215,7 @@ def naive_attention(
     softmax_scale: float,
     causal: bool,
     compute_dtype: torch.dtype | None = None,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with the full score matrix materialized.
 
@@ -207,12 +241,12 @@ def naive_attention(
     vt = v.to(dtype).transpose(1, 2)
 
     scores = torch.matmul(qg, kt) * scale
-    if causal:
-        keep = causal_mask(sq, sk, q.device)
+    keep = keep_mask(sq, sk, causal, _check_window_size(window_size), device=q.device)
+    if keep is not None:
         scores = _apply_keep(scores, keep, group)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
-    if causal:
+    if keep is not None:
         # softmax of an all -inf row is NaN; such a row attends nothing.
         has_key = keep.any(dim=-1).repeat(group)
         probs = torch.where(has_key.unsqueeze(-1), probs, 0.0)
@@ -259,6 +293,18 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     ):
         raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
     return float(softmax_scale)
+
+
+def _check_window_size(window_size: object) -> tuple[int, int]:
+    """window_size as a (left, right) tuple of ints >= -1; raises naming the argument."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
+        _is_int(side) for side in window_size
+    ):
+        raise TypeError(f"window_size must be a (left, right) tuple of two ints, got {window_size!r}")
+    left, right = (int(side) for side in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {(left, right)}")
+    return left, right
 
 
 def _is_int(value: object) -> bool:

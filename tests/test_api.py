@@ -32,6 +32,7 @@ def test_extension_reports_what_was_compiled():
     assert set(sm90_head_dims) <= {64, 128, 256} and set(sm90_head_dims) <= set(head_dims)
     # The Hopper path is built exactly when the sm_90a target is.
     assert bool(sm90_head_dims) == ("sm_90a" in archs)
+    assert isinstance(flash_cutlass.compiled_window(), bool)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -22,18 +22,21 @@ def inputs(device, gen_seed=0, causal=True, batch=2, seqlen_q=40, seqlen_k=56, h
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, False), (True, True)])
-def test_forward_op_passes_opcheck(device, causal, deterministic):
+@pytest.mark.parametrize("causal,window,deterministic",
+                         [(False, (-1, -1), False), (True, (-1, -1), False), (True, (-1, -1), True),
+                          (False, (9, 3), False)])
+def test_forward_op_passes_opcheck(device, causal, window, deterministic):
     q, k, v = (t.requires_grad_() for t in inputs(device))
-    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, None, deterministic))
+    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, *window, None, deterministic))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_backward_op_passes_opcheck(device):
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (7, -1))])
+def test_backward_op_passes_opcheck(device, causal, window):
     q, k, v = inputs(device)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, window_size=window)
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, None, True, False))
+    torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, None, causal, *window, False))
 
 
 class AttentionBlock(torch.nn.Module):

@@ -2,15 +2,29 @@
 #include "flash_cutlass/sm80/bwd_launch.h"
 
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kFloat16, false>(
+template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kFloat16,
+    flash_cutlass::MaskKind::kNone>(
     flash_cutlass::BwdParams const&, cudaStream_t);
-template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kFloat16, true>(
+template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kFloat16,
+    flash_cutlass::MaskKind::kCausal>(
     flash_cutlass::BwdParams const&, cudaStream_t);
+#ifdef FLASH_CUTLASS_WINDOW
+template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kFloat16,
+    flash_cutlass::MaskKind::kLocal>(
+    flash_cutlass::BwdParams const&, cudaStream_t);
+#endif
 #endif
 
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kBFloat16, false>(
+template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kBFloat16,
+    flash_cutlass::MaskKind::kNone>(
     flash_cutlass::BwdParams const&, cudaStream_t);
-template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kBFloat16, true>(
+template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kBFloat16,
+    flash_cutlass::MaskKind::kCausal>(
     flash_cutlass::BwdParams const&, cudaStream_t);
+#ifdef FLASH_CUTLASS_WINDOW
+template cudaError_t flash_cutlass::sm80::run_bwd<192, flash_cutlass::DType::kBFloat16,
+    flash_cutlass::MaskKind::kLocal>(
+    flash_cutlass::BwdParams const&, cudaStream_t);
+#endif
 #endif

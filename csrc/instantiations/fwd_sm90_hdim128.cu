@@ -2,15 +2,29 @@
 #include "flash_cutlass/sm90/fwd_launch.h"
 
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kFloat16, false>(
+template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kFloat16,
+    flash_cutlass::MaskKind::kNone>(
     flash_cutlass::FwdParams const&, cudaStream_t);
-template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kFloat16, true>(
+template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kFloat16,
+    flash_cutlass::MaskKind::kCausal>(
     flash_cutlass::FwdParams const&, cudaStream_t);
+#ifdef FLASH_CUTLASS_WINDOW
+template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kFloat16,
+    flash_cutlass::MaskKind::kLocal>(
+    flash_cutlass::FwdParams const&, cudaStream_t);
+#endif
 #endif
 
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kBFloat16, false>(
+template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kBFloat16,
+    flash_cutlass::MaskKind::kNone>(
     flash_cutlass::FwdParams const&, cudaStream_t);
-template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kBFloat16, true>(
+template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kBFloat16,
+    flash_cutlass::MaskKind::kCausal>(
     flash_cutlass::FwdParams const&, cudaStream_t);
+#ifdef FLASH_CUTLASS_WINDOW
+template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kBFloat16,
+    flash_cutlass::MaskKind::kLocal>(
+    flash_cutlass::FwdParams const&, cudaStream_t);
+#endif
 #endif

@@ -3,6 +3,8 @@
 // pruned build links only what it compiled.
 #pragma once
 
+#include <type_traits>
+
 #include <cuda_runtime_api.h>
 
 #include "flash_cutlass/fwd_api.h"
@@ -41,6 +43,14 @@ inline constexpr bool kCompiledFloat16 =
 #endif
 inline constexpr bool kCompiledBFloat16 =
 #ifdef FLASH_CUTLASS_DTYPE_BF16
+    true;
+#else
+    false;
+#endif
+
+// The sliding-window kernels (MaskKind::kLocal), built unless FLASH_CUTLASS_WINDOW=0.
+inline constexpr bool kCompiledWindow =
+#ifdef FLASH_CUTLASS_WINDOW
     true;
 #else
     false;
@@ -96,72 +106,87 @@ inline bool dtype_compiled(DType dtype) {
 }
 
 namespace detail {
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, MaskKind kMaskKind>
 cudaError_t run_fwd_sm80_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, MaskKind kMaskKind>
 cudaError_t run_fwd_sm90_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim>
-cudaError_t run_fwd_sm90_causal(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.causal ? run_fwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
-                       : run_fwd_sm90_dtype<kHeadDim, false>(params, dtype, stream);
-}
-
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, MaskKind kMaskKind>
 cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, MaskKind kMaskKind>
 cudaError_t run_bwd_sm90_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kCausal>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kCausal>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim>
-cudaError_t run_bwd_sm90_causal(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.causal ? run_bwd_sm90_dtype<kHeadDim, true>(params, dtype, stream)
-                       : run_bwd_sm90_dtype<kHeadDim, false>(params, dtype, stream);
+// Calls run(std::integral_constant<MaskKind, params.mask>{}): the instantiation of the call's
+// mask kind (the window's only when the build compiled it).
+template <class Run>
+cudaError_t with_mask_kind(FwdParams const& params, Run&& run) {
+  switch (params.mask) {
+    case MaskKind::kNone:
+      return run(std::integral_constant<MaskKind, MaskKind::kNone>{});
+    case MaskKind::kCausal:
+      return run(std::integral_constant<MaskKind, MaskKind::kCausal>{});
+    case MaskKind::kLocal:
+#ifdef FLASH_CUTLASS_WINDOW
+      return run(std::integral_constant<MaskKind, MaskKind::kLocal>{});
+#else
+      return cudaErrorNotSupported;
+#endif
+  }
+  return cudaErrorInvalidValue;
 }
 
 template <int kHeadDim>
-cudaError_t run_bwd_sm80_causal(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.causal ? run_bwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
-                       : run_bwd_sm80_dtype<kHeadDim, false>(params, dtype, stream);
+cudaError_t run_fwd_sm80_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
+  return with_mask_kind(params, [&](auto kind) { return run_fwd_sm80_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
 }
 
 template <int kHeadDim>
-cudaError_t run_fwd_sm80_causal(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return params.causal ? run_fwd_sm80_dtype<kHeadDim, true>(params, dtype, stream)
-                       : run_fwd_sm80_dtype<kHeadDim, false>(params, dtype, stream);
+cudaError_t run_fwd_sm90_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
+  return with_mask_kind(params, [&](auto kind) { return run_fwd_sm90_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
+}
+
+template <int kHeadDim>
+cudaError_t run_bwd_sm80_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
+  return with_mask_kind(params, [&](auto kind) { return run_bwd_sm80_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
+}
+
+template <int kHeadDim>
+cudaError_t run_bwd_sm90_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
+  return with_mask_kind(params, [&](auto kind) { return run_bwd_sm90_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
 }
 }  // namespace detail
 
@@ -169,22 +194,22 @@ cudaError_t run_fwd_sm80_causal(FwdParams const& params, DType dtype, cudaStream
 inline cudaError_t run_fwd_sm80(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
   switch (kernel_hdim) {
 #ifdef FLASH_CUTLASS_HDIM_32
-    case 32: return detail::run_fwd_sm80_causal<32>(params, dtype, stream);
+    case 32: return detail::run_fwd_sm80_mask<32>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_64
-    case 64: return detail::run_fwd_sm80_causal<64>(params, dtype, stream);
+    case 64: return detail::run_fwd_sm80_mask<64>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_96
-    case 96: return detail::run_fwd_sm80_causal<96>(params, dtype, stream);
+    case 96: return detail::run_fwd_sm80_mask<96>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_128
-    case 128: return detail::run_fwd_sm80_causal<128>(params, dtype, stream);
+    case 128: return detail::run_fwd_sm80_mask<128>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_192
-    case 192: return detail::run_fwd_sm80_causal<192>(params, dtype, stream);
+    case 192: return detail::run_fwd_sm80_mask<192>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_256
-    case 256: return detail::run_fwd_sm80_causal<256>(params, dtype, stream);
+    case 256: return detail::run_fwd_sm80_mask<256>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }
@@ -194,13 +219,13 @@ inline cudaError_t run_fwd_sm80(FwdParams const& params, DType dtype, int kernel
 inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
   switch (kernel_hdim) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
-    case 64: return detail::run_fwd_sm90_causal<64>(params, dtype, stream);
+    case 64: return detail::run_fwd_sm90_mask<64>(params, dtype, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
-    case 128: return detail::run_fwd_sm90_causal<128>(params, dtype, stream);
+    case 128: return detail::run_fwd_sm90_mask<128>(params, dtype, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_256)
-    case 256: return detail::run_fwd_sm90_causal<256>(params, dtype, stream);
+    case 256: return detail::run_fwd_sm90_mask<256>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }
@@ -210,22 +235,22 @@ inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel
 inline cudaError_t run_bwd_sm80(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
   switch (kernel_hdim) {
 #ifdef FLASH_CUTLASS_HDIM_32
-    case 32: return detail::run_bwd_sm80_causal<32>(params, dtype, stream);
+    case 32: return detail::run_bwd_sm80_mask<32>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_64
-    case 64: return detail::run_bwd_sm80_causal<64>(params, dtype, stream);
+    case 64: return detail::run_bwd_sm80_mask<64>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_96
-    case 96: return detail::run_bwd_sm80_causal<96>(params, dtype, stream);
+    case 96: return detail::run_bwd_sm80_mask<96>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_128
-    case 128: return detail::run_bwd_sm80_causal<128>(params, dtype, stream);
+    case 128: return detail::run_bwd_sm80_mask<128>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_192
-    case 192: return detail::run_bwd_sm80_causal<192>(params, dtype, stream);
+    case 192: return detail::run_bwd_sm80_mask<192>(params, dtype, stream);
 #endif
 #ifdef FLASH_CUTLASS_HDIM_256
-    case 256: return detail::run_bwd_sm80_causal<256>(params, dtype, stream);
+    case 256: return detail::run_bwd_sm80_mask<256>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }
@@ -235,10 +260,10 @@ inline cudaError_t run_bwd_sm80(BwdParams const& params, DType dtype, int kernel
 inline cudaError_t run_bwd_sm90(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
   switch (kernel_hdim) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
-    case 64: return detail::run_bwd_sm90_causal<64>(params, dtype, stream);
+    case 64: return detail::run_bwd_sm90_mask<64>(params, dtype, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
-    case 128: return detail::run_bwd_sm90_causal<128>(params, dtype, stream);
+    case 128: return detail::run_bwd_sm90_mask<128>(params, dtype, stream);
 #endif
     default: return cudaErrorNotSupported;
   }

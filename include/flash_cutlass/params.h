@@ -8,6 +8,11 @@ namespace flash_cutlass {
 
 enum class DType { kFloat16, kBFloat16 };
 
+// Which keys each query row sees (common/mask.h): every key, a causal mask, or a sliding window
+// (with or without causal). Each kind is its own kernel instantiation, so the causal kernels carry
+// no window logic.
+enum class MaskKind { kNone, kCausal, kLocal };
+
 struct FwdParams {
   // Q: (batch, seqlen_q, heads, head_dim); K, V: (batch, seqlen_k, heads_k, head_dim);
   // out like Q. The last dimension is contiguous; every other stride is a multiple of 8
@@ -35,10 +40,15 @@ struct FwdParams {
   float softmax_scale = 0.f;
   // softmax_scale * log2(e): scores are exponentiated with exp2.
   float softmax_scale_log2 = 0.f;
-  bool causal = false;
+  MaskKind mask = MaskKind::kNone;
+  // With MaskKind::kLocal, query row i sees keys [i + d - window_left, i + d + window_right],
+  // d = seqlen_k - seqlen_q (see common/mask.h). Both sides are >= 0; an unbounded side is
+  // max(seqlen_q, seqlen_k).
+  int window_left = 0;
+  int window_right = 0;
 };
 
-// One backward call: the forward's tensors (q, k, v, out, lse, scale, causal, shapes), dout, the
+// One backward call: the forward's tensors (q, k, v, out, lse, scale, mask, shapes), dout, the
 // gradients and the fp32 work buffers below.
 struct BwdParams : FwdParams {
   const void* dout = nullptr;

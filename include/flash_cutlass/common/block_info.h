@@ -28,8 +28,8 @@ struct QueryTile {
   int batch;
 };
 
-// This CTA's tile. Query blocks run from the last to the first so that, with causal masking,
-// the longest blocks start first.
+// This CTA's tile. Query blocks run from the last to the first so that, with a causal mask, the
+// longest blocks start first.
 template <int kBlockM>
 __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& params) {
   const int num_m_blocks = num_query_blocks<kBlockM>(params);
@@ -38,17 +38,39 @@ __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& par
 }
 
 struct KeyBlockRange {
-  int end;            // key blocks [0, end) are visited; end == 0: the whole query block sees no key
-  int unmasked_end;   // key blocks [0, unmasked_end) need no mask for any row of the query block
+  int begin;           // key blocks [begin, end) are visited; end <= begin: the block sees no key
+  int end;
+  int unmasked_begin;  // key blocks [unmasked_begin, unmasked_end) need no mask for any row of the
+  int unmasked_end;    // query block (an empty range when unmasked_end <= unmasked_begin)
 };
 
-template <int kBlockM, int kBlockN, bool kCausal>
-__device__ __forceinline__ KeyBlockRange key_block_range(KeyMask<kCausal> const& mask, int m_block) {
+template <int kBlockM, int kBlockN, MaskKind kKind>
+__device__ __forceinline__ KeyBlockRange key_block_range(KeyMask<kKind> const& mask, int m_block) {
   const int first_row = m_block * kBlockM;
-  const int last_row = first_row + kBlockM - 1;
-  const int visible_keys = max(0, mask.key_limit(last_row));
-  const int unmasked_keys = max(0, mask.key_limit(first_row));
-  return {(visible_keys + kBlockN - 1) / kBlockN, unmasked_keys / kBlockN};
+  // Rows past seqlen_q only widen the range; with a window, leave them out so that its left edge
+  // is that of the last real row.
+  const int last_row = KeyMask<kKind>::kLocal ? min(first_row + kBlockM, mask.seqlen_q) - 1 : first_row + kBlockM - 1;
+  const int visible_begin = mask.key_begin(first_row);
+  const int visible_end = max(0, mask.key_limit(last_row));
+  const int unmasked_begin = mask.key_begin(last_row);
+  const int unmasked_end = max(0, mask.key_limit(first_row));
+  return {visible_begin / kBlockN, (visible_end + kBlockN - 1) / kBlockN, (unmasked_begin + kBlockN - 1) / kBlockN,
+          unmasked_end / kBlockN};
+}
+
+// The query blocks whose rows see any key of [key_start, key_start + block_n): [begin, end).
+template <int kBlockM, MaskKind kKind>
+__device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, int key_start, int block_n) {
+  const int num_m_blocks = (mask.seqlen_q + kBlockM - 1) / kBlockM;
+  const int diagonal = mask.seqlen_k - mask.seqlen_q;
+  if constexpr (kKind == MaskKind::kNone) return {0, num_m_blocks};
+  // Row i sees key j iff key_begin(i) <= j < key_limit(i), both non-decreasing in i.
+  if constexpr (kKind == MaskKind::kCausal) return {max(0, key_start - diagonal) / kBlockM, num_m_blocks};
+  const int key_end = min(key_start + block_n, mask.seqlen_k);
+  const int first_row = max(0, key_start - diagonal - mask.window_right);
+  const int row_end = min(mask.seqlen_q, key_end - diagonal + mask.window_left);
+  if (row_end <= first_row) return {0, 0};
+  return {first_row / kBlockM, (row_end + kBlockM - 1) / kBlockM};
 }
 
 }  // namespace flash_cutlass

@@ -163,15 +163,6 @@ __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, S
   }
 }
 
-// Whether a (query block, key block) tile holds any masked score: keys past seqlen_k, or, with
-// kCausal, keys right of the diagonal of some row.
-template <bool kCausal>
-__device__ __forceinline__ bool tile_needs_mask(KeyMask<kCausal> const& mask, int row_start, int key_start,
-                                                int block_n) {
-  const bool key_tail = key_start + block_n > mask.seqlen_k;
-  return key_tail || (kCausal && key_start + block_n > mask.key_limit(row_start));
-}
-
 // Adds each pair of neighbouring fp32 columns of acc (tiled MMA C layout: values 2i and 2i+1 of a
 // thread are adjacent columns of one row) into dst[row * row_stride + col] with atomics; rows at
 // or past rows_left are skipped.
@@ -216,7 +207,7 @@ __device__ __forceinline__ void store_rows(To* dst, int64_t row_stride, Acc cons
 
 // kAccumulateDq: add dS K into dq_accum with atomics; without it (deterministic mode) dQ comes
 // from flash_bwd_dq_sm80.
-template <class Traits, bool kCausal, bool kAccumulateDq>
+template <class Traits, MaskKind kMaskKind, bool kAccumulateDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -234,14 +225,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   const int batch = batch_head / params.heads;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
-  // Query rows that see any key of this block: with the bottom-right causal diagonal, row i sees
-  // key j iff j <= i + seqlen_k - seqlen_q, so the first row is key_start - (seqlen_k - seqlen_q).
-  const int first_row = kCausal ? max(0, key_start - (params.seqlen_k - params.seqlen_q)) : 0;
-  const int m_block_begin = first_row / kBlockM;
-  const int m_block_end = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  // The query blocks whose rows see any key of this block.
+  const int2 m_blocks = query_block_range<kBlockM>(mask, key_start, kBlockN);
+  const int m_block_begin = m_blocks.x;
+  const int m_block_end = m_blocks.y;
 
   Tensor mQ = head_matrix<Element, kHeadDim>(params.q, batch, params.q_batch_stride, head, params.q_head_stride,
                                              params.seqlen_q, params.q_row_stride);
@@ -394,7 +384,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, thr_copy_a_sdp.partition_S(sQ), tSsK, copy_a_sdp, thr_copy_a_sdp,
                    copy_b_sdp, thr_copy_b_sdp);
     Tensor s = as_rows_cols(acc_s);
-    if (tile_needs_mask(mask, row_start, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
+    if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
@@ -448,7 +438,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 // Deterministic dQ: one CTA per (query block, head, batch) keeps Q and dO in shared memory, walks
 // the key blocks it sees in a fixed order and accumulates dQ = dS K in registers, then stores it
 // (fp32, unscaled) into dq_accum without atomics.
-template <class Traits, bool kCausal>
+template <class Traits, MaskKind kMaskKind>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -466,7 +456,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   const int batch = batch_head / params.heads;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const int row_start = m_block * kBlockM;
   const int rows_left_q = params.seqlen_q - row_start;
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
@@ -545,7 +535,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
   copy_tile_async<true>(gmem_tiled_copy, tdOgdO, tdOsdO, tQcQ, col_ok, rows_left_q);
   cp_async_fence();
-  for (int n_block = 0; n_block < key_blocks.end; ++n_block) {
+  for (int n_block = key_blocks.begin; n_block < key_blocks.end; ++n_block) {
     // K and V of this block; the previous step's reads of them and of dS are done.
     __syncthreads();
     const int key_start = n_block * kBlockN;
@@ -560,7 +550,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     clear(acc_s);
     gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp, thr_copy_b_sdp);
     Tensor s = as_rows_cols(acc_s);
-    if (tile_needs_mask(mask, row_start, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
+    if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,

@@ -17,7 +17,7 @@
 
 namespace flash_cutlass::sm80 {
 
-template <class Traits, bool kCausal>
+template <class Traits, MaskKind kMaskKind>
 __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* smem, int m_block, int batch,
                                                 int head) {
   using namespace cute;
@@ -32,7 +32,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   const int tidx = threadIdx.x;
   const int head_k = kv_head_of(head, params);
   const int rows_left_q = params.seqlen_q - m_block * kBlockM;
-  const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
   // Global views of this (batch, head): (seqlen, kHeadDim); columns past head_dim are predicated.
@@ -96,7 +96,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   constexpr int kRowsPerThread = decltype(size<0>(tOcO))::value;
   Tensor acc_o_rc = as_rows_cols(acc_o);
 
-  if (key_blocks.end > 0) {
+  if (key_blocks.end > key_blocks.begin) {
     const int last = key_blocks.end - 1;
     const int rows_left_k = params.seqlen_k - last * kBlockN;
     // Only the last key block can be partial; it is the first one processed.
@@ -139,7 +139,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
       cp_async_wait<0>();  // V of this tile has landed
       __syncthreads();     // ... for every thread, and every warp is done reading the K buffer
-      if (n_block > 0) load_k(n_block - 1, cute::false_type{});
+      if (n_block > key_blocks.begin) load_k(n_block - 1, cute::false_type{});
       cp_async_fence();
       softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
       // P goes straight from the S accumulator into the A operand registers of P.V.
@@ -148,11 +148,22 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_v, smem_thr_copy_v);
     };
     // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-    // the causal diagonal) come first, then a loop free of masking.
+    // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
+    // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
     process_tile(last, cute::true_type{}, cute::true_type{});
-    int n_block = last - 1;
-    for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
-    for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
+    if constexpr (kMaskKind == MaskKind::kLocal) {
+      for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
+        if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
+          process_tile(n_block, cute::false_type{}, cute::true_type{});
+        } else {
+          process_tile(n_block, cute::false_type{}, cute::false_type{});
+        }
+      }
+    } else {
+      int n_block = last - 1;
+      for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+      for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
+    }
 
     float lse[kRowsPerThread];
     softmax.finalize(acc_o_rc, params.softmax_scale, lse);
@@ -162,7 +173,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       if (get<1>(tOcO(r, 0)) == 0 && row < rows_left_q) lse_row[row] = lse[r];
     }
   } else {
-    // Causal with seqlen_q > seqlen_k: no row of this block sees any key. O stays 0.
+    // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0.
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int row = get<0>(tOcO(r, 0));
@@ -189,14 +200,14 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 }
 
 // Grid: one CTA per (query block, head, batch), flattened into x. Query blocks run from the last
-// to the first so that, with causal masking, the longest blocks start first.
-template <int kHeadDim, class Element, bool kCausal>
+// to the first so that, with a causal mask, the longest blocks start first.
+template <int kHeadDim, class Element, MaskKind kMaskKind>
 __global__ void __launch_bounds__(FwdTraitsFor<kHeadDim, Element>::kThreads, 1)
     flash_fwd_sm80(__grid_constant__ const FwdParams params) {
   using Traits = FwdTraitsFor<kHeadDim, Element>;
   extern __shared__ __align__(128) char smem[];
   const QueryTile tile = query_tile_of_this_cta<Traits::kBlockM>(params);
-  fwd_query_block<Traits, kCausal>(params, smem, tile.m_block, tile.batch, tile.head);
+  fwd_query_block<Traits, kMaskKind>(params, smem, tile.m_block, tile.batch, tile.head);
 }
 
 }  // namespace flash_cutlass::sm80

@@ -17,6 +17,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
+#include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
@@ -99,11 +100,11 @@ struct BwdKernelTraits {
 
 // In place, on S^T and dP^T as (keys, queries): P^T = exp(scale S^T - lse) and
 // dS^T = P^T (dP^T - D), the query's LSE (in log2 units) and D read from shared memory. With
-// kMask, keys past seqlen_k and (causal) keys right of a query's diagonal get P = 0 first.
-template <bool kMask, bool kCausal, class TensorS, class TensorDP, class Coords>
+// kApplyMask, keys past seqlen_k and keys outside a query's causal mask or window get P = 0 first.
+template <bool kApplyMask, MaskKind kMaskKind, class TensorS, class TensorDP, class Coords>
 __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, TensorDP& dpt, Coords const& coords,
                                                                 int key_start, int row_start,
-                                                                KeyMask<kCausal> const& mask, float scale_log2,
+                                                                KeyMask<kMaskKind> const& mask, float scale_log2,
                                                                 const float* lse, const float* dsum) {
   using namespace cute;
   CUTE_UNROLL
@@ -113,12 +114,14 @@ __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, Ten
     float row_lse = query < mask.seqlen_q ? lse[local_query] : INFINITY;
     row_lse = (row_lse == -INFINITY ? INFINITY : row_lse) * float(M_LOG2E);
     const float row_dsum = query < mask.seqlen_q ? dsum[local_query] : 0.f;
+    const int key_begin = mask.key_begin(query);
     const int key_limit = mask.key_limit(query);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(st); ++r) {
       float s = st(r, c) * scale_log2;
-      if constexpr (kMask) {
-        if (key_start + get<0>(coords(r, c)) >= key_limit) s = -INFINITY;
+      if constexpr (kApplyMask) {
+        const int key = key_start + get<0>(coords(r, c));
+        if (key >= key_limit || (KeyMask<kMaskKind>::kLocal && key < key_begin)) s = -INFINITY;
       }
       st(r, c) = exp2f(s - row_lse);
       dpt(r, c) = st(r, c) * (dpt(r, c) - row_dsum);
@@ -126,7 +129,7 @@ __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, Ten
   }
 }
 
-template <class Traits, bool kCausal>
+template <class Traits, MaskKind kMaskKind>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_constant__ const BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -148,13 +151,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   const int batch = batch_head / params.heads;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
-  // The first query row that sees any key of this block (bottom-right causal diagonal).
-  const int first_row = kCausal ? max(0, key_start - (params.seqlen_k - params.seqlen_q)) : 0;
-  const int m_block_begin = first_row / kBlockM;
-  const int m_block_end = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  // The query blocks whose rows see any key of this block.
+  const int2 m_blocks = query_block_range<kBlockM>(mask, key_start, kBlockN);
+  const int m_block_begin = m_blocks.x;
+  const int m_block_end = m_blocks.y;
 
   Tensor mQ = head_matrix<Element, kHeadDim>(params.q, batch, params.q_batch_stride, head, params.q_head_stride,
                                              params.seqlen_q, params.q_row_stride);
@@ -266,7 +269,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     Tensor dpt = as_rows_cols(acc_dp);
     const float* lse = storage.stats[buffer][0];
     const float* dsum = storage.stats[buffer][1];
-    if (sm80::tile_needs_mask(mask, row_start, key_start, kBlockN)) {
+    if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) {
       probabilities_and_ds_transposed<true>(st, dpt, tScS, key_start, row_start, mask, params.softmax_scale_log2,
                                             lse, dsum);
     } else {

@@ -33,7 +33,7 @@ struct FwdKernelParams {
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 
-template <class Traits, bool kCausal>
+template <class Traits, MaskKind kMaskKind>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const QueryTile tile = query_tile_of_this_cta<kBlockM>(params);
   const int m_block = tile.m_block, head = tile.head, batch = tile.batch;
   const int head_k = kv_head_of(head, params);
-  const KeyMask<kCausal> mask{params.seqlen_q, params.seqlen_k};
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (producer_thread && key_blocks.end > 0) {
+    if (producer_thread && key_blocks.end > key_blocks.begin) {
       // TMA views of Q, K, V: (seqlen, head_dim, heads, batch); out-of-range rows and columns of a
       // tile arrive as zeros.
       Tensor mQ = kernel_params.tma_q.get_tma_tensor(
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
       copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
       auto state = cutlass::make_producer_start_state<PipelineKV>();
-      for (int n_block = key_blocks.end - 1; n_block >= 0; --n_block) {
+      for (int n_block = key_blocks.end - 1; n_block >= key_blocks.begin; --n_block) {
         pipeline_k.producer_acquire(state);
         copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block),
              tKsK(_, state.index()));
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRowsPerThread = decltype(size<0>(acc_o_rc))::value;
   float lse[kRowsPerThread];
 
-  if (key_blocks.end > 0) {
+  if (key_blocks.end > key_blocks.begin) {
     OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
     typename PipelineKV::PipelineState state;
     storage.q_full.wait(0);
@@ -153,15 +153,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++state;
     };
     // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-    // the causal diagonal) come first, then a loop free of masking.
+    // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
+    // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
+    // The producer loads the same blocks in the same order.
     const int last = key_blocks.end - 1;
     process_tile(last, cute::true_type{}, cute::true_type{});
-    int n_block = last - 1;
-    for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
-    for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
+    if constexpr (kMaskKind == MaskKind::kLocal) {
+      for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
+        if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
+          process_tile(n_block, cute::false_type{}, cute::true_type{});
+        } else {
+          process_tile(n_block, cute::false_type{}, cute::false_type{});
+        }
+      }
+    } else {
+      int n_block = last - 1;
+      for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+      for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
+    }
     softmax.finalize(acc_o_rc, params.softmax_scale, lse);
   } else {
-    // Causal with seqlen_q > seqlen_k: no row of this block sees any key. O stays 0.
+    // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0.
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) lse[r] = -INFINITY;
   }

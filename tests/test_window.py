@@ -1,0 +1,232 @@
+"""Sliding-window (local) attention: window_size=(left, right), alone and with causal.
+
+CPU: the reference against an fp64 implementation whose mask is built element by element, and
+the argument checks. GPU (skipped without one): both forward kernels and both backward kernels
+against the fp32 oracle with FlashAttention-2's pass rule.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_cutlass
+from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
+from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, requires_cuda
+
+FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
+# (left, right); -1 is unbounded. (0, 0) keeps only the diagonal.
+WINDOWS = [(0, 0), (3, -1), (-1, 2), (5, 7), (20, 0), (40, 1000)]
+
+
+def window_keep(sq, sk, causal, window):
+    """keep[i, j] of the window, built one element at a time from the documented rule."""
+    left, right = window
+    if causal:
+        right = 0
+    keep = torch.zeros(sq, sk, dtype=torch.bool)
+    for i in range(sq):
+        for j in range(sk):
+            diagonal = i + sk - sq
+            keep[i, j] = (left < 0 or j >= diagonal - left) and (right < 0 or j <= diagonal + right)
+    return keep
+
+
+def masked_attention_fp64(q, k, v, scale, keep):
+    """out and lse of attention under an explicit keep mask, in fp64; rows without keys give 0, -inf."""
+    group = q.shape[2] // k.shape[2]
+    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+    scores = scores.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vr), lse
+
+
+def make_qkv(gen, sq, sk, heads, heads_k, head_dim, dtype=torch.float64):
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    return rand(2, sq, heads, head_dim), rand(2, sk, heads_k, head_dim), rand(2, sk, heads_k, head_dim)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(17, 17), (17, 60), (60, 17), (1, 33), (33, 1)])
+@pytest.mark.parametrize("heads,heads_k", [(4, 4), (4, 1)])
+def test_reference_forward_matches_explicit_mask(gen, causal, window, sq, sk, heads, heads_k):
+    q, k, v = make_qkv(gen, sq, sk, heads, heads_k, 16)
+    expected_out, expected_lse = masked_attention_fp64(q, k, v, 0.3, window_keep(sq, sk, causal, window))
+    for block_size in (7, 128):
+        out, lse = attention_forward(q, k, v, 0.3, causal, block_size=block_size, window_size=window)
+        torch.testing.assert_close(out, expected_out, **FP64_TOL)
+        torch.testing.assert_close(lse, expected_lse, **FP64_TOL)
+    out, lse = naive_attention(q, k, v, 0.3, causal, compute_dtype=torch.float64, window_size=window)
+    torch.testing.assert_close(out, expected_out, **FP64_TOL)
+    torch.testing.assert_close(lse, expected_lse, **FP64_TOL)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(17, 17), (17, 60)])  # every row keeps its diagonal key
+def test_reference_backward_matches_autograd_of_explicit_mask(gen, causal, window, sq, sk):
+    q, k, v = make_qkv(gen, sq, sk, 4, 2, 16)
+    keep = window_keep(sq, sk, causal, window)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = masked_attention_fp64(*leaves, 0.3, keep)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(out, leaves, dout)
+    ref_out, lse = attention_forward(q, k, v, 0.3, causal, window_size=window)
+    grads = attention_backward(dout, q, k, v, ref_out, lse, 0.3, causal, block_size=16, window_size=window)
+    for name, grad, ref in zip("qkv", grads, expected):
+        torch.testing.assert_close(grad, ref, **FP64_TOL, msg=lambda m: f"d{name}: {m}")
+
+
+def test_cpu_entry_points_take_window_size(gen):
+    q, k, v = make_qkv(gen, 30, 50, 4, 2, 16, torch.bfloat16)
+    out, lse = flash_cutlass.flash_forward(q, k, v, window_size=(4, 2))
+    expected_out, expected_lse = masked_attention_fp64(
+        q.double(), k.double(), v.double(), 16**-0.5, window_keep(30, 50, False, (4, 2)))
+    torch.testing.assert_close(out.double(), expected_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    attended = flash_cutlass.flash_attention(*leaves, window_size=(4, 2))
+    dout = torch.randn(attended.shape, generator=gen).to(torch.bfloat16)
+    grads = torch.autograd.grad(attended, leaves, dout)
+    expected = flash_cutlass.flash_backward(dout, q, k, v, out, lse, window_size=(4, 2))
+    for grad, ref in zip(grads, expected):
+        torch.testing.assert_close(grad, ref)
+
+
+@pytest.mark.parametrize("window,error,match", [
+    ((-2, 0), ValueError, r"window_size entries must be >= -1"),
+    ((0, -5), ValueError, r"window_size entries must be >= -1"),
+    ((1, 2, 3), TypeError, r"window_size must be a \(left, right\) tuple of two ints"),
+    ((1.0, 2), TypeError, r"window_size must be a \(left, right\) tuple of two ints"),
+    ((True, 2), TypeError, r"window_size must be a \(left, right\) tuple of two ints"),
+    (4, TypeError, r"window_size must be a \(left, right\) tuple of two ints"),
+])
+def test_bad_window_size_is_rejected_by_every_entry_point(window, error, match):
+    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
+    out, lse = flash_cutlass.flash_forward(q, q, q)
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_forward(q, q, q, window_size=window)
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, window_size=window)
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_attention(q, q, q, window_size=window)
+
+
+# GPU: every compiled kernel and head dim, both dtypes, windows alone and with causal.
+GPU_WINDOWS = [(0, 0), (17, -1), (-1, 33), (100, 5), (300, 0)]
+GPU_SEQLENS = [(113, 255), (255, 113), (256, 256), (1023, 1023), (2049, 17), (1, 2049)]
+HEADS = 8
+
+
+def window_kernels_compiled() -> bool:
+    try:
+        return flash_cutlass.compiled_window()
+    except RuntimeError:  # no extension: the GPU tests skip anyway
+        return True
+
+
+requires_window_kernels = pytest.mark.skipif(
+    not window_kernels_compiled(), reason="the sliding-window kernels were left out (FLASH_CUTLASS_WINDOW=0)")
+
+
+def kernel_unavailable(kernel, head_dim, direction):
+    if kernel == "sm80":
+        return ""
+    if not COMPILED_SM90_HEAD_DIMS:
+        return "the Hopper path was not built"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the Hopper path needs compute capability 9.0"
+    limit = max(d for d in COMPILED_SM90_HEAD_DIMS if direction == "forward" or d <= 128)
+    if head_dim > limit:
+        return f"head_dim {head_dim} is above the Hopper {direction}'s largest head dim {limit}"
+    return ""
+
+
+def cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, head_dim, heads_k):
+    def rand(*shape):
+        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(dtype)
+
+    batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
+    return (rand(batch, seqlen_q, HEADS, head_dim), rand(batch, seqlen_k, heads_k, head_dim),
+            rand(batch, seqlen_k, heads_k, head_dim), rand(batch, seqlen_q, HEADS, head_dim))
+
+
+@requires_cuda
+@requires_window_kernels
+@pytest.mark.parametrize("seqlen_q,seqlen_k", GPU_SEQLENS)
+@pytest.mark.parametrize("window", GPU_WINDOWS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, causal, window, seqlen_q, seqlen_k):
+    if dtype not in COMPILED_DTYPES:
+        pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
+    heads_k = 2 if (seqlen_q + seqlen_k) % 2 else HEADS  # GQA on some shapes
+    q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, head_dim, heads_k)
+    scale = 1.0 / math.sqrt(head_dim)
+    oracle_out, oracle_lse = naive_attention(q, k, v, scale, causal, torch.float32, window_size=window)
+    same_out, same_lse = naive_attention(q, k, v, scale, causal, window_size=window)
+
+    forward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "forward") else kernel
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel=forward_kernel, window_size=window)
+    fa2_check(out, oracle_out, same_out, f"{forward_kernel} forward out")
+    fa2_check(lse, oracle_lse, same_lse, f"{forward_kernel} forward lse")
+
+    reason = kernel_unavailable(kernel, head_dim, "backward")
+    if reason:
+        pytest.skip(reason)
+
+    def grads_of(compute_dtype):
+        leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+        attended, _ = naive_attention(*leaves, scale, causal, window_size=window)
+        return torch.autograd.grad(attended, leaves, dout.to(attended.dtype))
+
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel, window_size=window)
+    for name, grad, ref, base in zip("qkv", grads, grads_of(torch.float32), grads_of(None)):
+        fa2_check(grad, ref, base, f"{kernel} backward d{name}")
+
+
+@requires_cuda
+@requires_window_kernels
+def test_deterministic_backward_with_window_is_bitwise_reproducible(cuda_gen):
+    dtype = COMPILED_DTYPES[-1]
+    q, k, v, dout = cuda_inputs(cuda_gen, dtype, 700, 900, COMPILED_HEAD_DIMS[0], 2)
+    out, lse = flash_cutlass.flash_forward(q, k, v, window_size=(64, 16))
+    first = flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, window_size=(64, 16))
+    second = flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, window_size=(64, 16))
+    for name, a, b in zip("qkv", first, second):
+        assert torch.equal(a, b), f"d{name} differs between two deterministic runs"
+
+
+@requires_cuda
+@pytest.mark.skipif(window_kernels_compiled(), reason="this build has the sliding-window kernels")
+def test_window_without_its_kernels_names_the_build_flag(cuda_gen):
+    q, k, v, _ = cuda_inputs(cuda_gen, COMPILED_DTYPES[-1], 64, 64, COMPILED_HEAD_DIMS[0], HEADS)
+    with pytest.raises(RuntimeError, match="FLASH_CUTLASS_WINDOW=0"):
+        flash_cutlass.flash_forward(q, k, v, window_size=(8, 0))
+    # Windows that reach every key need no window kernel.
+    flash_cutlass.flash_forward(q, k, v, causal=True, window_size=(100, 0))
+
+
+@requires_cuda
+def test_window_wider_than_the_sequence_equals_full_attention(cuda_gen):
+    dtype = COMPILED_DTYPES[-1]
+    q, k, v, _ = cuda_inputs(cuda_gen, dtype, 300, 300, COMPILED_HEAD_DIMS[-1], HEADS)
+    full = flash_cutlass.flash_forward(q, k, v)
+    wide = flash_cutlass.flash_forward(q, k, v, window_size=(299, 299))
+    causal = flash_cutlass.flash_forward(q, k, v, causal=True)
+    causal_wide = flash_cutlass.flash_forward(q, k, v, causal=True, window_size=(5000, 7))
+    # Windows that reach every key run the kernels without a window: bitwise the same results.
+    for a, b in ((full, wide), (causal, causal_wide)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    if window_kernels_compiled():
+        # (unbounded, 0) without causal is the causal mask, computed by the window kernel.
+        local = flash_cutlass.flash_forward(q, k, v, window_size=(5000, 0))
+        torch.testing.assert_close(local[0], causal[0], atol=0, rtol=0)
+        torch.testing.assert_close(local[1], causal[1], atol=0, rtol=0)

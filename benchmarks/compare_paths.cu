@@ -22,6 +22,7 @@ namespace {
 
 using flash_cutlass::DType;
 using flash_cutlass::FwdParams;
+using flash_cutlass::MaskKind;
 using Element = __nv_bfloat16;
 
 constexpr double kMaxAbsError = 2e-2;  // bf16 output against the float64 reference
@@ -50,14 +51,15 @@ struct Shape {
   bool causal;
 };
 
-template <bool kCausal>
+template <MaskKind kMaskKind>
 cudaError_t launch(bool hopper, FwdParams const& params) {
-  return hopper ? flash_cutlass::sm90::run_fwd<HEAD_DIM, DType::kBFloat16, kCausal>(params, nullptr)
-                : flash_cutlass::sm80::run_fwd<HEAD_DIM, DType::kBFloat16, kCausal>(params, nullptr);
+  return hopper ? flash_cutlass::sm90::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind>(params, nullptr)
+                : flash_cutlass::sm80::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind>(params, nullptr);
 }
 
 cudaError_t launch(bool hopper, FwdParams const& params) {
-  return params.causal ? launch<true>(hopper, params) : launch<false>(hopper, params);
+  return params.mask == MaskKind::kCausal ? launch<MaskKind::kCausal>(hopper, params)
+                                          : launch<MaskKind::kNone>(hopper, params);
 }
 
 // Largest |kernel - reference| over the sampled rows, or infinity if the kernel wrote a NaN there.
@@ -128,7 +130,7 @@ bool run_shape(Shape const& s, bool time_it) {
   params.head_dim = s.head_dim;
   params.softmax_scale = 1.f / std::sqrt(float(s.head_dim));
   params.softmax_scale_log2 = params.softmax_scale * 1.4426950408889634f;
-  params.causal = s.causal;
+  params.mask = s.causal ? MaskKind::kCausal : MaskKind::kNone;
 
   std::vector<Element> host_q(q_count), host_k(kv_count), host_v(kv_count), host_out(q_count);
   check(cudaMemcpy(host_q.data(), q, q_count * sizeof(Element), cudaMemcpyDeviceToHost), "copy q");

@@ -10,6 +10,8 @@ Build options (environment variables; see README.md):
                             0 leaves it out. It needs 90 in FLASH_CUTLASS_CUDA_ARCHS.
   FLASH_CUTLASS_WINDOW      1 (default) builds the sliding-window kernels (window_size=); 0 leaves
                             them out (a call with a window then raises, naming this flag).
+  FLASH_CUTLASS_SOFTCAP     1 (default) builds the soft-capping kernels (softcap=); 0 leaves them
+                            out, likewise.
   CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
                             about 3 GB of memory per concurrent nvcc.
@@ -135,10 +137,11 @@ def sm90_enabled(archs):
     return 90 in archs and raw != "0"
 
 
-def window_enabled():
-    raw = os.environ.get("FLASH_CUTLASS_WINDOW", "").strip()
+def feature_enabled(variable):
+    """A feature's build flag: 1 (the default) or 0."""
+    raw = os.environ.get(variable, "").strip()
     if raw not in ("", "0", "1"):
-        raise RuntimeError(f"FLASH_CUTLASS_WINDOW={raw!r}: accepted values are 0 and 1")
+        raise RuntimeError(f"{variable}={raw!r}: accepted values are 0 and 1")
     return raw != "0"
 
 
@@ -176,8 +179,9 @@ def main():
     defines += [f"-DFLASH_CUTLASS_DTYPE_{t.upper()}" for t in dtypes]
     if sm90:
         defines.append("-DFLASH_CUTLASS_SM90")
-    if window_enabled():
-        defines.append("-DFLASH_CUTLASS_WINDOW")
+    for feature in ("FLASH_CUTLASS_WINDOW", "FLASH_CUTLASS_SOFTCAP"):
+        if feature_enabled(feature):
+            defines.append(f"-D{feature}")
     # wgmma and setmaxnreg exist only in the architecture-specific sm_90a target.
     targets = [f"{a}a" if a == 90 and sm90 else str(a) for a in archs]
     # A bare comma list (no quotes, no ';') survives ninja's shell; the C++ side stringifies it.

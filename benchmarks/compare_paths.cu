@@ -53,8 +53,8 @@ struct Shape {
 
 template <MaskKind kMaskKind>
 cudaError_t launch(bool hopper, FwdParams const& params) {
-  return hopper ? flash_cutlass::sm90::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind>(params, nullptr)
-                : flash_cutlass::sm80::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind>(params, nullptr);
+  return hopper ? flash_cutlass::sm90::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind, false>(params, nullptr)
+                : flash_cutlass::sm80::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind, false>(params, nullptr);
 }
 
 cudaError_t launch(bool hopper, FwdParams const& params) {

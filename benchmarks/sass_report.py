@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
     parser.add_argument("--mask", choices=("none", "causal", "local"), default="none",
                         help="the instantiation of this mask kind (local: sliding window; default: %(default)s)")
+    parser.add_argument("--softcap", action="store_true", help="the soft-capping instantiation")
     parser.add_argument("--sass", type=Path, metavar="PATH",
                         help="also write the whole SASS here (to diff two versions of a kernel)")
     args = parser.parse_args(argv)
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
 
     dtype = {"bf16": "kBFloat16", "fp16": "kFloat16"}[args.dtype]
     short, params = ("fwd", "FwdParams") if args.direction == "forward" else ("bwd", "BwdParams")
-    name = f"{short}_{args.path}_hdim{args.head_dim}_{args.dtype}_{args.mask}"
+    name = f"{short}_{args.path}_hdim{args.head_dim}_{args.dtype}_{args.mask}{'_softcap' if args.softcap else ''}"
     mask_kind = {"none": "kNone", "causal": "kCausal", "local": "kLocal"}[args.mask]
     with tempfile.TemporaryDirectory() as tmp:
         # One instantiation alone (csrc/instantiations groups every dtype and mask of a head dim).
@@ -96,8 +97,8 @@ def main(argv=None) -> int:
         source.write_text(
             f'#include "flash_cutlass/{args.path}/{short}_launch.h"\n'
             f"template cudaError_t flash_cutlass::{args.path}::run_{short}<{args.head_dim}, "
-            f"flash_cutlass::DType::{dtype}, flash_cutlass::MaskKind::{mask_kind}>(flash_cutlass::{params} const&, "
-            f"cudaStream_t);\n")
+            f"flash_cutlass::DType::{dtype}, flash_cutlass::MaskKind::{mask_kind}, {str(args.softcap).lower()}>("
+            f"flash_cutlass::{params} const&, cudaStream_t);\n")
         cubin = Path(tmp) / "kernel.cubin"
         nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", TARGETS[args.path], "-O3", "--use_fast_math",
                 "--expt-relaxed-constexpr", "-std=c++17", f"-I{ROOT / 'include'}", f"-I{cutlass_include()}",

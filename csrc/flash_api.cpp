@@ -156,10 +156,24 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
   }
 }
 
-// Writes the pointers, strides, sizes, scale and mask of q, k, v, out and lse into params.
+// Soft-capped scores (softcap > 0): the kernels take tanh(q.k * softmax_scale / softcap) and
+// exponentiate it times softcap; 0 leaves the scores as they are.
+void set_softcap_params(FwdParams& params, double softcap) {
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
+  if (softcap == 0) return;
+  TORCH_CHECK(kCompiledSoftcap, "softcap=", softcap,
+              " needs the soft-capping kernels, which this build left out (FLASH_CUTLASS_SOFTCAP=0); "
+              "rebuild with FLASH_CUTLASS_SOFTCAP=1");
+  params.softcap = static_cast<float>(softcap);
+  params.softcap_input_scale = static_cast<float>(params.softmax_scale / softcap);
+  params.softmax_scale_log2 = static_cast<float>(softcap * M_LOG2E);
+}
+
+// Writes the pointers, strides, sizes, scale, mask and soft cap of q, k, v, out and lse into params.
 void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& lse, AttentionShape const& shape,
-                          double softmax_scale, bool causal, int64_t window_left, int64_t window_right) {
+                          double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                          double softcap) {
   params.q = q.data_ptr();
   params.k = k.data_ptr();
   params.v = v.data_ptr();
@@ -186,10 +200,12 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   set_mask_params(params, causal, window_left, window_right);
+  set_softcap_params(params, softcap);
 }
 
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-             double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t kernel_choice) {
+             double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+             int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) return;
   TORCH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
@@ -197,7 +213,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   const int64_t head_dim = shape.head_dim;
   const int kernel_hdim = shape.kernel_hdim;
   FwdParams params;
-  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right);
+  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
+                       softcap);
 
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -226,7 +243,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
               const at::Tensor& dv, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-              bool deterministic, int64_t kernel_choice) {
+              double softcap, bool deterministic, int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   check_operand(dout, "dout", 4);
@@ -275,7 +292,8 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   }
 
   BwdParams params;
-  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right);
+  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
+                       softcap);
   params.dout = dout.data_ptr();
   params.dout_batch_stride = dout.stride(0);
   params.dout_row_stride = dout.stride(1);
@@ -343,15 +361,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &flash_cutlass::forward, "Attention forward into preallocated out and lse",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
-        pybind11::arg("window_right"), pybind11::arg("kernel_choice"));
+        pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("kernel_choice"));
   m.def("backward", &flash_cutlass::backward, "Attention backward into preallocated dq, dk and dv",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
-        pybind11::arg("window_right"), pybind11::arg("deterministic"), pybind11::arg("kernel_choice"));
+        pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("deterministic"),
+        pybind11::arg("kernel_choice"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);
   m.attr("compiled_window") = flash_cutlass::kCompiledWindow;
+  m.attr("compiled_softcap") = flash_cutlass::kCompiledSoftcap;
   m.attr("compiled_archs") = std::string(FLASH_CUTLASS_ARCHS_STRING);
 }

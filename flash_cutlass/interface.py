@@ -61,6 +61,12 @@ def compiled_window() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_softcap() -> bool:
+    """Whether this build has the soft-capping kernels (softcap=; FLASH_CUTLASS_SOFTCAP)."""
+    return bool(_extension().compiled_softcap)
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_dtypes() -> Tuple[torch.dtype, ...]:
     """Input dtypes compiled into the extension."""
     return tuple(getattr(torch, name) for name in _extension().compiled_dtypes())
@@ -162,6 +168,15 @@ def check_forward_inputs(q, k, v, softmax_scale, causal, window_size=(-1, -1)) -
     return check_window_size(window_size)
 
 
+def check_softcap(softcap) -> float:
+    """softcap as a float >= 0 (0: no soft-capping); raises TypeError or ValueError naming it."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: no soft-capping), got {softcap}")
+    return float(softcap)
+
+
 def check_window_size(window_size) -> Tuple[int, int]:
     """window_size as a (left, right) tuple of ints >= -1 (-1: unbounded); raises TypeError or
     ValueError naming the argument otherwise."""
@@ -199,12 +214,12 @@ def _padded_head_dim(head_dim: int) -> int:
 
 
 def forward_into(q, k, v, out, lse, softmax_scale: float, causal: bool, kernel: str = "auto",
-                 window_size: Tuple[int, int] = (-1, -1)) -> None:
+                 window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0) -> None:
     """Runs the CUDA forward kernel into preallocated out (like q) and lse (fp32, batch x heads x
     seqlen_q). q, k, v must already be valid kernel inputs: CUDA, head_dim a multiple of 8 and at
     most a compiled head dim, 16-byte aligned strides. flash_forward is the checked entry point."""
     _extension().forward(q, k, v, out, lse, float(softmax_scale), bool(causal), int(window_size[0]),
-                         int(window_size[1]), KERNELS[kernel])
+                         int(window_size[1]), float(softcap), KERNELS[kernel])
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -223,7 +238,8 @@ def _check_device_capability(device: torch.device) -> None:
 
 
 def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
-                  kernel: Optional[str] = None, *, window_size: Tuple[int, int] = (-1, -1)):
+                  kernel: Optional[str] = None, *, window_size: Tuple[int, int] = (-1, -1),
+                  softcap: float = 0.0):
     """Exact attention forward: out = softmax(softmax_scale * q k^T) v, and its log-sum-exp.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), with
@@ -234,7 +250,9 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     log-sum-exp of the scaled scores. A query row that sees no key gets out 0 and lse -inf.
     window_size = (left, right) is sliding-window (local) attention around the same diagonal:
     query i sees key j iff i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q; -1 leaves
-    a side unbounded, and causal=True sets right to 0 (FlashAttention-2's semantics).
+    a side unbounded, and causal=True sets right to 0 (FlashAttention-2's semantics). softcap > 0
+    soft-caps the scaled scores before any mask: softcap * tanh(softmax_scale * q.k / softcap)
+    (0, the default, leaves them as they are).
 
     kernel picks the CUDA kernel: 'auto' (the default, or $FLASH_CUTLASS_FORWARD_KERNEL when
     kernel is None) runs the Hopper path (TMA + wgmma) on compute capability 9.0 for the head dims
@@ -243,13 +261,14 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     forced one cannot run the call). CPU tensors ignore it.
     """
     window_size = check_forward_inputs(q, k, v, softmax_scale, causal, window_size)
+    softcap = check_softcap(softcap)
     kernel = kernel_choice(kernel)
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     if q.device.type != "cuda":
-        out, lse = reference.attention_forward(q, k, v, scale, causal, window_size=window_size)
+        out, lse = reference.attention_forward(q, k, v, scale, causal, window_size=window_size, softcap=softcap)
         return out.contiguous(), lse.contiguous()
 
     _check_device(q)
@@ -264,7 +283,7 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
         q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    forward_into(q, k, v, out, lse, scale, causal, kernel, window_size)
+    forward_into(q, k, v, out, lse, scale, causal, kernel, window_size, softcap)
     if padded_head_dim != head_dim:
         out = out[..., :head_dim].contiguous()
     return out, lse
@@ -304,11 +323,11 @@ def check_deterministic(deterministic) -> None:
 
 def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
                    deterministic: bool = False, kernel: Optional[str] = None, *,
-                   window_size: Tuple[int, int] = (-1, -1)):
+                   window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """Gradients of flash_forward: returns (dq, dk, dv) in the dtypes and shapes of q, k and v.
 
     dout and out are shaped like q; out and lse are what flash_forward returned for these inputs.
-    softmax_scale, causal and window_size must be those of the forward call. deterministic=True
+    softmax_scale, causal, window_size and softcap must be those of the forward call. deterministic=True
     sums dQ in a fixed order (a second kernel pass) instead of with atomics, so two runs give
     bitwise identical gradients. kernel picks the CUDA kernel as in flash_forward ($FLASH_CUTLASS_BACKWARD_KERNEL
     when None): 'auto' runs the Hopper backward on compute capability 9.0 for head dims up to 128
@@ -316,11 +335,13 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     flash_cutlass.reference.attention_backward (always deterministic).
     """
     window_size = check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_size)
+    softcap = check_softcap(softcap)
     kernel = kernel_choice(kernel, BACKWARD_KERNEL_ENV)
     head_dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if q.device.type != "cuda":
-        grads = reference.attention_backward(dout, q, k, v, out, lse, scale, causal, window_size=window_size)
+        grads = reference.attention_backward(dout, q, k, v, out, lse, scale, causal, window_size=window_size,
+                                             softcap=softcap)
         return tuple(g.contiguous() for g in grads)
 
     _check_device(q)
@@ -331,7 +352,7 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, scale, causal, window_size[0],
-                          window_size[1], deterministic, KERNELS[kernel])
+                          window_size[1], softcap, deterministic, KERNELS[kernel])
     if padded_head_dim != head_dim:
         dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
     return dq, dk, dv

@@ -18,6 +18,8 @@ Layout and conventions shared by every function here:
   diagonal: row ``i`` may attend key ``j`` iff ``i + d - left <= j <= i + d + right``
   with ``d = seqlen_k - seqlen_q``; ``-1`` leaves a side unbounded, and ``causal``
   sets ``right = 0`` (FlashAttention-2's semantics).
+* ``softcap > 0`` soft-caps the scaled scores before any mask:
+  ``score = softcap * tanh(softmax_scale * q k^T / softcap)``; ``0`` leaves them as they are.
 * A query row that may attend no key gets output 0 and log-sum-exp ``-inf``.
 * The log-sum-exp is the natural logarithm of ``sum_j exp(scaled score_j)``,
   shaped ``(batch, heads, seqlen_q)``.
@@ -87,6 +89,7 @@ def attention_forward(
     causal: bool,
     block_size: int = 128,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled online-softmax attention forward.
 
@@ -120,7 +123,7 @@ def attention_forward(
         end = min(start + block_size, sk)
         k_blk = k[:, start:end].to(compute_dtype).permute(0, 2, 3, 1)
         v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
-        scores = torch.matmul(qg, k_blk) * scale
+        scores = _softcapped(torch.matmul(qg, k_blk) * scale, softcap)
         # This block's columns of the mask, built per block: no (sq, sk) matrix.
         keep = keep_mask(sq, sk, causal, window_size, start, end, q.device)
         if keep is not None:
@@ -154,6 +157,7 @@ def attention_backward(
     causal: bool,
     block_size: int = 128,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled gradient of :func:`attention_forward` with respect to ``q``, ``k`` and ``v``.
 
@@ -196,12 +200,17 @@ def attention_backward(
         k_blk = k[:, start:end].to(compute_dtype).transpose(1, 2)  # (b, kv_heads, n, d)
         v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
         scores = torch.matmul(qg, k_blk.transpose(-1, -2)) * scale
+        if softcap > 0:
+            capped = torch.tanh(scores / softcap)
+            scores = softcap * capped
         keep = keep_mask(sq, sk, causal, window_size, start, end, q.device)
         if keep is not None:
             scores = _apply_keep(scores, keep, group)
         probs = torch.exp(scores - lse_g)
         dv[:, start:end] = torch.matmul(probs.transpose(-1, -2), dog).transpose(1, 2)
         dscores = probs * (torch.matmul(dog, v_blk.transpose(-1, -2)) - delta)
+        if softcap > 0:
+            dscores = dscores * (1 - capped * capped)
         dq += torch.matmul(dscores, k_blk) * scale
         dk[:, start:end] = (torch.matmul(dscores.transpose(-1, -2), qg) * scale).transpose(1, 2)
 
@@ -216,6 +225,7 @@ def naive_attention(
     causal: bool,
     compute_dtype: torch.dtype | None = None,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with the full score matrix materialized.
 
@@ -240,7 +250,7 @@ def naive_attention(
     kt = k.to(dtype).permute(0, 2, 3, 1)
     vt = v.to(dtype).transpose(1, 2)
 
-    scores = torch.matmul(qg, kt) * scale
+    scores = _softcapped(torch.matmul(qg, kt) * scale, softcap)
     keep = keep_mask(sq, sk, causal, _check_window_size(window_size), device=q.device)
     if keep is not None:
         scores = _apply_keep(scores, keep, group)
@@ -293,6 +303,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     ):
         raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
     return float(softmax_scale)
+
+
+def _softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap * tanh(scores / softcap) for softcap > 0, else the scores themselves."""
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
 
 
 def _check_window_size(window_size: object) -> tuple[int, int]:

@@ -22,21 +22,21 @@ def inputs(device, gen_seed=0, causal=True, batch=2, seqlen_q=40, seqlen_k=56, h
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal,window,deterministic",
-                         [(False, (-1, -1), False), (True, (-1, -1), False), (True, (-1, -1), True),
-                          (False, (9, 3), False)])
-def test_forward_op_passes_opcheck(device, causal, window, deterministic):
+@pytest.mark.parametrize("causal,window,softcap,deterministic",
+                         [(False, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, True),
+                          (False, (9, 3), 0.0, False), (True, (-1, -1), 5.0, False)])
+def test_forward_op_passes_opcheck(device, causal, window, softcap, deterministic):
     q, k, v = (t.requires_grad_() for t in inputs(device))
-    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, *window, None, deterministic))
+    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, *window, softcap, None, deterministic))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (7, -1))])
-def test_backward_op_passes_opcheck(device, causal, window):
+@pytest.mark.parametrize("causal,window,softcap", [(True, (-1, -1), 0.0), (True, (7, -1), 0.0), (False, (-1, -1), 5.0)])
+def test_backward_op_passes_opcheck(device, causal, window, softcap):
     q, k, v = inputs(device)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, window_size=window)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, window_size=window, softcap=softcap)
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, None, causal, *window, False))
+    torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, None, causal, *window, softcap, False))
 
 
 class AttentionBlock(torch.nn.Module):

@@ -56,6 +56,14 @@ inline constexpr bool kCompiledWindow =
     false;
 #endif
 
+// The soft-capping kernels (kSoftcap), built unless FLASH_CUTLASS_SOFTCAP=0.
+inline constexpr bool kCompiledSoftcap =
+#ifdef FLASH_CUTLASS_SOFTCAP
+    true;
+#else
+    false;
+#endif
+
 // Smallest head dim of a 0-terminated compiled list that is >= head_dim, or 0 when none is.
 template <int kCount>
 inline int smallest_compiled_at_least(const int (&compiled)[kCount], int head_dim) {
@@ -106,46 +114,46 @@ inline bool dtype_compiled(DType dtype) {
 }
 
 namespace detail {
-template <int kHeadDim, MaskKind kMaskKind>
+template <int kHeadDim, MaskKind kMaskKind, bool kSoftcap>
 cudaError_t run_fwd_sm80_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kSoftcap>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kSoftcap>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, MaskKind kMaskKind>
+template <int kHeadDim, MaskKind kMaskKind, bool kSoftcap>
 cudaError_t run_fwd_sm90_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kSoftcap>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kSoftcap>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, MaskKind kMaskKind>
+template <int kHeadDim, MaskKind kMaskKind, bool kSoftcap>
 cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kSoftcap>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kSoftcap>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, MaskKind kMaskKind>
+template <int kHeadDim, MaskKind kMaskKind, bool kSoftcap>
 cudaError_t run_bwd_sm90_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kMaskKind>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kSoftcap>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kSoftcap>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
@@ -169,25 +177,48 @@ cudaError_t with_mask_kind(FwdParams const& params, Run&& run) {
   return cudaErrorInvalidValue;
 }
 
+// Calls run(std::bool_constant<params.softcap > 0>{}) (the soft-capping kernels only where the
+// build compiled them).
+template <class Run>
+cudaError_t with_softcap(FwdParams const& params, Run&& run) {
+  if (params.softcap > 0.f) {
+#ifdef FLASH_CUTLASS_SOFTCAP
+    return run(std::true_type{});
+#else
+    return cudaErrorNotSupported;
+#endif
+  }
+  return run(std::false_type{});
+}
+
+// run_<direction>_<path>_dtype for the call's mask kind and soft cap.
+#define FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_dtype)                                             \
+  with_mask_kind(params, [&](auto kind) {                                                          \
+    return with_softcap(params, [&](auto softcap) {                                                \
+      return run_dtype<kHeadDim, decltype(kind)::value, decltype(softcap)::value>(params, dtype, stream); \
+    });                                                                                            \
+  })
+
 template <int kHeadDim>
 cudaError_t run_fwd_sm80_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return with_mask_kind(params, [&](auto kind) { return run_fwd_sm80_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
+  return FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_fwd_sm80_dtype);
 }
 
 template <int kHeadDim>
 cudaError_t run_fwd_sm90_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return with_mask_kind(params, [&](auto kind) { return run_fwd_sm90_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
+  return FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_fwd_sm90_dtype);
 }
 
 template <int kHeadDim>
 cudaError_t run_bwd_sm80_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return with_mask_kind(params, [&](auto kind) { return run_bwd_sm80_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
+  return FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_bwd_sm80_dtype);
 }
 
 template <int kHeadDim>
 cudaError_t run_bwd_sm90_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return with_mask_kind(params, [&](auto kind) { return run_bwd_sm90_dtype<kHeadDim, decltype(kind)::value>(params, dtype, stream); });
+  return FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_bwd_sm90_dtype);
 }
+#undef FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP
 }  // namespace detail
 
 // Launches the sm80-path forward kernel compiled for `kernel_hdim` (one of kCompiledHeadDims).

@@ -46,6 +46,10 @@ struct FwdParams {
   // max(seqlen_q, seqlen_k).
   int window_left = 0;
   int window_right = 0;
+  // Soft-capped scores (common/softcap.h), for the kernels instantiated with kSoftcap: softcap > 0
+  // and softcap_input_scale = softmax_scale / softcap; softmax_scale_log2 is then softcap * log2(e).
+  float softcap = 0.f;
+  float softcap_input_scale = 0.f;
 };
 
 // One backward call: the forward's tensors (q, k, v, out, lse, scale, mask, shapes), dout, the

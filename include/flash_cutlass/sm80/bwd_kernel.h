@@ -20,6 +20,7 @@
 
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/mask.h"
+#include "flash_cutlass/common/softcap.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm80/gemm.h"
@@ -150,15 +151,18 @@ __device__ __forceinline__ auto load_row_stats(Coords const& coords, int row_sta
 }
 
 // In place: S -> P = exp(scale * S - lse) and dP -> dS = P * (dP - D) (without the softmax scale).
-template <class TensorS, class TensorDP, class Stats>
+// With kSoftcap, S holds the soft-capped scores and dS carries their derivative.
+template <bool kSoftcap, class TensorS, class TensorDP, class Stats>
 __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Stats const& stats, float scale_log2) {
   using namespace cute;
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s); ++r) {
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
-      s(r, c) = exp2f(s(r, c) * scale_log2 - stats.lse_log2[r]);
+      const float score = s(r, c);
+      s(r, c) = exp2f(score * scale_log2 - stats.lse_log2[r]);
       dp(r, c) = s(r, c) * (dp(r, c) - stats.dsum[r]);
+      if constexpr (kSoftcap) dp(r, c) *= softcap_derivative(score);
     }
   }
 }
@@ -207,7 +211,7 @@ __device__ __forceinline__ void store_rows(To* dst, int64_t row_stride, Acc cons
 
 // kAccumulateDq: add dS K into dq_accum with atomics; without it (deterministic mode) dQ comes
 // from flash_bwd_dq_sm80.
-template <class Traits, MaskKind kMaskKind, bool kAccumulateDq>
+template <class Traits, MaskKind kMaskKind, bool kSoftcap, bool kAccumulateDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -384,6 +388,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, thr_copy_a_sdp.partition_S(sQ), tSsK, copy_a_sdp, thr_copy_a_sdp,
                    copy_b_sdp, thr_copy_b_sdp);
     Tensor s = as_rows_cols(acc_s);
+    if constexpr (kSoftcap) apply_softcap(s, params.softcap_input_scale);
     if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
@@ -392,7 +397,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     Tensor dp = as_rows_cols(acc_dp);
     const float* stats_buffer = smem_stats + buffer * 2 * kBlockM;
     const auto stats = load_row_stats(tScS, row_start, params.seqlen_q, stats_buffer, stats_buffer + kBlockM);
-    probabilities_and_ds(s, dp, stats, scale_log2);
+    probabilities_and_ds<kSoftcap>(s, dp, stats, scale_log2);
     store_acc_to_smem<Traits>(mma_sdp, acc_s, sP, tidx);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
@@ -438,7 +443,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 // Deterministic dQ: one CTA per (query block, head, batch) keeps Q and dO in shared memory, walks
 // the key blocks it sees in a fixed order and accumulates dQ = dS K in registers, then stores it
 // (fp32, unscaled) into dq_accum without atomics.
-template <class Traits, MaskKind kMaskKind>
+template <class Traits, MaskKind kMaskKind, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -550,13 +555,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     clear(acc_s);
     gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp, thr_copy_b_sdp);
     Tensor s = as_rows_cols(acc_s);
+    if constexpr (kSoftcap) apply_softcap(s, params.softcap_input_scale);
     if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
                    thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
-    probabilities_and_ds(s, dp, stats, params.softmax_scale_log2);
+    probabilities_and_ds<kSoftcap>(s, dp, stats, params.softmax_scale_log2);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
     gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,

@@ -1,0 +1,188 @@
+"""Soft-capped scores: softcap > 0 turns each scaled score s into softcap * tanh(s / softcap).
+
+CPU: the reference against an fp64 implementation written out here, forward and gradients (by
+autograd), alone and with causal and a window; the argument checks. GPU (skipped without one):
+both forward kernels and both backward kernels against the fp32 oracle with FlashAttention-2's
+pass rule.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_cutlass
+from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
+from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, requires_cuda
+
+FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
+
+
+def softcapped_attention_fp64(q, k, v, scale, softcap, causal=False, window=(-1, -1)):
+    """out and lse with the soft cap and mask written out; rows without keys give 0 and -inf."""
+    group = q.shape[2] // k.shape[2]
+    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = softcap * torch.tanh(torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale / softcap)
+    sq, sk = q.shape[1], k.shape[1]
+    left, right = window[0], 0 if causal else window[1]
+    rows = torch.arange(sq).unsqueeze(1) + sk - sq
+    cols = torch.arange(sk).unsqueeze(0)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        keep &= cols >= rows - left
+    if right >= 0:
+        keep &= cols <= rows + right
+    scores = scores.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vr), lse
+
+
+def make_qkv(gen, sq, sk, heads, heads_k, head_dim, dtype=torch.float64, spread=3.0):
+    def rand(*shape):
+        return (spread * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+    return rand(2, sq, heads, head_dim), rand(2, sk, heads_k, head_dim), rand(2, sk, heads_k, head_dim)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 2)), (True, (9, -1))])
+@pytest.mark.parametrize("sq,sk", [(17, 17), (17, 60), (60, 17)])
+def test_reference_forward_matches_explicit_softcap(gen, softcap, causal, window, sq, sk):
+    q, k, v = make_qkv(gen, sq, sk, 4, 2, 16)
+    expected_out, expected_lse = softcapped_attention_fp64(q, k, v, 0.3, softcap, causal, window)
+    for block_size in (7, 128):
+        out, lse = attention_forward(q, k, v, 0.3, causal, block_size=block_size, window_size=window,
+                                     softcap=softcap)
+        torch.testing.assert_close(out, expected_out, **FP64_TOL)
+        torch.testing.assert_close(lse, expected_lse, **FP64_TOL)
+    out, lse = naive_attention(q, k, v, 0.3, causal, torch.float64, window_size=window, softcap=softcap)
+    torch.testing.assert_close(out, expected_out, **FP64_TOL)
+    torch.testing.assert_close(lse, expected_lse, **FP64_TOL)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 5.0])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (9, -1))])
+def test_reference_backward_matches_autograd(gen, softcap, causal, window):
+    q, k, v = make_qkv(gen, 17, 60, 4, 2, 16)  # every row keeps its diagonal key
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = softcapped_attention_fp64(*leaves, 0.3, softcap, causal, window)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(out, leaves, dout)
+    ref_out, lse = attention_forward(q, k, v, 0.3, causal, window_size=window, softcap=softcap)
+    grads = attention_backward(dout, q, k, v, ref_out, lse, 0.3, causal, block_size=16, window_size=window,
+                               softcap=softcap)
+    for name, grad, ref in zip("qkv", grads, expected):
+        torch.testing.assert_close(grad, ref, **FP64_TOL, msg=lambda m: f"d{name}: {m}")
+
+
+def test_cpu_entry_points_take_softcap(gen):
+    q, k, v = make_qkv(gen, 30, 50, 4, 2, 16, torch.bfloat16)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, softcap=2.0)
+    expected_out, expected_lse = softcapped_attention_fp64(q.double(), k.double(), v.double(), 16**-0.5, 2.0, True)
+    torch.testing.assert_close(out.double(), expected_out, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    attended = flash_cutlass.flash_attention(*leaves, causal=True, softcap=2.0)
+    dout = torch.randn(attended.shape, generator=gen).to(torch.bfloat16)
+    grads = torch.autograd.grad(attended, leaves, dout)
+    expected = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, softcap=2.0)
+    for grad, ref in zip(grads, expected):
+        torch.testing.assert_close(grad, ref)
+
+
+@pytest.mark.parametrize("softcap,error,match", [
+    (-1.0, ValueError, r"softcap must be finite and >= 0"),
+    (math.inf, ValueError, r"softcap must be finite and >= 0"),
+    (math.nan, ValueError, r"softcap must be finite and >= 0"),
+    ("5", TypeError, r"softcap must be a float"),
+    (True, TypeError, r"softcap must be a float"),
+])
+def test_bad_softcap_is_rejected_by_every_entry_point(softcap, error, match):
+    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
+    out, lse = flash_cutlass.flash_forward(q, q, q)
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_forward(q, q, q, softcap=softcap)
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, softcap=softcap)
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_attention(q, q, q, softcap=softcap)
+
+
+# GPU: every compiled kernel and head dim, both dtypes, with causal and a window.
+GPU_CASES = [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 5))]
+GPU_SEQLENS = [(113, 255), (256, 256), (1023, 1023), (2049, 17)]
+HEADS = 8
+
+
+def softcap_kernels_compiled() -> bool:
+    try:
+        return flash_cutlass.compiled_softcap()
+    except RuntimeError:  # no extension: the GPU tests skip anyway
+        return True
+
+
+def kernel_unavailable(kernel, head_dim, direction):
+    if kernel == "sm80":
+        return ""
+    if not COMPILED_SM90_HEAD_DIMS:
+        return "the Hopper path was not built"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the Hopper path needs compute capability 9.0"
+    limit = max(d for d in COMPILED_SM90_HEAD_DIMS if direction == "forward" or d <= 128)
+    if head_dim > limit:
+        return f"head_dim {head_dim} is above the Hopper {direction}'s largest head dim {limit}"
+    return ""
+
+
+@requires_cuda
+@pytest.mark.skipif(not softcap_kernels_compiled(), reason="the soft-capping kernels were left out")
+@pytest.mark.parametrize("seqlen_q,seqlen_k", GPU_SEQLENS)
+@pytest.mark.parametrize("causal,window", GPU_CASES)
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+@pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, softcap, causal, window, seqlen_q,
+                                           seqlen_k):
+    if dtype not in COMPILED_DTYPES:
+        pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
+    heads_k = 2 if seqlen_q != seqlen_k else HEADS
+
+    def rand(*shape):
+        return (3 * torch.randn(*shape, generator=cuda_gen, device="cuda")).to(dtype)
+
+    batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
+    q, k, v = rand(batch, seqlen_q, HEADS, head_dim), rand(batch, seqlen_k, heads_k, head_dim), rand(
+        batch, seqlen_k, heads_k, head_dim)
+    dout = rand(batch, seqlen_q, HEADS, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    options = {"window_size": window, "softcap": softcap}
+    oracle_out, oracle_lse = naive_attention(q, k, v, scale, causal, torch.float32, **options)
+    same_out, same_lse = naive_attention(q, k, v, scale, causal, **options)
+
+    forward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "forward") else kernel
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel=forward_kernel, **options)
+    fa2_check(out, oracle_out, same_out, f"{forward_kernel} forward out")
+    fa2_check(lse, oracle_lse, same_lse, f"{forward_kernel} forward lse")
+
+    reason = kernel_unavailable(kernel, head_dim, "backward")
+    if reason:
+        pytest.skip(reason)
+
+    def grads_of(compute_dtype):
+        leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+        attended, _ = naive_attention(*leaves, scale, causal, **options)
+        return torch.autograd.grad(attended, leaves, dout.to(attended.dtype))
+
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel, **options)
+    for name, grad, ref, base in zip("qkv", grads, grads_of(torch.float32), grads_of(None)):
+        fa2_check(grad, ref, base, f"{kernel} backward d{name}")
+
+
+@requires_cuda
+@pytest.mark.skipif(softcap_kernels_compiled(), reason="this build has the soft-capping kernels")
+def test_softcap_without_its_kernels_names_the_build_flag(cuda_gen):
+    q = torch.randn(1, 64, 4, COMPILED_HEAD_DIMS[0], generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
+    with pytest.raises(RuntimeError, match="FLASH_CUTLASS_SOFTCAP=0"):
+        flash_cutlass.flash_forward(q, q, q, softcap=5.0)

@@ -221,83 +221,79 @@ cudaError_t run_bwd_sm90_mask(BwdParams const& params, DType dtype, cudaStream_t
 #undef FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP
 }  // namespace detail
 
-// Launches the sm80-path forward kernel compiled for `kernel_hdim` (one of kCompiledHeadDims).
-inline cudaError_t run_fwd_sm80(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
+namespace detail {
+// Calls run(std::integral_constant<int, kernel_hdim>{}) for a compiled head dim of the sm80 path.
+template <class Run>
+cudaError_t with_sm80_head_dim(int kernel_hdim, Run&& run) {
   switch (kernel_hdim) {
 #ifdef FLASH_CUTLASS_HDIM_32
-    case 32: return detail::run_fwd_sm80_mask<32>(params, dtype, stream);
+    case 32: return run(std::integral_constant<int, 32>{});
 #endif
 #ifdef FLASH_CUTLASS_HDIM_64
-    case 64: return detail::run_fwd_sm80_mask<64>(params, dtype, stream);
+    case 64: return run(std::integral_constant<int, 64>{});
 #endif
 #ifdef FLASH_CUTLASS_HDIM_96
-    case 96: return detail::run_fwd_sm80_mask<96>(params, dtype, stream);
+    case 96: return run(std::integral_constant<int, 96>{});
 #endif
 #ifdef FLASH_CUTLASS_HDIM_128
-    case 128: return detail::run_fwd_sm80_mask<128>(params, dtype, stream);
+    case 128: return run(std::integral_constant<int, 128>{});
 #endif
 #ifdef FLASH_CUTLASS_HDIM_192
-    case 192: return detail::run_fwd_sm80_mask<192>(params, dtype, stream);
+    case 192: return run(std::integral_constant<int, 192>{});
 #endif
 #ifdef FLASH_CUTLASS_HDIM_256
-    case 256: return detail::run_fwd_sm80_mask<256>(params, dtype, stream);
+    case 256: return run(std::integral_constant<int, 256>{});
 #endif
     default: return cudaErrorNotSupported;
   }
+}
+
+// The same for the Hopper path, up to kMaxHeadDim (the backward's kernels stop at 128).
+template <int kMaxHeadDim, class Run>
+cudaError_t with_sm90_head_dim(int kernel_hdim, Run&& run) {
+  switch (kernel_hdim) {
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
+    case 64: return run(std::integral_constant<int, 64>{});
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
+    case 128: return run(std::integral_constant<int, 128>{});
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_256)
+    case 256:
+      if constexpr (kMaxHeadDim >= 256) return run(std::integral_constant<int, 256>{});
+      return cudaErrorNotSupported;
+#endif
+    default: return cudaErrorNotSupported;
+  }
+}
+}  // namespace detail
+
+// Launches the sm80-path forward kernel compiled for `kernel_hdim` (one of kCompiledHeadDims).
+inline cudaError_t run_fwd_sm80(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
+  return detail::with_sm80_head_dim(kernel_hdim, [&](auto hdim) {
+    return detail::run_fwd_sm80_mask<decltype(hdim)::value>(params, dtype, stream);
+  });
 }
 
 // Launches the Hopper-path forward kernel compiled for `kernel_hdim` (one of kCompiledSm90HeadDims).
 inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
-  switch (kernel_hdim) {
-#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
-    case 64: return detail::run_fwd_sm90_mask<64>(params, dtype, stream);
-#endif
-#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
-    case 128: return detail::run_fwd_sm90_mask<128>(params, dtype, stream);
-#endif
-#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_256)
-    case 256: return detail::run_fwd_sm90_mask<256>(params, dtype, stream);
-#endif
-    default: return cudaErrorNotSupported;
-  }
+  return detail::with_sm90_head_dim<256>(kernel_hdim, [&](auto hdim) {
+    return detail::run_fwd_sm90_mask<decltype(hdim)::value>(params, dtype, stream);
+  });
 }
 
 // Launches the sm80-path backward kernel compiled for `kernel_hdim` (one of kCompiledHeadDims).
 inline cudaError_t run_bwd_sm80(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
-  switch (kernel_hdim) {
-#ifdef FLASH_CUTLASS_HDIM_32
-    case 32: return detail::run_bwd_sm80_mask<32>(params, dtype, stream);
-#endif
-#ifdef FLASH_CUTLASS_HDIM_64
-    case 64: return detail::run_bwd_sm80_mask<64>(params, dtype, stream);
-#endif
-#ifdef FLASH_CUTLASS_HDIM_96
-    case 96: return detail::run_bwd_sm80_mask<96>(params, dtype, stream);
-#endif
-#ifdef FLASH_CUTLASS_HDIM_128
-    case 128: return detail::run_bwd_sm80_mask<128>(params, dtype, stream);
-#endif
-#ifdef FLASH_CUTLASS_HDIM_192
-    case 192: return detail::run_bwd_sm80_mask<192>(params, dtype, stream);
-#endif
-#ifdef FLASH_CUTLASS_HDIM_256
-    case 256: return detail::run_bwd_sm80_mask<256>(params, dtype, stream);
-#endif
-    default: return cudaErrorNotSupported;
-  }
+  return detail::with_sm80_head_dim(kernel_hdim, [&](auto hdim) {
+    return detail::run_bwd_sm80_mask<decltype(hdim)::value>(params, dtype, stream);
+  });
 }
 
 // Launches the Hopper-path backward compiled for `kernel_hdim` (one of kCompiledSm90BwdHeadDims).
 inline cudaError_t run_bwd_sm90(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
-  switch (kernel_hdim) {
-#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
-    case 64: return detail::run_bwd_sm90_mask<64>(params, dtype, stream);
-#endif
-#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
-    case 128: return detail::run_bwd_sm90_mask<128>(params, dtype, stream);
-#endif
-    default: return cudaErrorNotSupported;
-  }
+  return detail::with_sm90_head_dim<128>(kernel_hdim, [&](auto hdim) {
+    return detail::run_bwd_sm90_mask<decltype(hdim)::value>(params, dtype, stream);
+  });
 }
 
 }  // namespace flash_cutlass

@@ -165,7 +165,7 @@ def check_forward_inputs(q, k, v, softmax_scale, causal, window_size=(-1, -1)) -
             raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return check_window_size(window_size)
+    return reference.check_window_size(window_size)
 
 
 def check_softcap(softcap) -> float:
@@ -175,21 +175,6 @@ def check_softcap(softcap) -> float:
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be finite and >= 0 (0: no soft-capping), got {softcap}")
     return float(softcap)
-
-
-def check_window_size(window_size) -> Tuple[int, int]:
-    """window_size as a (left, right) tuple of ints >= -1 (-1: unbounded); raises TypeError or
-    ValueError naming the argument otherwise."""
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(side, int) and not isinstance(side, bool) for side in window_size)
-    ):
-        raise TypeError(f"window_size must be a (left, right) tuple of two ints, got {window_size!r}")
-    left, right = window_size
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {(left, right)}")
-    return int(left), int(right)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ import numbers
 
 import torch
 
-__all__ = ["attention_backward", "attention_forward", "causal_mask", "keep_mask", "naive_attention"]
+__all__ = ["attention_backward", "attention_forward", "causal_mask", "check_window_size", "keep_mask",
+           "naive_attention"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -117,7 +118,7 @@ def attention_forward(
     row_max = qg.new_full((batch, kv_heads, rows), float("-inf"))
     row_sum = qg.new_zeros((batch, kv_heads, rows))
     acc = qg.new_zeros((batch, kv_heads, rows, v.shape[-1]))
-    window_size = _check_window_size(window_size)
+    window_size = check_window_size(window_size)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
@@ -193,7 +194,7 @@ def attention_backward(
     dq = torch.zeros_like(qg)
     dk = torch.zeros(batch, sk, kv_heads, k.shape[-1], dtype=compute_dtype, device=q.device)
     dv = torch.zeros(batch, sk, kv_heads, v.shape[-1], dtype=compute_dtype, device=q.device)
-    window_size = _check_window_size(window_size)
+    window_size = check_window_size(window_size)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
@@ -251,7 +252,7 @@ def naive_attention(
     vt = v.to(dtype).transpose(1, 2)
 
     scores = _softcapped(torch.matmul(qg, kt) * scale, softcap)
-    keep = keep_mask(sq, sk, causal, _check_window_size(window_size), device=q.device)
+    keep = keep_mask(sq, sk, causal, check_window_size(window_size), device=q.device)
     if keep is not None:
         scores = _apply_keep(scores, keep, group)
     lse = torch.logsumexp(scores, dim=-1)
@@ -310,8 +311,9 @@ def _softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
 
 
-def _check_window_size(window_size: object) -> tuple[int, int]:
-    """window_size as a (left, right) tuple of ints >= -1; raises naming the argument."""
+def check_window_size(window_size: object) -> tuple[int, int]:
+    """window_size as a (left, right) tuple of ints >= -1 (-1: unbounded); raises TypeError or
+    ValueError naming the argument otherwise. flash_cutlass's entry points check with it too."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
         _is_int(side) for side in window_size
     ):

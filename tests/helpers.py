@@ -22,6 +22,21 @@ except RuntimeError:
     COMPILED_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def kernel_unavailable(kernel: str, head_dim: int, direction: str) -> str:
+    """Why `kernel` ('sm80' or 'sm90') cannot run the `direction` ('forward' or 'backward') of a
+    head dim on this GPU and build, or '' when it can. The Hopper backward stops at head dim 128."""
+    if kernel == "sm80":
+        return ""
+    if not COMPILED_SM90_HEAD_DIMS:
+        return "the Hopper path was not built"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the Hopper path needs compute capability 9.0"
+    limit = max((d for d in COMPILED_SM90_HEAD_DIMS if direction == "forward" or d <= 128), default=0)
+    if head_dim > limit:
+        return f"head_dim {head_dim} is above the Hopper {direction}'s largest head dim {limit}"
+    return ""
+
+
 def fa2_check(
     actual: torch.Tensor,
     oracle: torch.Tensor,

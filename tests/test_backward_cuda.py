@@ -10,24 +10,18 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import naive_attention
-from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, requires_cuda
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, kernel_unavailable,
+                     requires_cuda)
 
 pytestmark = requires_cuda
 
-# Head dims of the Hopper backward (head dims up to 128 of the Hopper path).
-SM90_BACKWARD_HEAD_DIMS = tuple(d for d in COMPILED_SM90_HEAD_DIMS if d <= 128)
 BACKWARD_KERNELS = ("sm80", "sm90")
 
 
 def skip_unless_backward_runs(kernel: str, head_dim: int) -> None:
-    if kernel != "sm90":
-        return
-    if not COMPILED_SM90_HEAD_DIMS:
-        pytest.skip("the Hopper path was not built")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper backward needs compute capability 9.0")
-    if head_dim > max(SM90_BACKWARD_HEAD_DIMS, default=0):
-        pytest.skip(f"head_dim {head_dim} exceeds the Hopper backward's head dims {SM90_BACKWARD_HEAD_DIMS}")
+    reason = kernel_unavailable(kernel, head_dim, "backward")
+    if reason:
+        pytest.skip(reason)
 
 
 HEADS = 8

@@ -13,7 +13,7 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
-from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, requires_cuda
+from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, fa2_check, kernel_unavailable, requires_cuda
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -120,19 +120,6 @@ def softcap_kernels_compiled() -> bool:
         return flash_cutlass.compiled_softcap()
     except RuntimeError:  # no extension: the GPU tests skip anyway
         return True
-
-
-def kernel_unavailable(kernel, head_dim, direction):
-    if kernel == "sm80":
-        return ""
-    if not COMPILED_SM90_HEAD_DIMS:
-        return "the Hopper path was not built"
-    if torch.cuda.get_device_capability() != (9, 0):
-        return "the Hopper path needs compute capability 9.0"
-    limit = max(d for d in COMPILED_SM90_HEAD_DIMS if direction == "forward" or d <= 128)
-    if head_dim > limit:
-        return f"head_dim {head_dim} is above the Hopper {direction}'s largest head dim {limit}"
-    return ""
 
 
 @requires_cuda

@@ -12,7 +12,7 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
-from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, requires_cuda
+from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, fa2_check, kernel_unavailable, requires_cuda
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 # (left, right); -1 is unbounded. (0, 0) keeps only the diagonal.
@@ -132,19 +132,6 @@ def window_kernels_compiled() -> bool:
 
 requires_window_kernels = pytest.mark.skipif(
     not window_kernels_compiled(), reason="the sliding-window kernels were left out (FLASH_CUTLASS_WINDOW=0)")
-
-
-def kernel_unavailable(kernel, head_dim, direction):
-    if kernel == "sm80":
-        return ""
-    if not COMPILED_SM90_HEAD_DIMS:
-        return "the Hopper path was not built"
-    if torch.cuda.get_device_capability() != (9, 0):
-        return "the Hopper path needs compute capability 9.0"
-    limit = max(d for d in COMPILED_SM90_HEAD_DIMS if direction == "forward" or d <= 128)
-    if head_dim > limit:
-        return f"head_dim {head_dim} is above the Hopper {direction}'s largest head dim {limit}"
-    return ""
 
 
 def cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, head_dim, heads_k):

@@ -37,6 +37,21 @@ __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& par
   return {num_m_blocks - 1 - int(blockIdx.x % num_m_blocks), batch_head % params.heads, batch_head / params.heads};
 }
 
+// The backward kernels run one CTA per (key block, head, batch), flattened into blockIdx.x with
+// the key block fastest.
+struct KeyTile {
+  int n_block;
+  int head;
+  int batch;
+};
+
+template <int kBlockN>
+__device__ __forceinline__ KeyTile key_tile_of_this_cta(FwdParams const& params) {
+  const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
+  const int batch_head = int(blockIdx.x / num_n_blocks);
+  return {int(blockIdx.x % num_n_blocks), batch_head % params.heads, batch_head / params.heads};
+}
+
 struct KeyBlockRange {
   int begin;           // key blocks [begin, end) are visited; end <= begin: the block sees no key
   int end;

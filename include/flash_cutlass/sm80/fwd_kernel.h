@@ -152,6 +152,8 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
     // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
     // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
     // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
+    // The Hopper forward walks the same order; a helper shared by both, taking the step as a
+    // lambda, changed this kernel's register allocation and spills, so each kernel spells it out.
     process_tile(last, cute::true_type{}, cute::true_type{});
     if constexpr (kMaskKind == MaskKind::kLocal) {
       for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {

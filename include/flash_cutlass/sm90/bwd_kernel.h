@@ -150,11 +150,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-  const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
-  const int n_block = int(blockIdx.x % num_n_blocks);
-  const int batch_head = int(blockIdx.x / num_n_blocks);
-  const int head = batch_head % params.heads;
-  const int batch = batch_head / params.heads;
+  const KeyTile tile = key_tile_of_this_cta<kBlockN>(params);
+  const int n_block = tile.n_block, head = tile.head, batch = tile.batch;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);

@@ -10,8 +10,9 @@ Build options (environment variables; see README.md):
                             0 leaves it out. It needs 90 in FLASH_CUTLASS_CUDA_ARCHS.
   FLASH_CUTLASS_WINDOW      1 (default) builds the sliding-window kernels (window_size=); 0 leaves
                             them out (a call with a window then raises, naming this flag).
-  FLASH_CUTLASS_SOFTCAP     1 (default) builds the soft-capping kernels (softcap=); 0 leaves them
-                            out, likewise.
+  FLASH_CUTLASS_SOFTCAP     1 (default) accepts softcap=, FLASH_CUTLASS_ALIBI 1 (default)
+  FLASH_CUTLASS_ALIBI       alibi_slopes=; both run in the extended kernels, built when either
+                            is 1 (0 and 0 leave them out; such a call then raises, likewise).
   CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
                             about 3 GB of memory per concurrent nvcc.
@@ -179,9 +180,11 @@ def main():
     defines += [f"-DFLASH_CUTLASS_DTYPE_{t.upper()}" for t in dtypes]
     if sm90:
         defines.append("-DFLASH_CUTLASS_SM90")
-    for feature in ("FLASH_CUTLASS_WINDOW", "FLASH_CUTLASS_SOFTCAP"):
+    for feature in ("FLASH_CUTLASS_WINDOW", "FLASH_CUTLASS_SOFTCAP", "FLASH_CUTLASS_ALIBI"):
         if feature_enabled(feature):
             defines.append(f"-D{feature}")
+    if feature_enabled("FLASH_CUTLASS_SOFTCAP") or feature_enabled("FLASH_CUTLASS_ALIBI"):
+        defines.append("-DFLASH_CUTLASS_EXTENDED")
     # wgmma and setmaxnreg exist only in the architecture-specific sm_90a target.
     targets = [f"{a}a" if a == 90 and sm90 else str(a) for a in archs]
     # A bare comma list (no quotes, no ';') survives ninja's shell; the C++ side stringifies it.

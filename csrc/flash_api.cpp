@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -131,7 +132,8 @@ AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const a
 // Python API takes them (-1: unbounded; causal bounds the right side at 0). A side that reaches
 // every key of every row counts as unbounded (stored as max(seqlen_q, seqlen_k)): causal calls
 // without a real left bound run the causal kernels, calls without any bound the unmasked ones,
-// and the rest the sliding-window kernels.
+// and the rest the sliding-window kernels. The extended kernels (params.extended, set before) take
+// every mask in the window's form.
 void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_t window_right) {
   TORCH_CHECK(window_left >= -1 && window_right >= -1, "window_size entries must be >= -1, got (", window_left, ", ",
               window_right, ")");
@@ -144,7 +146,9 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
   const bool right_unbounded = window_right < 0 || window_right >= params.seqlen_q - 1;
   params.window_left = left_unbounded ? unbounded : static_cast<int>(window_left);
   params.window_right = right_unbounded ? unbounded : static_cast<int>(window_right);
-  if (causal && left_unbounded) {
+  if (params.extended) {
+    params.mask = MaskKind::kLocal;
+  } else if (causal && left_unbounded) {
     params.mask = MaskKind::kCausal;
   } else if (left_unbounded && right_unbounded) {
     params.mask = MaskKind::kNone;
@@ -156,24 +160,47 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
   }
 }
 
-// Soft-capped scores (softcap > 0): the kernels take tanh(q.k * softmax_scale / softcap) and
-// exponentiate it times softcap; 0 leaves the scores as they are.
-void set_softcap_params(FwdParams& params, double softcap) {
+// The extended kernels' options (include/flash_cutlass/common/score_mods.h) into params, after the
+// scale: the soft cap (softcap > 0: the kernels take tanh(q.k * softmax_scale / softcap) and
+// exponentiate it times softcap; 0: none) and ALiBi slopes (fp32, (heads,) or (batch, heads), on
+// q's device; an undefined tensor: none).
+void set_score_mods_params(FwdParams& params, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                           const at::Tensor& q) {
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
-  if (softcap == 0) return;
-  TORCH_CHECK(kCompiledSoftcap, "softcap=", softcap,
-              " needs the soft-capping kernels, which this build left out (FLASH_CUTLASS_SOFTCAP=0); "
-              "rebuild with FLASH_CUTLASS_SOFTCAP=1");
-  params.softcap = static_cast<float>(softcap);
-  params.softcap_input_scale = static_cast<float>(params.softmax_scale / softcap);
-  params.softmax_scale_log2 = static_cast<float>(softcap * M_LOG2E);
+  if (softcap > 0) {
+    TORCH_CHECK(kCompiledSoftcap, "softcap=", softcap,
+                " needs the soft cap of the extended kernels, which this build left out (FLASH_CUTLASS_SOFTCAP=0); "
+                "rebuild with FLASH_CUTLASS_SOFTCAP=1");
+    params.extended = true;
+    params.softcap = static_cast<float>(softcap);
+    params.softcap_input_scale = static_cast<float>(params.softmax_scale / softcap);
+    params.softmax_scale_log2 = static_cast<float>(softcap * M_LOG2E);
+  }
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    const at::Tensor& slopes = *alibi_slopes;
+    TORCH_CHECK(kCompiledAlibi,
+                "alibi_slopes needs ALiBi in the extended kernels, which this build left out (FLASH_CUTLASS_ALIBI=0); "
+                "rebuild with FLASH_CUTLASS_ALIBI=1");
+    TORCH_CHECK(slopes.scalar_type() == at::kFloat, "alibi_slopes must be float32, got ", slopes.scalar_type());
+    TORCH_CHECK(slopes.device() == q.device(), "alibi_slopes must be on q's device ", q.device());
+    const bool per_head = slopes.dim() == 1 && slopes.size(0) == params.heads;
+    const bool per_batch_head = slopes.dim() == 2 && slopes.size(0) == params.batch && slopes.size(1) == params.heads;
+    TORCH_CHECK(per_head || per_batch_head, "alibi_slopes must have shape (heads,) = (", params.heads,
+                ",) or (batch, heads) = (", params.batch, ", ", params.heads, "), got ", slopes.sizes());
+    TORCH_CHECK(slopes.stride(-1) == 1 || params.heads == 1, "alibi_slopes must have a contiguous last dimension");
+    params.extended = true;
+    params.alibi_slopes = slopes.data_ptr<float>();
+    params.alibi_slopes_batch_stride = per_batch_head ? slopes.stride(0) : 0;
+    params.alibi_slope_scale = static_cast<float>(1.0 / (softcap > 0 ? softcap : params.softmax_scale));
+  }
 }
 
-// Writes the pointers, strides, sizes, scale, mask and soft cap of q, k, v, out and lse into params.
+// Writes the pointers, strides, sizes, scale, mask and score options of q, k, v, out and lse into
+// params.
 void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& lse, AttentionShape const& shape,
                           double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                          double softcap) {
+                          double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   params.q = q.data_ptr();
   params.k = k.data_ptr();
   params.v = v.data_ptr();
@@ -199,13 +226,13 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
   params.head_dim = static_cast<int>(shape.head_dim);
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  set_score_mods_params(params, softcap, alibi_slopes, q);
   set_mask_params(params, causal, window_left, window_right);
-  set_softcap_params(params, softcap);
 }
 
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
              double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-             int64_t kernel_choice) {
+             const std::optional<at::Tensor>& alibi_slopes, int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) return;
   TORCH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
@@ -214,7 +241,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   const int kernel_hdim = shape.kernel_hdim;
   FwdParams params;
   set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
-                       softcap);
+                       softcap, alibi_slopes);
 
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -243,7 +270,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
               const at::Tensor& dv, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-              double softcap, bool deterministic, int64_t kernel_choice) {
+              double softcap, const std::optional<at::Tensor>& alibi_slopes, bool deterministic,
+              int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   check_operand(dout, "dout", 4);
@@ -293,7 +321,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
 
   BwdParams params;
   set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
-                       softcap);
+                       softcap, alibi_slopes);
   params.dout = dout.data_ptr();
   params.dout_batch_stride = dout.stride(0);
   params.dout_row_stride = dout.stride(1);
@@ -361,17 +389,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &flash_cutlass::forward, "Attention forward into preallocated out and lse",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
-        pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("kernel_choice"));
+        pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("alibi_slopes"),
+        pybind11::arg("kernel_choice"));
   m.def("backward", &flash_cutlass::backward, "Attention backward into preallocated dq, dk and dv",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
-        pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("deterministic"),
+        pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("alibi_slopes"),
+        pybind11::arg("deterministic"),
         pybind11::arg("kernel_choice"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);
   m.attr("compiled_window") = flash_cutlass::kCompiledWindow;
   m.attr("compiled_softcap") = flash_cutlass::kCompiledSoftcap;
+  m.attr("compiled_alibi") = flash_cutlass::kCompiledAlibi;
   m.attr("compiled_archs") = std::string(FLASH_CUTLASS_ARCHS_STRING);
 }

@@ -62,8 +62,14 @@ def compiled_window() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def compiled_softcap() -> bool:
-    """Whether this build has the soft-capping kernels (softcap=; FLASH_CUTLASS_SOFTCAP)."""
+    """Whether this build runs softcap= (the extended kernels; FLASH_CUTLASS_SOFTCAP)."""
     return bool(_extension().compiled_softcap)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_alibi() -> bool:
+    """Whether this build runs alibi_slopes= (the extended kernels; FLASH_CUTLASS_ALIBI)."""
+    return bool(_extension().compiled_alibi)
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,6 +183,15 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
+def check_alibi_slopes(alibi_slopes, q) -> Optional[torch.Tensor]:
+    """alibi_slopes as given: None, or float32 of shape (heads,) or (batch, heads) on q's device;
+    raises TypeError or ValueError naming it otherwise."""
+    alibi_slopes = reference.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
+    if alibi_slopes is not None and alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}; they must be on one device")
+    return alibi_slopes
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t itself if every global access can be 16 bytes wide, else a contiguous copy."""
     strides_ok = all(s % _ALIGN_ELEMS == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
@@ -199,12 +214,13 @@ def _padded_head_dim(head_dim: int) -> int:
 
 
 def forward_into(q, k, v, out, lse, softmax_scale: float, causal: bool, kernel: str = "auto",
-                 window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0) -> None:
+                 window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                 alibi_slopes: Optional[torch.Tensor] = None) -> None:
     """Runs the CUDA forward kernel into preallocated out (like q) and lse (fp32, batch x heads x
     seqlen_q). q, k, v must already be valid kernel inputs: CUDA, head_dim a multiple of 8 and at
     most a compiled head dim, 16-byte aligned strides. flash_forward is the checked entry point."""
     _extension().forward(q, k, v, out, lse, float(softmax_scale), bool(causal), int(window_size[0]),
-                         int(window_size[1]), float(softcap), KERNELS[kernel])
+                         int(window_size[1]), float(softcap), alibi_slopes, KERNELS[kernel])
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -224,7 +240,7 @@ def _check_device_capability(device: torch.device) -> None:
 
 def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
                   kernel: Optional[str] = None, *, window_size: Tuple[int, int] = (-1, -1),
-                  softcap: float = 0.0):
+                  softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None):
     """Exact attention forward: out = softmax(softmax_scale * q k^T) v, and its log-sum-exp.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), with
@@ -237,7 +253,9 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     query i sees key j iff i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q; -1 leaves
     a side unbounded, and causal=True sets right to 0 (FlashAttention-2's semantics). softcap > 0
     soft-caps the scaled scores before any mask: softcap * tanh(softmax_scale * q.k / softcap)
-    (0, the default, leaves them as they are).
+    (0, the default, leaves them as they are). alibi_slopes (float32, (heads,) or (batch, heads),
+    on q's device) adds ALiBi after the soft cap and before any mask: the score of query i and
+    key j gets -slope * |i + seqlen_k - seqlen_q - j| (FlashAttention-2's ALiBi).
 
     kernel picks the CUDA kernel: 'auto' (the default, or $FLASH_CUTLASS_FORWARD_KERNEL when
     kernel is None) runs the Hopper path (TMA + wgmma) on compute capability 9.0 for the head dims
@@ -247,13 +265,15 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     """
     window_size = check_forward_inputs(q, k, v, softmax_scale, causal, window_size)
     softcap = check_softcap(softcap)
+    alibi_slopes = check_alibi_slopes(alibi_slopes, q)
     kernel = kernel_choice(kernel)
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     if q.device.type != "cuda":
-        out, lse = reference.attention_forward(q, k, v, scale, causal, window_size=window_size, softcap=softcap)
+        out, lse = reference.attention_forward(q, k, v, scale, causal, window_size=window_size, softcap=softcap,
+                                               alibi_slopes=alibi_slopes)
         return out.contiguous(), lse.contiguous()
 
     _check_device(q)
@@ -267,8 +287,10 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
         pad = (0, padded_head_dim - head_dim)
         q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    forward_into(q, k, v, out, lse, scale, causal, kernel, window_size, softcap)
+    forward_into(q, k, v, out, lse, scale, causal, kernel, window_size, softcap, alibi_slopes)
     if padded_head_dim != head_dim:
         out = out[..., :head_dim].contiguous()
     return out, lse
@@ -308,11 +330,12 @@ def check_deterministic(deterministic) -> None:
 
 def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
                    deterministic: bool = False, kernel: Optional[str] = None, *,
-                   window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0):
+                   window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                   alibi_slopes: Optional[torch.Tensor] = None):
     """Gradients of flash_forward: returns (dq, dk, dv) in the dtypes and shapes of q, k and v.
 
     dout and out are shaped like q; out and lse are what flash_forward returned for these inputs.
-    softmax_scale, causal, window_size and softcap must be those of the forward call. deterministic=True
+    softmax_scale, causal, window_size, softcap and alibi_slopes must be those of the forward call. deterministic=True
     sums dQ in a fixed order (a second kernel pass) instead of with atomics, so two runs give
     bitwise identical gradients. kernel picks the CUDA kernel as in flash_forward ($FLASH_CUTLASS_BACKWARD_KERNEL
     when None): 'auto' runs the Hopper backward on compute capability 9.0 for head dims up to 128
@@ -321,12 +344,13 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     """
     window_size = check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_size)
     softcap = check_softcap(softcap)
+    alibi_slopes = check_alibi_slopes(alibi_slopes, q)
     kernel = kernel_choice(kernel, BACKWARD_KERNEL_ENV)
     head_dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if q.device.type != "cuda":
         grads = reference.attention_backward(dout, q, k, v, out, lse, scale, causal, window_size=window_size,
-                                             softcap=softcap)
+                                             softcap=softcap, alibi_slopes=alibi_slopes)
         return tuple(g.contiguous() for g in grads)
 
     _check_device(q)
@@ -335,9 +359,11 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
         pad = (0, padded_head_dim - head_dim)
         dout, q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (dout, q, k, v, out))
     dout, q, k, v, out = (_aligned(t) for t in (dout, q, k, v, out))
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, scale, causal, window_size[0],
-                          window_size[1], softcap, deterministic, KERNELS[kernel])
+                          window_size[1], softcap, alibi_slopes, deterministic, KERNELS[kernel])
     if padded_head_dim != head_dim:
         dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
     return dq, dk, dv

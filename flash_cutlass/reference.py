@@ -20,6 +20,9 @@ Layout and conventions shared by every function here:
   sets ``right = 0`` (FlashAttention-2's semantics).
 * ``softcap > 0`` soft-caps the scaled scores before any mask:
   ``score = softcap * tanh(softmax_scale * q k^T / softcap)``; ``0`` leaves them as they are.
+* ``alibi_slopes`` (fp32 ``(heads,)`` or ``(batch, heads)``) adds ALiBi to the (soft-capped)
+  scores before any mask: ``score -= slope * |i + seqlen_k - seqlen_q - j|`` with the slope of
+  the row's batch and query head (FlashAttention-2's ALiBi); ``None`` adds nothing.
 * A query row that may attend no key gets output 0 and log-sum-exp ``-inf``.
 * The log-sum-exp is the natural logarithm of ``sum_j exp(scaled score_j)``,
   shaped ``(batch, heads, seqlen_q)``.
@@ -38,8 +41,8 @@ import numbers
 
 import torch
 
-__all__ = ["attention_backward", "attention_forward", "causal_mask", "check_window_size", "keep_mask",
-           "naive_attention"]
+__all__ = ["alibi_bias", "attention_backward", "attention_forward", "causal_mask", "check_alibi_slopes",
+           "check_window_size", "keep_mask", "naive_attention"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -91,6 +94,7 @@ def attention_forward(
     block_size: int = 128,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled online-softmax attention forward.
 
@@ -119,12 +123,15 @@ def attention_forward(
     row_sum = qg.new_zeros((batch, kv_heads, rows))
     acc = qg.new_zeros((batch, kv_heads, rows, v.shape[-1]))
     window_size = check_window_size(window_size)
+    alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
         k_blk = k[:, start:end].to(compute_dtype).permute(0, 2, 3, 1)
         v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
         scores = _softcapped(torch.matmul(qg, k_blk) * scale, softcap)
+        if alibi_slopes is not None:
+            scores = scores + _grouped(alibi_bias(alibi_slopes, batch, sq, sk, start, end, compute_dtype), kv_heads)
         # This block's columns of the mask, built per block: no (sq, sk) matrix.
         keep = keep_mask(sq, sk, causal, window_size, start, end, q.device)
         if keep is not None:
@@ -159,6 +166,7 @@ def attention_backward(
     block_size: int = 128,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled gradient of :func:`attention_forward` with respect to ``q``, ``k`` and ``v``.
 
@@ -195,6 +203,7 @@ def attention_backward(
     dk = torch.zeros(batch, sk, kv_heads, k.shape[-1], dtype=compute_dtype, device=q.device)
     dv = torch.zeros(batch, sk, kv_heads, v.shape[-1], dtype=compute_dtype, device=q.device)
     window_size = check_window_size(window_size)
+    alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
@@ -204,6 +213,8 @@ def attention_backward(
         if softcap > 0:
             capped = torch.tanh(scores / softcap)
             scores = softcap * capped
+        if alibi_slopes is not None:
+            scores = scores + _grouped(alibi_bias(alibi_slopes, batch, sq, sk, start, end, compute_dtype), kv_heads)
         keep = keep_mask(sq, sk, causal, window_size, start, end, q.device)
         if keep is not None:
             scores = _apply_keep(scores, keep, group)
@@ -227,11 +238,13 @@ def naive_attention(
     compute_dtype: torch.dtype | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with the full score matrix materialized.
 
     Inputs are cast to ``compute_dtype`` and every step (matmul, scaling,
-    softmax, log-sum-exp, matmul) runs in that dtype. With ``compute_dtype=None``
+    softmax, log-sum-exp, matmul) runs in that dtype, but for ALiBi's bias and the
+    softmax after it, which run in fp32 at least. With ``compute_dtype=None``
     the inputs' own dtype is used, which gives the error PyTorch itself makes
     in that precision (the baseline of the FlashAttention-2 pass rule).
 
@@ -252,6 +265,12 @@ def naive_attention(
     vt = v.to(dtype).transpose(1, 2)
 
     scores = _softcapped(torch.matmul(qg, kt) * scale, softcap)
+    alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
+    if alibi_slopes is not None:
+        # The bias in fp32 at least, as FlashAttention-2's reference adds it: distances of
+        # thousands times a slope would lose their units in fp16/bf16.
+        bias_dtype = torch.promote_types(dtype, torch.float32)
+        scores = scores.to(bias_dtype) + _grouped(alibi_bias(alibi_slopes, batch, sq, sk, 0, sk, bias_dtype), kv_heads)
     keep = keep_mask(sq, sk, causal, check_window_size(window_size), device=q.device)
     if keep is not None:
         scores = _apply_keep(scores, keep, group)
@@ -261,7 +280,7 @@ def naive_attention(
         # softmax of an all -inf row is NaN; such a row attends nothing.
         has_key = keep.any(dim=-1).repeat(group)
         probs = torch.where(has_key.unsqueeze(-1), probs, 0.0)
-    out = torch.matmul(probs, vt)
+    out = torch.matmul(probs.to(dtype), vt)
 
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     return _ungroup_out(out, group, sq), lse.to(lse_dtype).reshape(batch, heads, sq)
@@ -322,6 +341,42 @@ def check_window_size(window_size: object) -> tuple[int, int]:
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {(left, right)}")
     return left, right
+
+
+def check_alibi_slopes(alibi_slopes: object, batch: int, heads: int) -> torch.Tensor | None:
+    """alibi_slopes as given (None, or a float32 tensor of shape (heads,) or (batch, heads));
+    raises TypeError or ValueError naming the argument otherwise. flash_cutlass's entry points
+    check with it too (and for the device)."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = ({batch}, {heads}), "
+            f"got {tuple(alibi_slopes.shape)}"
+        )
+    return alibi_slopes
+
+
+def alibi_bias(
+    alibi_slopes: torch.Tensor, batch: int, sq: int, sk: int, key_start: int, key_end: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """ALiBi's ``(batch, heads, sq, key_end - key_start)`` bias of keys ``[key_start, key_end)``:
+    ``-slope * |i + sk - sq - j|`` (module docstring), in ``dtype``."""
+    slopes = alibi_slopes.to(dtype).expand(batch, alibi_slopes.shape[-1])
+    rows = torch.arange(sq, device=alibi_slopes.device).unsqueeze(1) + (sk - sq)
+    cols = torch.arange(key_start, key_end, device=alibi_slopes.device).unsqueeze(0)
+    distance = (rows - cols).abs().to(dtype)
+    return -slopes[:, :, None, None] * distance
+
+
+def _grouped(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, heads, sq, n) -> (b, kv_heads, group * sq, n), the rows of ``_group_queries``."""
+    batch, heads, sq, n = bias.shape
+    return bias.reshape(batch, kv_heads, (heads // kv_heads) * sq, n)
 
 
 def _is_int(value: object) -> bool:

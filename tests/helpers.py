@@ -1,6 +1,8 @@
 """Shared test utilities: the CUDA skip marker, what the build compiled, and the FlashAttention-2
 pass rule."""
 
+import math
+
 import pytest
 import torch
 
@@ -97,3 +99,35 @@ def fa2_check(
             f"= {bound:.3e}; worst at index {worst}: "
             f"actual {float(actual[worst]):.6g}, oracle {float(oracle[worst]):.6g}"
         )
+
+
+def check_kernels_against_oracle(kernel: str, q, k, v, dout, causal: bool, **options) -> None:
+    """Runs flash_forward and flash_backward of `kernel` ('sm80' or 'sm90'; a forward the Hopper
+    path cannot run takes the sm80 path) on CUDA inputs with the keyword `options` (window_size,
+    softcap, alibi_slopes) and checks out, lse and the three gradients against the fp32 oracle
+    (reference.naive_attention and its autograd) by FlashAttention-2's pass rule. Skips the
+    backward, after checking the forward, where `kernel` has no backward for this head dim."""
+    from flash_cutlass.reference import naive_attention
+
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim)
+    oracle_out, oracle_lse = naive_attention(q, k, v, scale, causal, torch.float32, **options)
+    same_out, same_lse = naive_attention(q, k, v, scale, causal, **options)
+
+    forward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "forward") else kernel
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel=forward_kernel, **options)
+    fa2_check(out, oracle_out, same_out, f"{forward_kernel} forward out")
+    fa2_check(lse, oracle_lse, same_lse, f"{forward_kernel} forward lse")
+
+    reason = kernel_unavailable(kernel, head_dim, "backward")
+    if reason:
+        pytest.skip(reason)
+
+    def grads_of(compute_dtype):
+        leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+        attended, _ = naive_attention(*leaves, scale, causal, **options)
+        return torch.autograd.grad(attended, leaves, dout.to(attended.dtype))
+
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel, **options)
+    for name, grad, ref, base in zip("qkv", grads, grads_of(torch.float32), grads_of(None)):
+        fa2_check(grad, ref, base, f"{kernel} backward d{name}")

@@ -22,21 +22,32 @@ def inputs(device, gen_seed=0, causal=True, batch=2, seqlen_q=40, seqlen_k=56, h
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal,window,softcap,deterministic",
-                         [(False, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, True),
-                          (False, (9, 3), 0.0, False), (True, (-1, -1), 5.0, False)])
-def test_forward_op_passes_opcheck(device, causal, window, softcap, deterministic):
-    q, k, v = (t.requires_grad_() for t in inputs(device))
-    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, *window, softcap, None, deterministic))
+def slopes(device, alibi):
+    """ALiBi slopes of inputs()' 4 heads, or None."""
+    return torch.tensor([0.5, 0.25, 0.125, 0.0625], device=device) if alibi else None
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal,window,softcap", [(True, (-1, -1), 0.0), (True, (7, -1), 0.0), (False, (-1, -1), 5.0)])
-def test_backward_op_passes_opcheck(device, causal, window, softcap):
+@pytest.mark.parametrize("causal,window,softcap,alibi,deterministic",
+                         [(False, (-1, -1), 0.0, False, False), (True, (-1, -1), 0.0, False, False),
+                          (True, (-1, -1), 0.0, False, True), (False, (9, 3), 0.0, False, False),
+                          (True, (-1, -1), 5.0, False, False), (False, (-1, -1), 0.0, True, False)])
+def test_forward_op_passes_opcheck(device, causal, window, softcap, alibi, deterministic):
+    q, k, v = (t.requires_grad_() for t in inputs(device))
+    torch.library.opcheck(ops.forward_op,
+                          (q, k, v, None, causal, *window, softcap, slopes(device, alibi), None, deterministic))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal,window,softcap,alibi", [(True, (-1, -1), 0.0, False), (True, (7, -1), 0.0, False),
+                                                         (False, (-1, -1), 5.0, False), (True, (-1, -1), 0.0, True)])
+def test_backward_op_passes_opcheck(device, causal, window, softcap, alibi):
     q, k, v = inputs(device)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                           alibi_slopes=slopes(device, alibi))
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, None, causal, *window, softcap, False))
+    torch.library.opcheck(ops.backward_op,
+                          (dout, q, k, v, out, lse, None, causal, *window, softcap, slopes(device, alibi), False))
 
 
 class AttentionBlock(torch.nn.Module):

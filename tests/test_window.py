@@ -12,7 +12,7 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
-from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, fa2_check, kernel_unavailable, requires_cuda
+from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, requires_cuda
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 # (left, right); -1 is unbounded. (0, 0) keeps only the diagonal.
@@ -156,27 +156,7 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, ca
         pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     heads_k = 2 if (seqlen_q + seqlen_k) % 2 else HEADS  # GQA on some shapes
     q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, head_dim, heads_k)
-    scale = 1.0 / math.sqrt(head_dim)
-    oracle_out, oracle_lse = naive_attention(q, k, v, scale, causal, torch.float32, window_size=window)
-    same_out, same_lse = naive_attention(q, k, v, scale, causal, window_size=window)
-
-    forward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "forward") else kernel
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel=forward_kernel, window_size=window)
-    fa2_check(out, oracle_out, same_out, f"{forward_kernel} forward out")
-    fa2_check(lse, oracle_lse, same_lse, f"{forward_kernel} forward lse")
-
-    reason = kernel_unavailable(kernel, head_dim, "backward")
-    if reason:
-        pytest.skip(reason)
-
-    def grads_of(compute_dtype):
-        leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
-        attended, _ = naive_attention(*leaves, scale, causal, window_size=window)
-        return torch.autograd.grad(attended, leaves, dout.to(attended.dtype))
-
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel, window_size=window)
-    for name, grad, ref, base in zip("qkv", grads, grads_of(torch.float32), grads_of(None)):
-        fa2_check(grad, ref, base, f"{kernel} backward d{name}")
+    check_kernels_against_oracle(kernel, q, k, v, dout, causal, window_size=window)
 
 
 @requires_cuda

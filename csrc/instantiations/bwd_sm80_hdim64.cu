@@ -10,19 +10,9 @@ template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kFlo
 template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kFloat16,
     flash_cutlass::MaskKind::kLocal, false>(flash_cutlass::BwdParams const&, cudaStream_t);
 #endif
-#ifdef FLASH_CUTLASS_SOFTCAP
-template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kFloat16,
-    flash_cutlass::MaskKind::kNone, true>(flash_cutlass::BwdParams const&, cudaStream_t);
-#endif
-#ifdef FLASH_CUTLASS_SOFTCAP
-template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kFloat16,
-    flash_cutlass::MaskKind::kCausal, true>(flash_cutlass::BwdParams const&, cudaStream_t);
-#endif
-#ifdef FLASH_CUTLASS_SOFTCAP
-#ifdef FLASH_CUTLASS_WINDOW
+#ifdef FLASH_CUTLASS_EXTENDED
 template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kFloat16,
     flash_cutlass::MaskKind::kLocal, true>(flash_cutlass::BwdParams const&, cudaStream_t);
-#endif
 #endif
 #endif
 
@@ -35,18 +25,8 @@ template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kBFl
 template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kBFloat16,
     flash_cutlass::MaskKind::kLocal, false>(flash_cutlass::BwdParams const&, cudaStream_t);
 #endif
-#ifdef FLASH_CUTLASS_SOFTCAP
-template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kBFloat16,
-    flash_cutlass::MaskKind::kNone, true>(flash_cutlass::BwdParams const&, cudaStream_t);
-#endif
-#ifdef FLASH_CUTLASS_SOFTCAP
-template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kBFloat16,
-    flash_cutlass::MaskKind::kCausal, true>(flash_cutlass::BwdParams const&, cudaStream_t);
-#endif
-#ifdef FLASH_CUTLASS_SOFTCAP
-#ifdef FLASH_CUTLASS_WINDOW
+#ifdef FLASH_CUTLASS_EXTENDED
 template cudaError_t flash_cutlass::sm80::run_bwd<64, flash_cutlass::DType::kBFloat16,
     flash_cutlass::MaskKind::kLocal, true>(flash_cutlass::BwdParams const&, cudaStream_t);
-#endif
 #endif
 #endif

@@ -56,9 +56,17 @@ inline constexpr bool kCompiledWindow =
     false;
 #endif
 
-// The soft-capping kernels (kSoftcap), built unless FLASH_CUTLASS_SOFTCAP=0.
+// The options of the extended instantiation (kExtended) this build accepts: the soft cap unless
+// FLASH_CUTLASS_SOFTCAP=0, ALiBi unless FLASH_CUTLASS_ALIBI=0. setup.py compiles the extended
+// instantiation (FLASH_CUTLASS_EXTENDED) when any of them is on.
 inline constexpr bool kCompiledSoftcap =
 #ifdef FLASH_CUTLASS_SOFTCAP
+    true;
+#else
+    false;
+#endif
+inline constexpr bool kCompiledAlibi =
+#ifdef FLASH_CUTLASS_ALIBI
     true;
 #else
     false;
@@ -114,46 +122,46 @@ inline bool dtype_compiled(DType dtype) {
 }
 
 namespace detail {
-template <int kHeadDim, MaskKind kMaskKind, bool kSoftcap>
+template <int kHeadDim, MaskKind kMaskKind, bool kExtended>
 cudaError_t run_fwd_sm80_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kSoftcap>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kExtended>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kSoftcap>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtended>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, MaskKind kMaskKind, bool kSoftcap>
+template <int kHeadDim, MaskKind kMaskKind, bool kExtended>
 cudaError_t run_fwd_sm90_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kSoftcap>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kExtended>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kSoftcap>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtended>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, MaskKind kMaskKind, bool kSoftcap>
+template <int kHeadDim, MaskKind kMaskKind, bool kExtended>
 cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kSoftcap>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kExtended>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kSoftcap>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtended>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, MaskKind kMaskKind, bool kSoftcap>
+template <int kHeadDim, MaskKind kMaskKind, bool kExtended>
 cudaError_t run_bwd_sm90_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kSoftcap>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kExtended>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kSoftcap>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtended>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
@@ -177,48 +185,47 @@ cudaError_t with_mask_kind(FwdParams const& params, Run&& run) {
   return cudaErrorInvalidValue;
 }
 
-// Calls run(std::bool_constant<params.softcap > 0>{}) (the soft-capping kernels only where the
-// build compiled them).
+// Calls run(mask kind, extended): the extended instantiation (kLocal, with the soft cap and ALiBi;
+// only where the build compiled it) for calls that set any of its options, else the instantiation of
+// the call's mask kind.
 template <class Run>
-cudaError_t with_softcap(FwdParams const& params, Run&& run) {
-  if (params.softcap > 0.f) {
-#ifdef FLASH_CUTLASS_SOFTCAP
-    return run(std::true_type{});
+cudaError_t with_instantiation(FwdParams const& params, Run&& run) {
+  if (params.extended) {
+#ifdef FLASH_CUTLASS_EXTENDED
+    return run(std::integral_constant<MaskKind, MaskKind::kLocal>{}, std::true_type{});
 #else
     return cudaErrorNotSupported;
 #endif
   }
-  return run(std::false_type{});
+  return with_mask_kind(params, [&](auto kind) { return run(kind, std::false_type{}); });
 }
 
-// run_<direction>_<path>_dtype for the call's mask kind and soft cap.
-#define FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_dtype)                                             \
-  with_mask_kind(params, [&](auto kind) {                                                          \
-    return with_softcap(params, [&](auto softcap) {                                                \
-      return run_dtype<kHeadDim, decltype(kind)::value, decltype(softcap)::value>(params, dtype, stream); \
-    });                                                                                            \
+// run_<direction>_<path>_dtype for the call's instantiation.
+#define FLASH_CUTLASS_RUN_INSTANTIATION(run_dtype)                                                 \
+  with_instantiation(params, [&](auto kind, auto extended) {                                         \
+    return run_dtype<kHeadDim, decltype(kind)::value, decltype(extended)::value>(params, dtype, stream); \
   })
 
 template <int kHeadDim>
 cudaError_t run_fwd_sm80_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_fwd_sm80_dtype);
+  return FLASH_CUTLASS_RUN_INSTANTIATION(run_fwd_sm80_dtype);
 }
 
 template <int kHeadDim>
 cudaError_t run_fwd_sm90_mask(FwdParams const& params, DType dtype, cudaStream_t stream) {
-  return FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_fwd_sm90_dtype);
+  return FLASH_CUTLASS_RUN_INSTANTIATION(run_fwd_sm90_dtype);
 }
 
 template <int kHeadDim>
 cudaError_t run_bwd_sm80_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_bwd_sm80_dtype);
+  return FLASH_CUTLASS_RUN_INSTANTIATION(run_bwd_sm80_dtype);
 }
 
 template <int kHeadDim>
 cudaError_t run_bwd_sm90_mask(BwdParams const& params, DType dtype, cudaStream_t stream) {
-  return FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP(run_bwd_sm90_dtype);
+  return FLASH_CUTLASS_RUN_INSTANTIATION(run_bwd_sm90_dtype);
 }
-#undef FLASH_CUTLASS_RUN_FOR_MASK_AND_SOFTCAP
+#undef FLASH_CUTLASS_RUN_INSTANTIATION
 }  // namespace detail
 
 namespace detail {

@@ -10,7 +10,7 @@ enum class DType { kFloat16, kBFloat16 };
 
 // Which keys each query row sees (common/mask.h): every key, a causal mask, or a sliding window
 // (with or without causal). Each kind is its own kernel instantiation, so the causal kernels carry
-// no window logic.
+// no window logic; the extended instantiation (soft cap, ALiBi) uses kLocal, which expresses all three.
 enum class MaskKind { kNone, kCausal, kLocal };
 
 struct FwdParams {
@@ -46,10 +46,19 @@ struct FwdParams {
   // max(seqlen_q, seqlen_k).
   int window_left = 0;
   int window_right = 0;
-  // Soft-capped scores (common/softcap.h), for the kernels instantiated with kSoftcap: softcap > 0
-  // and softcap_input_scale = softmax_scale / softcap; softmax_scale_log2 is then softcap * log2(e).
+  // The options of the extended kernel instantiation (common/score_mods.h); the host routes a call
+  // there when it sets any of them.
+  bool extended = false;
+  // Soft cap: softcap > 0, softcap_input_scale = softmax_scale / softcap, and softmax_scale_log2
+  // is then softcap * log2(e). 0: none.
   float softcap = 0.f;
   float softcap_input_scale = 0.f;
+  // ALiBi: fp32 slopes of (batch, head) at alibi_slopes[batch * alibi_slopes_batch_stride + head]
+  // (batch stride 0 for one slope per head), times alibi_slope_scale = 1 / (softcap or
+  // softmax_scale) into the kernels' score units. nullptr: none.
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_slopes_batch_stride = 0;
+  float alibi_slope_scale = 0.f;
 };
 
 // One backward call: the forward's tensors (q, k, v, out, lse, scale, mask, shapes), dout, the

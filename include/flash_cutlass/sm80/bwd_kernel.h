@@ -20,7 +20,7 @@
 
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/mask.h"
-#include "flash_cutlass/common/softcap.h"
+#include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm80/gemm.h"
@@ -151,18 +151,26 @@ __device__ __forceinline__ auto load_row_stats(Coords const& coords, int row_sta
 }
 
 // In place: S -> P = exp(scale * S - lse) and dP -> dS = P * (dP - D) (without the softmax scale).
-// With kSoftcap, S holds the soft-capped scores and dS carries their derivative.
-template <bool kSoftcap, class TensorS, class TensorDP, class Stats>
-__device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Stats const& stats, float scale_log2) {
+// With kExtended, S holds the capped scores cap(q.k) (masked: -inf), P takes the ALiBi bias of
+// each element (its (row, col) from coords, the tile starting at (row_start, col_start)) and dS
+// the soft cap's derivative (common/score_mods.h).
+template <bool kExtended, class TensorS, class TensorDP, class Stats, class Coords>
+__device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Stats const& stats, float scale_log2,
+                                                     ScoreMods<kExtended> const& score_mods, Coords const& coords,
+                                                     int row_start, int col_start) {
   using namespace cute;
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s); ++r) {
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
       const float score = s(r, c);
-      s(r, c) = exp2f(score * scale_log2 - stats.lse_log2[r]);
+      float biased = score;
+      if constexpr (kExtended) {
+        biased += score_mods.bias(row_start + get<0>(coords(r, c)), col_start + get<1>(coords(r, c)));
+      }
+      s(r, c) = exp2f(biased * scale_log2 - stats.lse_log2[r]);
       dp(r, c) = s(r, c) * (dp(r, c) - stats.dsum[r]);
-      if constexpr (kSoftcap) dp(r, c) *= softcap_derivative(score);
+      if constexpr (kExtended) dp(r, c) *= score_mods.derivative(score);
     }
   }
 }
@@ -211,7 +219,7 @@ __device__ __forceinline__ void store_rows(To* dst, int64_t row_stride, Acc cons
 
 // kAccumulateDq: add dS K into dq_accum with atomics; without it (deterministic mode) dQ comes
 // from flash_bwd_dq_sm80.
-template <class Traits, MaskKind kMaskKind, bool kSoftcap, bool kAccumulateDq>
+template <class Traits, MaskKind kMaskKind, bool kExtended, bool kAccumulateDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -227,6 +235,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.
@@ -385,7 +394,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, thr_copy_a_sdp.partition_S(sQ), tSsK, copy_a_sdp, thr_copy_a_sdp,
                    copy_b_sdp, thr_copy_b_sdp);
     Tensor s = as_rows_cols(acc_s);
-    if constexpr (kSoftcap) apply_softcap(s, params.softcap_input_scale);
+    if constexpr (kExtended) score_mods.cap(s);
     if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
@@ -394,7 +403,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     Tensor dp = as_rows_cols(acc_dp);
     const float* stats_buffer = smem_stats + buffer * 2 * kBlockM;
     const auto stats = load_row_stats(tScS, row_start, params.seqlen_q, stats_buffer, stats_buffer + kBlockM);
-    probabilities_and_ds<kSoftcap>(s, dp, stats, scale_log2);
+    probabilities_and_ds(s, dp, stats, scale_log2, score_mods, tScS, row_start, key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_s, sP, tidx);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
@@ -440,7 +449,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 // Deterministic dQ: one CTA per (query block, head, batch) keeps Q and dO in shared memory, walks
 // the key blocks it sees in a fixed order and accumulates dQ = dS K in registers, then stores it
 // (fp32, unscaled) into dq_accum without atomics.
-template <class Traits, MaskKind kMaskKind, bool kSoftcap>
+template <class Traits, MaskKind kMaskKind, bool kExtended>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -459,6 +468,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
   const int row_start = m_block * kBlockM;
   const int rows_left_q = params.seqlen_q - row_start;
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
@@ -552,14 +562,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     clear(acc_s);
     gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp, thr_copy_b_sdp);
     Tensor s = as_rows_cols(acc_s);
-    if constexpr (kSoftcap) apply_softcap(s, params.softcap_input_scale);
+    if constexpr (kExtended) score_mods.cap(s);
     if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
                    thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
-    probabilities_and_ds<kSoftcap>(s, dp, stats, params.softmax_scale_log2);
+    probabilities_and_ds(s, dp, stats, params.softmax_scale_log2, score_mods, tScS, row_start, key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
     gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,

@@ -9,7 +9,7 @@
 
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/mask.h"
-#include "flash_cutlass/common/softcap.h"
+#include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
@@ -18,7 +18,7 @@
 
 namespace flash_cutlass::sm80 {
 
-template <class Traits, MaskKind kMaskKind, bool kSoftcap>
+template <class Traits, MaskKind kMaskKind, bool kExtended>
 __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* smem, int m_block, int batch,
                                                 int head) {
   using namespace cute;
@@ -34,6 +34,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   const int head_k = kv_head_of(head, params);
   const int rows_left_q = params.seqlen_q - m_block * kBlockM;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
   // Global views of this (batch, head): (seqlen, kHeadDim); columns past head_dim are predicated.
@@ -137,7 +138,10 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_tiled_copy_q, smem_thr_copy_q,
                      smem_tiled_copy_k, smem_thr_copy_k);
       Tensor s = as_rows_cols(acc_s);
-      if constexpr (kSoftcap) apply_softcap(s, params.softcap_input_scale);
+      if constexpr (kExtended) {
+        score_mods.cap(s);
+        score_mods.add_bias(s, tScS, m_block * kBlockM, n_block * kBlockN);
+      }
       if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
       cp_async_wait<0>();  // V of this tile has landed
       __syncthreads();     // ... for every thread, and every warp is done reading the K buffer
@@ -170,7 +174,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
     }
 
     float lse[kRowsPerThread];
-    softmax.finalize(acc_o_rc, kSoftcap ? params.softcap : params.softmax_scale, lse);
+    softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int row = get<0>(tOcO(r, 0));
@@ -205,13 +209,13 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 
 // Grid: one CTA per (query block, head, batch), flattened into x. Query blocks run from the last
 // to the first so that, with a causal mask, the longest blocks start first.
-template <int kHeadDim, class Element, MaskKind kMaskKind, bool kSoftcap>
+template <int kHeadDim, class Element, MaskKind kMaskKind, bool kExtended>
 __global__ void __launch_bounds__(FwdTraitsFor<kHeadDim, Element>::kThreads, 1)
     flash_fwd_sm80(__grid_constant__ const FwdParams params) {
   using Traits = FwdTraitsFor<kHeadDim, Element>;
   extern __shared__ __align__(128) char smem[];
   const QueryTile tile = query_tile_of_this_cta<Traits::kBlockM>(params);
-  fwd_query_block<Traits, kMaskKind, kSoftcap>(params, smem, tile.m_block, tile.batch, tile.head);
+  fwd_query_block<Traits, kMaskKind, kExtended>(params, smem, tile.m_block, tile.batch, tile.head);
 }
 
 }  // namespace flash_cutlass::sm80

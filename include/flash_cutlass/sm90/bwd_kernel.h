@@ -19,7 +19,7 @@
 
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/mask.h"
-#include "flash_cutlass/common/softcap.h"
+#include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm80/bwd_kernel.h"
@@ -102,12 +102,14 @@ struct BwdKernelTraits {
 // In place, on S^T and dP^T as (keys, queries): P^T = exp(scale S^T - lse) and
 // dS^T = P^T (dP^T - D), the query's LSE (in log2 units) and D read from shared memory. With
 // kApplyMask, keys past seqlen_k and keys outside a query's causal mask or window get P = 0 first.
-// With kSoftcap, S^T is first soft-capped (common/softcap.h) and dS^T carries its derivative.
-template <bool kApplyMask, bool kSoftcap, MaskKind kMaskKind, class TensorS, class TensorDP, class Coords>
+// With kExtended, the scores are capped and biased first and dS^T carries the cap's derivative
+// (common/score_mods.h).
+template <bool kApplyMask, bool kExtended, MaskKind kMaskKind, class TensorS, class TensorDP, class Coords>
 __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, TensorDP& dpt, Coords const& coords,
                                                                 int key_start, int row_start,
-                                                                KeyMask<kMaskKind> const& mask, float scale_log2,
-                                                                float softcap_input_scale, const float* lse,
+                                                                KeyMask<kMaskKind> const& mask,
+                                                                ScoreMods<kExtended> const& score_mods,
+                                                                float scale_log2, const float* lse,
                                                                 const float* dsum) {
   using namespace cute;
   CUTE_UNROLL
@@ -121,21 +123,25 @@ __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, Ten
     const int key_limit = mask.key_limit(query);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(st); ++r) {
+      const int key = key_start + get<0>(coords(r, c));
       float score = st(r, c);
-      if constexpr (kSoftcap) score = tanh_approx(score * softcap_input_scale);
-      float s = score * scale_log2;
+      float biased = score;
+      if constexpr (kExtended) {
+        if (score_mods.softcap_input_scale != 0.f) score = tanh_approx(score * score_mods.softcap_input_scale);
+        biased = score + score_mods.bias(query, key);
+      }
+      float s = biased * scale_log2;
       if constexpr (kApplyMask) {
-        const int key = key_start + get<0>(coords(r, c));
         if (key >= key_limit || (KeyMask<kMaskKind>::kLocal && key < key_begin)) s = -INFINITY;
       }
       st(r, c) = exp2f(s - row_lse);
       dpt(r, c) = st(r, c) * (dpt(r, c) - row_dsum);
-      if constexpr (kSoftcap) dpt(r, c) *= softcap_derivative(score);
+      if constexpr (kExtended) dpt(r, c) *= score_mods.derivative(score);
     }
   }
 }
 
-template <class Traits, MaskKind kMaskKind, bool kSoftcap>
+template <class Traits, MaskKind kMaskKind, bool kExtended>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_constant__ const BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -155,6 +161,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.
@@ -273,11 +280,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     const float* lse = storage.stats[buffer][0];
     const float* dsum = storage.stats[buffer][1];
     if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) {
-      probabilities_and_ds_transposed<true, kSoftcap>(st, dpt, tScS, key_start, row_start, mask,
-                                                      params.softmax_scale_log2, params.softcap_input_scale, lse, dsum);
+      probabilities_and_ds_transposed<true>(st, dpt, tScS, key_start, row_start, mask, score_mods,
+                                            params.softmax_scale_log2, lse, dsum);
     } else {
-      probabilities_and_ds_transposed<false, kSoftcap>(st, dpt, tScS, key_start, row_start, mask,
-                                                       params.softmax_scale_log2, params.softcap_input_scale, lse, dsum);
+      probabilities_and_ds_transposed<false>(st, dpt, tScS, key_start, row_start, mask, score_mods,
+                                             params.softmax_scale_log2, lse, dsum);
     }
     // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared
     // memory for dQ.

@@ -11,7 +11,7 @@
 
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/mask.h"
-#include "flash_cutlass/common/softcap.h"
+#include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
@@ -34,7 +34,7 @@ struct FwdKernelParams {
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 
-template <class Traits, MaskKind kMaskKind, bool kSoftcap>
+template <class Traits, MaskKind kMaskKind, bool kExtended>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -115,6 +115,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
   const int consumer_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
@@ -143,7 +144,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
       pipeline_k.consumer_release(state);
       Tensor s = as_rows_cols(acc_s);
-      if constexpr (kSoftcap) apply_softcap(s, params.softcap_input_scale);
+      if constexpr (kExtended) {
+        score_mods.cap(s);
+        score_mods.add_bias(s, tScS, m_block * kBlockM, n_block * kBlockN);
+      }
       if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
       softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
       // P goes straight from the S accumulator into the A operand registers of P V.
@@ -173,7 +177,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
       for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
     }
-    softmax.finalize(acc_o_rc, kSoftcap ? params.softcap : params.softmax_scale, lse);
+    softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
   } else {
     // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0.
     CUTE_UNROLL

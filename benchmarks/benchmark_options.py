@@ -49,7 +49,9 @@ def flex_runner(q, k, v, causal, softcap, slopes, direction):
         return score
 
     # The timed backward reuses one forward graph (retain_graph=True), which donated buffers forbid.
-    torch._functorch.config.donated_buffer = False
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     block_mask = None
     if causal:
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, None, None, seqlen, seqlen,

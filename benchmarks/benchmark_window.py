@@ -43,7 +43,9 @@ def flex_runner(q, k, v, left, right, direction):
         return inside & (kv_idx >= q_idx - left) if left >= 0 else inside
 
     # The timed backward reuses one forward graph (retain_graph=True), which donated buffers forbid.
-    torch._functorch.config.donated_buffer = False
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     seqlen = q.shape[1]
     block_mask = create_block_mask(keep, None, None, seqlen, seqlen, device=q.device)
     compiled = torch.compile(flex_attention)

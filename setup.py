@@ -11,8 +11,9 @@ Build options (environment variables; see README.md):
   FLASH_CUTLASS_WINDOW      1 (default) builds the sliding-window kernels (window_size=); 0 leaves
                             them out (a call with a window then raises, naming this flag).
   FLASH_CUTLASS_SOFTCAP     1 (default) accepts softcap=, FLASH_CUTLASS_ALIBI 1 (default)
-  FLASH_CUTLASS_ALIBI       alibi_slopes=; both run in the extended kernels, built when either
-                            is 1 (0 and 0 leave them out; such a call then raises, likewise).
+  FLASH_CUTLASS_ALIBI       alibi_slopes=, FLASH_CUTLASS_DROPOUT 1 (default) dropout_p=; all
+  FLASH_CUTLASS_DROPOUT     run in the extended kernels, built when any of them is 1. A call with
+                            an option whose flag is 0 raises, naming the flag.
   CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
                             about 3 GB of memory per concurrent nvcc.
@@ -180,10 +181,11 @@ def main():
     defines += [f"-DFLASH_CUTLASS_DTYPE_{t.upper()}" for t in dtypes]
     if sm90:
         defines.append("-DFLASH_CUTLASS_SM90")
-    for feature in ("FLASH_CUTLASS_WINDOW", "FLASH_CUTLASS_SOFTCAP", "FLASH_CUTLASS_ALIBI"):
+    extended_options = ("FLASH_CUTLASS_SOFTCAP", "FLASH_CUTLASS_ALIBI", "FLASH_CUTLASS_DROPOUT")
+    for feature in ("FLASH_CUTLASS_WINDOW",) + extended_options:
         if feature_enabled(feature):
             defines.append(f"-D{feature}")
-    if feature_enabled("FLASH_CUTLASS_SOFTCAP") or feature_enabled("FLASH_CUTLASS_ALIBI"):
+    if any(feature_enabled(option) for option in extended_options):
         defines.append("-DFLASH_CUTLASS_EXTENDED")
     # wgmma and setmaxnreg exist only in the architecture-specific sm_90a target.
     targets = [f"{a}a" if a == 90 and sm90 else str(a) for a in archs]

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Score options benchmark: flash_cutlass with softcap= and alibi_slopes= (the extended kernels)
-against itself without them (what the options cost) and against torch's FlexAttention with the
-same score_mod (a compiled Triton kernel; SDPA's fused backends offer neither option).
+"""Options benchmark: flash_cutlass with softcap=, alibi_slopes= and dropout_p= (the extended
+kernels) against itself without them (what the options cost) and, for the score options, against
+torch's FlexAttention with the same score_mod (a compiled Triton kernel; SDPA's fused backends
+offer neither; FlexAttention has no dropout).
 
 Shapes follow benchmark_forward.py: 16k tokens per batch, hidden 2048, bf16. TFLOPS count the
 scores the mask keeps (half of them with causal).
@@ -20,10 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_forward import DIRECTIONS, HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, tflops  # noqa: E402
 
 SOFTCAP = 30.0
+DROPOUT_P = 0.1
 OPTIONS = {
     "softcap": {"softcap": SOFTCAP},
     "alibi": {"alibi": True},
     "softcap+alibi": {"softcap": SOFTCAP, "alibi": True},
+    "dropout": {"dropout_p": DROPOUT_P},
 }
 
 
@@ -65,12 +68,14 @@ def flex_runner(q, k, v, causal, softcap, slopes, direction):
     return lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True)
 
 
-def subject_runner(flash_cutlass, q, k, v, causal, softcap, slopes, direction):
-    options = {"softcap": softcap, "alibi_slopes": slopes}
+def subject_runner(flash_cutlass, q, k, v, causal, softcap, slopes, dropout_p, direction):
+    options = {"softcap": softcap, "alibi_slopes": slopes, "dropout_p": dropout_p}
     if direction == "forward":
         return lambda: flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
     dout = torch.randn_like(q)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
+    out, lse, *rng_state = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
+    if rng_state:
+        options["rng_state"] = rng_state[0]
     return lambda: flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, **options)
 
 
@@ -100,15 +105,16 @@ def main(argv=None) -> int:
                                for _ in range(3))
                     flops = DIRECTIONS[direction] * 4.0 * batch * heads * head_dim * seqlen * seqlen
                     flops *= 0.5 if causal else 1.0
-                    plain_ms = median_ms(subject_runner(flash_cutlass, q, k, v, causal, 0.0, None, direction), 5, 10,
-                                         args.min_time_ms)
+                    plain_ms = median_ms(subject_runner(flash_cutlass, q, k, v, causal, 0.0, None, 0.0, direction), 5,
+                                         10, args.min_time_ms)
                     for name in args.options.split(","):
                         softcap = OPTIONS[name].get("softcap", 0.0)
                         slopes = alibi_slopes(heads) if OPTIONS[name].get("alibi") else None
-                        ms = median_ms(subject_runner(flash_cutlass, q, k, v, causal, softcap, slopes, direction), 5,
-                                       10, args.min_time_ms)
+                        dropout_p = OPTIONS[name].get("dropout_p", 0.0)
+                        ms = median_ms(subject_runner(flash_cutlass, q, k, v, causal, softcap, slopes, dropout_p,
+                                                      direction), 5, 10, args.min_time_ms)
                         flex_ms = None
-                        if not args.no_flex:
+                        if not args.no_flex and dropout_p == 0:
                             try:
                                 runner = flex_runner(q, k, v, causal, softcap, slopes, direction)
                                 flex_ms = median_ms(runner, 3, 10, args.min_time_ms) if runner else None

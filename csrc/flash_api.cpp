@@ -160,12 +160,13 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
   }
 }
 
-// The extended kernels' options (include/flash_cutlass/common/score_mods.h) into params, after the
-// scale: the soft cap (softcap > 0: the kernels take tanh(q.k * softmax_scale / softcap) and
-// exponentiate it times softcap; 0: none) and ALiBi slopes (fp32, (heads,) or (batch, heads), on
-// q's device; an undefined tensor: none).
-void set_score_mods_params(FwdParams& params, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                           const at::Tensor& q) {
+// The extended kernels' options (include/flash_cutlass/common/score_mods.h, dropout.h) into
+// params, after the scale: the soft cap (softcap > 0: the kernels take tanh(q.k * softmax_scale /
+// softcap) and exponentiate it times softcap; 0: none), ALiBi slopes (fp32, (heads,) or
+// (batch, heads), on q's device; none: no ALiBi) and dropout (dropout_p in [0, 1) with rng_state,
+// an int64 CPU tensor (seed, offset) that flash_cutlass/interface.py draws from a generator).
+void set_extended_params(FwdParams& params, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                         double dropout_p, const std::optional<at::Tensor>& rng_state, const at::Tensor& q) {
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
   if (softcap > 0) {
     TORCH_CHECK(kCompiledSoftcap, "softcap=", softcap,
@@ -193,14 +194,31 @@ void set_score_mods_params(FwdParams& params, double softcap, const std::optiona
     params.alibi_slopes_batch_stride = per_batch_head ? slopes.stride(0) : 0;
     params.alibi_slope_scale = static_cast<float>(1.0 / (softcap > 0 ? softcap : params.softmax_scale));
   }
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
+  if (dropout_p > 0) {
+    TORCH_CHECK(kCompiledDropout,
+                "dropout_p needs dropout in the extended kernels, which this build left out (FLASH_CUTLASS_DROPOUT=0); "
+                "rebuild with FLASH_CUTLASS_DROPOUT=1");
+    TORCH_CHECK(rng_state.has_value() && rng_state->defined(), "dropout_p > 0 needs rng_state");
+    const at::Tensor& state = *rng_state;
+    TORCH_CHECK(state.device().is_cpu() && state.scalar_type() == at::kLong && state.dim() == 1 && state.size(0) == 2,
+                "rng_state must be an int64 CPU tensor of 2 elements (seed, offset)");
+    params.extended = true;
+    // floor(p * 2^32) <= 2^32 - 1 for p < 1.
+    params.dropout_threshold = static_cast<uint32_t>(std::floor(dropout_p * 4294967296.0));
+    params.dropout_keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+    params.philox_seed = static_cast<uint64_t>(state[0].item<int64_t>());
+    params.philox_offset = static_cast<uint64_t>(state[1].item<int64_t>());
+  }
 }
 
-// Writes the pointers, strides, sizes, scale, mask and score options of q, k, v, out and lse into
+// Writes the pointers, strides, sizes, scale, mask and extended options of q, k, v, out and lse into
 // params.
 void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& lse, AttentionShape const& shape,
                           double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                          double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                          double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                          const std::optional<at::Tensor>& rng_state) {
   params.q = q.data_ptr();
   params.k = k.data_ptr();
   params.v = v.data_ptr();
@@ -226,13 +244,14 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
   params.head_dim = static_cast<int>(shape.head_dim);
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  set_score_mods_params(params, softcap, alibi_slopes, q);
+  set_extended_params(params, softcap, alibi_slopes, dropout_p, rng_state, q);
   set_mask_params(params, causal, window_left, window_right);
 }
 
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
              double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-             const std::optional<at::Tensor>& alibi_slopes, int64_t kernel_choice) {
+             const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+             const std::optional<at::Tensor>& rng_state, int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) return;
   TORCH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
@@ -241,7 +260,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   const int kernel_hdim = shape.kernel_hdim;
   FwdParams params;
   set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
-                       softcap, alibi_slopes);
+                       softcap, alibi_slopes, dropout_p, rng_state);
 
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -270,8 +289,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
               const at::Tensor& dv, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-              double softcap, const std::optional<at::Tensor>& alibi_slopes, bool deterministic,
-              int64_t kernel_choice) {
+              double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+              const std::optional<at::Tensor>& rng_state, bool deterministic, int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   check_operand(dout, "dout", 4);
@@ -321,7 +340,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
 
   BwdParams params;
   set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
-                       softcap, alibi_slopes);
+                       softcap, alibi_slopes, dropout_p, rng_state);
   params.dout = dout.data_ptr();
   params.dout_batch_stride = dout.stride(0);
   params.dout_row_stride = dout.stride(1);
@@ -390,13 +409,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
         pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("alibi_slopes"),
-        pybind11::arg("kernel_choice"));
+        pybind11::arg("dropout_p"), pybind11::arg("rng_state"), pybind11::arg("kernel_choice"));
   m.def("backward", &flash_cutlass::backward, "Attention backward into preallocated dq, dk and dv",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
         pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("alibi_slopes"),
-        pybind11::arg("deterministic"),
+        pybind11::arg("dropout_p"), pybind11::arg("rng_state"), pybind11::arg("deterministic"),
         pybind11::arg("kernel_choice"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
@@ -404,5 +423,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("compiled_window") = flash_cutlass::kCompiledWindow;
   m.attr("compiled_softcap") = flash_cutlass::kCompiledSoftcap;
   m.attr("compiled_alibi") = flash_cutlass::kCompiledAlibi;
+  m.attr("compiled_dropout") = flash_cutlass::kCompiledDropout;
   m.attr("compiled_archs") = std::string(FLASH_CUTLASS_ARCHS_STRING);
 }

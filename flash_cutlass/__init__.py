@@ -9,11 +9,12 @@ the slow pure-PyTorch reference in flash_cutlass.reference with the same semanti
 
 from flash_cutlass._version import __version__
 from flash_cutlass.interface import (
+    compiled_alibi,
     compiled_archs,
+    compiled_dropout,
     compiled_dtypes,
     compiled_head_dims,
     compiled_sm90_head_dims,
-    compiled_alibi,
     compiled_softcap,
     compiled_window,
     flash_backward,
@@ -23,11 +24,12 @@ from flash_cutlass.ops import flash_attention
 
 __all__ = [
     "__version__",
+    "compiled_alibi",
     "compiled_archs",
+    "compiled_dropout",
     "compiled_dtypes",
     "compiled_head_dims",
     "compiled_sm90_head_dims",
-    "compiled_alibi",
     "compiled_softcap",
     "compiled_window",
     "flash_attention",

@@ -31,6 +31,8 @@ _ALIGN_ELEMS = 8  # 16 bytes of fp16/bf16: the width of every global memory acce
 KERNELS = {"auto": 0, "sm80": 1, "sm90": 2}
 KERNEL_ENV = "FLASH_CUTLASS_FORWARD_KERNEL"
 BACKWARD_KERNEL_ENV = "FLASH_CUTLASS_BACKWARD_KERNEL"
+# Philox offset one dropout call takes from a CUDA generator (its offsets advance in steps of 4).
+_PHILOX_OFFSET_STEP = 4
 
 
 def _extension():
@@ -70,6 +72,12 @@ def compiled_softcap() -> bool:
 def compiled_alibi() -> bool:
     """Whether this build runs alibi_slopes= (the extended kernels; FLASH_CUTLASS_ALIBI)."""
     return bool(_extension().compiled_alibi)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_dropout() -> bool:
+    """Whether this build runs dropout_p= (the extended kernels; FLASH_CUTLASS_DROPOUT)."""
+    return bool(_extension().compiled_dropout)
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,6 +200,54 @@ def check_alibi_slopes(alibi_slopes, q) -> Optional[torch.Tensor]:
     return alibi_slopes
 
 
+def check_dropout_p(dropout_p) -> float:
+    """dropout_p as a float in [0, 1); raises TypeError or ValueError naming it otherwise."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def check_rng_state(rng_state) -> Optional[torch.Tensor]:
+    """rng_state as given: None, or an int64 CPU tensor (seed, offset) as flash_forward returns it
+    with dropout; raises TypeError or ValueError naming it otherwise."""
+    if rng_state is None:
+        return None
+    if not isinstance(rng_state, torch.Tensor):
+        raise TypeError(f"rng_state must be a torch.Tensor or None, got {type(rng_state).__name__}")
+    if rng_state.dtype != torch.int64 or rng_state.device.type != "cpu" or tuple(rng_state.shape) != (2,):
+        raise ValueError(
+            "rng_state must be an int64 CPU tensor of 2 elements (seed, offset), as flash_forward returns it, got "
+            f"{rng_state.dtype} on {rng_state.device} of shape {tuple(rng_state.shape)}"
+        )
+    return rng_state
+
+
+def draw_rng_state(generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
+    """The (seed, offset) of one dropout call, an int64 CPU tensor, from `generator` (default: the
+    default generator of `device`). A CUDA generator gives its seed and current Philox offset and
+    advances the offset, without synchronizing; a CPU generator gives a seed drawn from it and
+    offset 0. Re-seeding the generator reproduces the same states, hence the same masks."""
+    if generator is None:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            generator = torch.cuda.default_generators[index]
+        else:
+            generator = torch.default_generator
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator.device.type == "cuda":
+        seed = generator.initial_seed()
+        offset = generator.get_offset()
+        generator.set_offset(offset + _PHILOX_OFFSET_STEP)
+    else:
+        seed = int(torch.randint(0, 2**62, (), generator=generator))
+        offset = 0
+    seed = seed - 2**64 if seed >= 2**63 else seed  # the same 64 bits as an int64
+    return torch.tensor([seed, offset], dtype=torch.int64)
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t itself if every global access can be 16 bytes wide, else a contiguous copy."""
     strides_ok = all(s % _ALIGN_ELEMS == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
@@ -215,12 +271,14 @@ def _padded_head_dim(head_dim: int) -> int:
 
 def forward_into(q, k, v, out, lse, softmax_scale: float, causal: bool, kernel: str = "auto",
                  window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                 alibi_slopes: Optional[torch.Tensor] = None) -> None:
+                 alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                 rng_state: Optional[torch.Tensor] = None) -> None:
     """Runs the CUDA forward kernel into preallocated out (like q) and lse (fp32, batch x heads x
     seqlen_q). q, k, v must already be valid kernel inputs: CUDA, head_dim a multiple of 8 and at
     most a compiled head dim, 16-byte aligned strides. flash_forward is the checked entry point."""
     _extension().forward(q, k, v, out, lse, float(softmax_scale), bool(causal), int(window_size[0]),
-                         int(window_size[1]), float(softcap), alibi_slopes, KERNELS[kernel])
+                         int(window_size[1]), float(softcap), alibi_slopes, float(dropout_p), rng_state,
+                         KERNELS[kernel])
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -240,7 +298,8 @@ def _check_device_capability(device: torch.device) -> None:
 
 def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
                   kernel: Optional[str] = None, *, window_size: Tuple[int, int] = (-1, -1),
-                  softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None):
+                  softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                  generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None):
     """Exact attention forward: out = softmax(softmax_scale * q k^T) v, and its log-sum-exp.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), with
@@ -257,6 +316,12 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     on q's device) adds ALiBi after the soft cap and before any mask: the score of query i and
     key j gets -slope * |i + seqlen_k - seqlen_q - j| (FlashAttention-2's ALiBi).
 
+    dropout_p in [0, 1) drops each probability with that probability and scales the kept ones by
+    1 / (1 - p) (lse stays that of the undropped softmax). The mask comes from Philox with a
+    (seed, offset) drawn from `generator` (default: the device's default generator; see
+    draw_rng_state), or from `rng_state` when given (not both). With dropout_p > 0 the call returns
+    (out, lse, rng_state): pass rng_state to flash_backward, or back here to draw the same mask.
+
     kernel picks the CUDA kernel: 'auto' (the default, or $FLASH_CUTLASS_FORWARD_KERNEL when
     kernel is None) runs the Hopper path (TMA + wgmma) on compute capability 9.0 for the head dims
     it was built for (64, 128, 256, and the multiples of 8 below them that need no larger
@@ -266,14 +331,32 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     window_size = check_forward_inputs(q, k, v, softmax_scale, causal, window_size)
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi_slopes(alibi_slopes, q)
+    dropout_p = check_dropout_p(dropout_p)
+    rng_state = check_rng_state(rng_state)
     kernel = kernel_choice(kernel)
+    if generator is not None and rng_state is not None:
+        raise ValueError("pass generator or rng_state, not both")
+    if dropout_p > 0 and rng_state is None:
+        rng_state = draw_rng_state(generator, q.device)
+    out, lse = forward_checked(q, k, v, softmax_scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p,
+                               rng_state)
+    return (out, lse, rng_state) if dropout_p > 0 else (out, lse)
+
+
+def forward_checked(q, k, v, softmax_scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p,
+                    rng_state) -> Tuple[torch.Tensor, torch.Tensor]:
+    """flash_forward after its checks (rng_state drawn where dropout_p > 0): (out, lse)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    if dropout_p > 0 and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state (flash_forward draws one from its generator)")
+    if dropout_p == 0:
+        rng_state = None
 
     if q.device.type != "cuda":
         out, lse = reference.attention_forward(q, k, v, scale, causal, window_size=window_size, softcap=softcap,
-                                               alibi_slopes=alibi_slopes)
+                                               alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
         return out.contiguous(), lse.contiguous()
 
     _check_device(q)
@@ -290,7 +373,7 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    forward_into(q, k, v, out, lse, scale, causal, kernel, window_size, softcap, alibi_slopes)
+    forward_into(q, k, v, out, lse, scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p, rng_state)
     if padded_head_dim != head_dim:
         out = out[..., :head_dim].contiguous()
     return out, lse
@@ -331,11 +414,13 @@ def check_deterministic(deterministic) -> None:
 def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
                    deterministic: bool = False, kernel: Optional[str] = None, *,
                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                   alibi_slopes: Optional[torch.Tensor] = None):
+                   alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                   rng_state: Optional[torch.Tensor] = None):
     """Gradients of flash_forward: returns (dq, dk, dv) in the dtypes and shapes of q, k and v.
 
     dout and out are shaped like q; out and lse are what flash_forward returned for these inputs.
-    softmax_scale, causal, window_size, softcap and alibi_slopes must be those of the forward call. deterministic=True
+    softmax_scale, causal, window_size, softcap, alibi_slopes and dropout_p must be those of the
+    forward call, and with dropout_p > 0, rng_state the one it returned (the same mask). deterministic=True
     sums dQ in a fixed order (a second kernel pass) instead of with atomics, so two runs give
     bitwise identical gradients. kernel picks the CUDA kernel as in flash_forward ($FLASH_CUTLASS_BACKWARD_KERNEL
     when None): 'auto' runs the Hopper backward on compute capability 9.0 for head dims up to 128
@@ -345,12 +430,19 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     window_size = check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_size)
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi_slopes(alibi_slopes, q)
+    dropout_p = check_dropout_p(dropout_p)
+    rng_state = check_rng_state(rng_state)
+    if dropout_p > 0 and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state, the one flash_forward returned with out and lse")
+    if dropout_p == 0:
+        rng_state = None
     kernel = kernel_choice(kernel, BACKWARD_KERNEL_ENV)
     head_dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if q.device.type != "cuda":
         grads = reference.attention_backward(dout, q, k, v, out, lse, scale, causal, window_size=window_size,
-                                             softcap=softcap, alibi_slopes=alibi_slopes)
+                                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                             rng_state=rng_state)
         return tuple(g.contiguous() for g in grads)
 
     _check_device(q)
@@ -363,7 +455,7 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
         alibi_slopes = alibi_slopes.contiguous()
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, scale, causal, window_size[0],
-                          window_size[1], softcap, alibi_slopes, deterministic, KERNELS[kernel])
+                          window_size[1], softcap, alibi_slopes, dropout_p, rng_state, deterministic, KERNELS[kernel])
     if padded_head_dim != head_dim:
         dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
     return dq, dk, dv

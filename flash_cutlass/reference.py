@@ -23,6 +23,11 @@ Layout and conventions shared by every function here:
 * ``alibi_slopes`` (fp32 ``(heads,)`` or ``(batch, heads)``) adds ALiBi to the (soft-capped)
   scores before any mask: ``score -= slope * |i + seqlen_k - seqlen_q - j|`` with the slope of
   the row's batch and query head (FlashAttention-2's ALiBi); ``None`` adds nothing.
+* ``dropout_p > 0`` with ``rng_state`` (an int64 ``(seed, offset)`` tensor) drops each
+  probability ``P[i, j]`` of (batch ``b``, head ``h``) whose Philox word is below
+  ``floor(dropout_p * 2^32)`` and scales the kept ones by ``1 / (1 - dropout_p)`` on their way
+  into the output; the log-sum-exp stays that of the undropped softmax. The words are the
+  kernels' (``include/flash_cutlass/common/dropout.h``): :func:`dropout_keep_mask`.
 * A query row that may attend no key gets output 0 and log-sum-exp ``-inf``.
 * The log-sum-exp is the natural logarithm of ``sum_j exp(scaled score_j)``,
   shaped ``(batch, heads, seqlen_q)``.
@@ -37,12 +42,13 @@ what PyTorch achieves in a given dtype.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
 __all__ = ["alibi_bias", "attention_backward", "attention_forward", "causal_mask", "check_alibi_slopes",
-           "check_window_size", "keep_mask", "naive_attention"]
+           "check_window_size", "dropout_keep_mask", "keep_mask", "naive_attention", "philox4x32_10"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -95,6 +101,8 @@ def attention_forward(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled online-softmax attention forward.
 
@@ -124,6 +132,7 @@ def attention_forward(
     acc = qg.new_zeros((batch, kv_heads, rows, v.shape[-1]))
     window_size = check_window_size(window_size)
     alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
+    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, compute_dtype)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
@@ -144,7 +153,7 @@ def attention_forward(
         probs = torch.exp(scores - shift.unsqueeze(-1))
         correction = torch.exp(row_max - shift)
         row_sum = row_sum * correction + probs.sum(dim=-1)
-        acc = acc * correction.unsqueeze(-1) + torch.matmul(probs, v_blk)
+        acc = acc * correction.unsqueeze(-1) + torch.matmul(dropout.applied(probs, start, end), v_blk)
         row_max = new_max
 
     # Testing the maximum rather than the sum keeps NaN inputs visible as NaN.
@@ -167,6 +176,8 @@ def attention_backward(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled gradient of :func:`attention_forward` with respect to ``q``, ``k`` and ``v``.
 
@@ -204,6 +215,7 @@ def attention_backward(
     dv = torch.zeros(batch, sk, kv_heads, v.shape[-1], dtype=compute_dtype, device=q.device)
     window_size = check_window_size(window_size)
     alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
+    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, compute_dtype)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
@@ -219,8 +231,9 @@ def attention_backward(
         if keep is not None:
             scores = _apply_keep(scores, keep, group)
         probs = torch.exp(scores - lse_g)
-        dv[:, start:end] = torch.matmul(probs.transpose(-1, -2), dog).transpose(1, 2)
-        dscores = probs * (torch.matmul(dog, v_blk.transpose(-1, -2)) - delta)
+        dv[:, start:end] = torch.matmul(dropout.applied(probs, start, end).transpose(-1, -2), dog).transpose(1, 2)
+        dprobs = dropout.applied(torch.matmul(dog, v_blk.transpose(-1, -2)), start, end)
+        dscores = probs * (dprobs - delta)
         if softcap > 0:
             dscores = dscores * (1 - capped * capped)
         dq += torch.matmul(dscores, k_blk) * scale
@@ -239,6 +252,8 @@ def naive_attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with the full score matrix materialized.
 
@@ -280,7 +295,8 @@ def naive_attention(
         # softmax of an all -inf row is NaN; such a row attends nothing.
         has_key = keep.any(dim=-1).repeat(group)
         probs = torch.where(has_key.unsqueeze(-1), probs, 0.0)
-    out = torch.matmul(probs.to(dtype), vt)
+    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, probs.dtype)
+    out = torch.matmul(dropout.applied(probs, 0, sk).to(dtype), vt)
 
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     return _ungroup_out(out, group, sq), lse.to(lse_dtype).reshape(batch, heads, sq)
@@ -371,6 +387,80 @@ def alibi_bias(
     cols = torch.arange(key_start, key_end, device=alibi_slopes.device).unsqueeze(0)
     distance = (rows - cols).abs().to(dtype)
     return -slopes[:, :, None, None] * distance
+
+
+_PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo32(multiplier: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of multiplier * x, x int64 in [0, 2^32), without int64 overflow."""
+    low_half, high_half = x & 0xFFFF, x >> 16
+    product_low = multiplier * low_half  # < 2^48
+    product_high = multiplier * high_half  # < 2^48
+    middle = ((product_high & 0xFFFF) << 16) + product_low
+    return (product_high >> 16) + (middle >> 32), middle & _MASK32
+
+
+def philox4x32_10(counter: tuple[torch.Tensor, ...], key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 (Salmon et al., SC 2011) on int64 tensors holding uint32 words, elementwise:
+    the four output words of each counter under the 64-bit key (low word, high word)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(_PHILOX_MULTIPLIERS[0], c0)
+        hi1, lo1 = _mulhilo32(_PHILOX_MULTIPLIERS[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_KEY_STEPS[0]) & _MASK32, (k1 + _PHILOX_KEY_STEPS[1]) & _MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_keep_mask(
+    rng_state: torch.Tensor, dropout_p: float, batch: int, heads: int, sq: int, key_start: int, key_end: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Bool ``(batch, heads, sq, key_end - key_start)``: which probabilities of keys
+    ``[key_start, key_end)`` dropout keeps (module docstring). The words are Philox4x32-10's with
+    counter ``(j // 2, i // 2, b * heads + h, offset // 4)`` and key ``seed``; ``(i, j)`` reads
+    word ``2 * (i % 2) + j % 2`` of its counter, as the CUDA kernels do."""
+    seed, offset = (int(x) for x in rng_state.tolist())
+    key = (seed & _MASK32, (seed >> 32) & _MASK32)
+    rows = torch.arange(sq, device=device).view(1, 1, sq, 1)
+    cols = torch.arange(key_start, key_end, device=device).view(1, 1, 1, -1)
+    batch_head = torch.arange(batch * heads, device=device).view(batch, heads, 1, 1)
+    counter = (cols >> 1, rows >> 1, batch_head, torch.full((), (offset >> 2) & _MASK32, device=device))
+    shape = (batch, heads, sq, key_end - key_start)
+    words = [w.expand(shape) for w in philox4x32_10(tuple(c.expand(shape) for c in counter), key)]
+    odd_row, odd_col = (rows & 1).bool(), (cols & 1).bool()
+    word = torch.where(odd_row, torch.where(odd_col, words[3], words[2]), torch.where(odd_col, words[1], words[0]))
+    return word >= _dropout_threshold(dropout_p)
+
+
+def _dropout_threshold(dropout_p: float) -> int:
+    return math.floor(dropout_p * 2**32)
+
+
+class _Dropout:
+    """The dropout of one call on grouped probabilities (b, kv_heads, group * sq, n)."""
+
+    def __init__(self, dropout_p, rng_state, batch, heads, sq, kv_heads, dtype):
+        if not 0 <= dropout_p < 1:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        self.active = _dropout_threshold(dropout_p) > 0
+        if self.active and not isinstance(rng_state, torch.Tensor):
+            raise ValueError("dropout_p > 0 needs rng_state, an int64 (seed, offset) tensor")
+        self.dropout_p, self.rng_state = dropout_p, rng_state
+        self.batch, self.heads, self.sq, self.kv_heads = batch, heads, sq, kv_heads
+        self.scale = 1.0 / (1.0 - dropout_p)
+
+    def applied(self, probs: torch.Tensor, key_start: int, key_end: int) -> torch.Tensor:
+        """probs with the dropped entries of keys [key_start, key_end) zeroed and the rest scaled."""
+        if not self.active:
+            return probs
+        keep = dropout_keep_mask(self.rng_state, self.dropout_p, self.batch, self.heads, self.sq, key_start, key_end,
+                                 probs.device)
+        return torch.where(_grouped(keep, self.kv_heads), probs * self.scale, 0.0)
 
 
 def _grouped(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:

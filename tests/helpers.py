@@ -104,7 +104,8 @@ def fa2_check(
 def check_kernels_against_oracle(kernel: str, q, k, v, dout, causal: bool, **options) -> None:
     """Runs flash_forward and flash_backward of `kernel` ('sm80' or 'sm90'; a forward the Hopper
     path cannot run takes the sm80 path) on CUDA inputs with the keyword `options` (window_size,
-    softcap, alibi_slopes) and checks out, lse and the three gradients against the fp32 oracle
+    softcap, alibi_slopes, dropout_p with rng_state) and checks out, lse and the three gradients
+    against the fp32 oracle
     (reference.naive_attention and its autograd) by FlashAttention-2's pass rule. Skips the
     backward, after checking the forward, where `kernel` has no backward for this head dim."""
     from flash_cutlass.reference import naive_attention
@@ -115,7 +116,7 @@ def check_kernels_against_oracle(kernel: str, q, k, v, dout, causal: bool, **opt
     same_out, same_lse = naive_attention(q, k, v, scale, causal, **options)
 
     forward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "forward") else kernel
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel=forward_kernel, **options)
+    out, lse, *_ = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel=forward_kernel, **options)
     fa2_check(out, oracle_out, same_out, f"{forward_kernel} forward out")
     fa2_check(lse, oracle_lse, same_lse, f"{forward_kernel} forward lse")
 

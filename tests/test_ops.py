@@ -21,33 +21,42 @@ def inputs(device, gen_seed=0, causal=True, batch=2, seqlen_q=40, seqlen_k=56, h
         batch, seqlen_k, heads_k, head_dim)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def slopes(device, alibi):
     """ALiBi slopes of inputs()' 4 heads, or None."""
     return torch.tensor([0.5, 0.25, 0.125, 0.0625], device=device) if alibi else None
 
 
+def dropout(enabled):
+    """dropout_p and rng_state of a call with or without dropout."""
+    return (0.25, torch.tensor([17, 8])) if enabled else (0.0, None)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal,window,softcap,alibi,deterministic",
-                         [(False, (-1, -1), 0.0, False, False), (True, (-1, -1), 0.0, False, False),
-                          (True, (-1, -1), 0.0, False, True), (False, (9, 3), 0.0, False, False),
-                          (True, (-1, -1), 5.0, False, False), (False, (-1, -1), 0.0, True, False)])
-def test_forward_op_passes_opcheck(device, causal, window, softcap, alibi, deterministic):
+@pytest.mark.parametrize("causal,window,softcap,alibi,drop,deterministic",
+                         [(False, (-1, -1), 0.0, False, False, False), (True, (-1, -1), 0.0, False, False, False),
+                          (True, (-1, -1), 0.0, False, False, True), (False, (9, 3), 0.0, False, False, False),
+                          (True, (-1, -1), 5.0, False, False, False), (False, (-1, -1), 0.0, True, False, False),
+                          (True, (-1, -1), 0.0, False, True, False)])
+def test_forward_op_passes_opcheck(device, causal, window, softcap, alibi, drop, deterministic):
     q, k, v = (t.requires_grad_() for t in inputs(device))
-    torch.library.opcheck(ops.forward_op,
-                          (q, k, v, None, causal, *window, softcap, slopes(device, alibi), None, deterministic))
+    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, *window, softcap, slopes(device, alibi),
+                                           *dropout(drop), None, deterministic))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal,window,softcap,alibi", [(True, (-1, -1), 0.0, False), (True, (7, -1), 0.0, False),
-                                                         (False, (-1, -1), 5.0, False), (True, (-1, -1), 0.0, True)])
-def test_backward_op_passes_opcheck(device, causal, window, softcap, alibi):
+@pytest.mark.parametrize("causal,window,softcap,alibi,drop",
+                         [(True, (-1, -1), 0.0, False, False), (True, (7, -1), 0.0, False, False),
+                          (False, (-1, -1), 5.0, False, False), (True, (-1, -1), 0.0, True, False),
+                          (False, (-1, -1), 0.0, False, True)])
+def test_backward_op_passes_opcheck(device, causal, window, softcap, alibi, drop):
     q, k, v = inputs(device)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, window_size=window, softcap=softcap,
-                                           alibi_slopes=slopes(device, alibi))
+    dropout_p, rng_state = dropout(drop)
+    out, lse, *_ = flash_cutlass.flash_forward(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                               alibi_slopes=slopes(device, alibi), dropout_p=dropout_p,
+                                               rng_state=rng_state)
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.backward_op,
-                          (dout, q, k, v, out, lse, None, causal, *window, softcap, slopes(device, alibi), False))
+    torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, None, causal, *window, softcap,
+                                            slopes(device, alibi), dropout_p, rng_state, False))
 
 
 class AttentionBlock(torch.nn.Module):

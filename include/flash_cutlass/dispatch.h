@@ -57,8 +57,9 @@ inline constexpr bool kCompiledWindow =
 #endif
 
 // The options of the extended instantiation (kExtended) this build accepts: the soft cap unless
-// FLASH_CUTLASS_SOFTCAP=0, ALiBi unless FLASH_CUTLASS_ALIBI=0. setup.py compiles the extended
-// instantiation (FLASH_CUTLASS_EXTENDED) when any of them is on.
+// FLASH_CUTLASS_SOFTCAP=0, ALiBi unless FLASH_CUTLASS_ALIBI=0, dropout unless
+// FLASH_CUTLASS_DROPOUT=0. setup.py compiles the extended instantiation (FLASH_CUTLASS_EXTENDED)
+// when any of them is on.
 inline constexpr bool kCompiledSoftcap =
 #ifdef FLASH_CUTLASS_SOFTCAP
     true;
@@ -67,6 +68,12 @@ inline constexpr bool kCompiledSoftcap =
 #endif
 inline constexpr bool kCompiledAlibi =
 #ifdef FLASH_CUTLASS_ALIBI
+    true;
+#else
+    false;
+#endif
+inline constexpr bool kCompiledDropout =
+#ifdef FLASH_CUTLASS_DROPOUT
     true;
 #else
     false;
@@ -185,7 +192,7 @@ cudaError_t with_mask_kind(FwdParams const& params, Run&& run) {
   return cudaErrorInvalidValue;
 }
 
-// Calls run(mask kind, extended): the extended instantiation (kLocal, with the soft cap and ALiBi;
+// Calls run(mask kind, extended): the extended instantiation (kLocal, with the soft cap, ALiBi and dropout;
 // only where the build compiled it) for calls that set any of its options, else the instantiation of
 // the call's mask kind.
 template <class Run>

@@ -10,7 +10,7 @@ enum class DType { kFloat16, kBFloat16 };
 
 // Which keys each query row sees (common/mask.h): every key, a causal mask, or a sliding window
 // (with or without causal). Each kind is its own kernel instantiation, so the causal kernels carry
-// no window logic; the extended instantiation (soft cap, ALiBi) uses kLocal, which expresses all three.
+// no window logic; the extended instantiation (soft cap, ALiBi, dropout) uses kLocal, which expresses all three.
 enum class MaskKind { kNone, kCausal, kLocal };
 
 struct FwdParams {
@@ -46,8 +46,8 @@ struct FwdParams {
   // max(seqlen_q, seqlen_k).
   int window_left = 0;
   int window_right = 0;
-  // The options of the extended kernel instantiation (common/score_mods.h); the host routes a call
-  // there when it sets any of them.
+  // The options of the extended kernel instantiation (common/score_mods.h, common/dropout.h); the
+  // host routes a call there when it sets any of them.
   bool extended = false;
   // Soft cap: softcap > 0, softcap_input_scale = softmax_scale / softcap, and softmax_scale_log2
   // is then softcap * log2(e). 0: none.
@@ -59,6 +59,13 @@ struct FwdParams {
   const float* alibi_slopes = nullptr;
   int64_t alibi_slopes_batch_stride = 0;
   float alibi_slope_scale = 0.f;
+  // Dropout (common/dropout.h): a probability is dropped when its Philox word is below
+  // dropout_threshold = floor(p * 2^32) (0: no dropout), kept ones are scaled by
+  // dropout_keep_scale = 1 / (1 - p); the words come from philox_seed and philox_offset.
+  uint32_t dropout_threshold = 0;
+  float dropout_keep_scale = 1.f;
+  uint64_t philox_seed = 0;
+  uint64_t philox_offset = 0;
 };
 
 // One backward call: the forward's tensors (q, k, v, out, lse, scale, mask, shapes), dout, the

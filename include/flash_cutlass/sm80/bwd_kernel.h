@@ -19,6 +19,7 @@
 #include <cute/tensor.hpp>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/utils.h"
@@ -152,25 +153,47 @@ __device__ __forceinline__ auto load_row_stats(Coords const& coords, int row_sta
 
 // In place: S -> P = exp(scale * S - lse) and dP -> dS = P * (dP - D) (without the softmax scale).
 // With kExtended, S holds the capped scores cap(q.k) (masked: -inf), P takes the ALiBi bias of
-// each element (its (row, col) from coords, the tile starting at (row_start, col_start)) and dS
-// the soft cap's derivative (common/score_mods.h).
+// each element (its (row, col) from coords, the tile starting at (row_start, col_start)), dS the
+// soft cap's derivative (common/score_mods.h), and with dropout (common/dropout.h) S ends as the
+// dropped and rescaled P that dV needs and dS = P * (dropped, rescaled dP - D).
 template <bool kExtended, class TensorS, class TensorDP, class Stats, class Coords>
 __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Stats const& stats, float scale_log2,
-                                                     ScoreMods<kExtended> const& score_mods, Coords const& coords,
-                                                     int row_start, int col_start) {
+                                                     ScoreMods<kExtended> const& score_mods, Dropout const& dropout,
+                                                     Coords const& coords, int row_start, int col_start) {
   using namespace cute;
-  CUTE_UNROLL
-  for (int r = 0; r < size<0>(s); ++r) {
+  if constexpr (kExtended) {
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(s); ++c) {
-      const float score = s(r, c);
-      float biased = score;
-      if constexpr (kExtended) {
-        biased += score_mods.bias(row_start + get<0>(coords(r, c)), col_start + get<1>(coords(r, c)));
+    for (int r = 0; r < size<0>(s); ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); c += 2) {
+        // Columns c and c + 1 of a row are neighbours (the mma.sync C layout).
+        const int row = row_start + get<0>(coords(r, c));
+        const int col = col_start + get<1>(coords(r, c));
+        bool keep[2] = {true, true};
+        if (dropout.active()) dropout.keep_col_pair(row, col, keep[0], keep[1]);
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i) {
+          const float score = s(r, c + i);
+          const float p = exp2f((score + score_mods.bias(row, col + i)) * scale_log2 - stats.lse_log2[r]);
+          float dp_kept = dp(r, c + i);
+          float p_kept = p;
+          if (dropout.active()) {
+            dp_kept = keep[i] ? dp_kept * dropout.keep_scale : 0.f;
+            p_kept = keep[i] ? p * dropout.keep_scale : 0.f;
+          }
+          dp(r, c + i) = p * (dp_kept - stats.dsum[r]) * score_mods.derivative(score);
+          s(r, c + i) = p_kept;
+        }
       }
-      s(r, c) = exp2f(biased * scale_log2 - stats.lse_log2[r]);
-      dp(r, c) = s(r, c) * (dp(r, c) - stats.dsum[r]);
-      if constexpr (kExtended) dp(r, c) *= score_mods.derivative(score);
+    }
+  } else {
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        s(r, c) = exp2f(s(r, c) * scale_log2 - stats.lse_log2[r]);
+        dp(r, c) = s(r, c) * (dp(r, c) - stats.dsum[r]);
+      }
     }
   }
 }
@@ -236,6 +259,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
+  const Dropout dropout = dropout_of(params, batch, head);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.
@@ -403,7 +427,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     Tensor dp = as_rows_cols(acc_dp);
     const float* stats_buffer = smem_stats + buffer * 2 * kBlockM;
     const auto stats = load_row_stats(tScS, row_start, params.seqlen_q, stats_buffer, stats_buffer + kBlockM);
-    probabilities_and_ds(s, dp, stats, scale_log2, score_mods, tScS, row_start, key_start);
+    probabilities_and_ds(s, dp, stats, scale_log2, score_mods, dropout, tScS, row_start, key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_s, sP, tidx);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
@@ -469,6 +493,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
+  const Dropout dropout = dropout_of(params, batch, head);
   const int row_start = m_block * kBlockM;
   const int rows_left_q = params.seqlen_q - row_start;
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
@@ -569,7 +594,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
                    thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
-    probabilities_and_ds(s, dp, stats, params.softmax_scale_log2, score_mods, tScS, row_start, key_start);
+    probabilities_and_ds(s, dp, stats, params.softmax_scale_log2, score_mods, dropout, tScS, row_start,
+                         key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
     gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,

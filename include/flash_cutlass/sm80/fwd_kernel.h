@@ -8,6 +8,7 @@
 #include <cute/tensor.hpp>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/softmax.h"
@@ -35,6 +36,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   const int rows_left_q = params.seqlen_q - m_block * kBlockM;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
+  const Dropout dropout = dropout_of(params, batch, head);
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
   // Global views of this (batch, head): (seqlen, kHeadDim); columns past head_dim are predicated.
@@ -148,6 +150,9 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       if (n_block > key_blocks.begin) load_k(n_block - 1, cute::false_type{});
       cp_async_fence();
       softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
+      if constexpr (kExtended) {
+        if (dropout.active()) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
+      }
       // P goes straight from the S accumulator into the A operand registers of P.V.
       Tensor p = convert_fragment<Element>(acc_s);
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
@@ -175,6 +180,12 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 
     float lse[kRowsPerThread];
     softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
+    if constexpr (kExtended) {
+      if (dropout.active()) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
+      }
+    }
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int row = get<0>(tOcO(r, 0));

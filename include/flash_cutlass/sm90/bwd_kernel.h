@@ -18,6 +18,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/utils.h"
@@ -102,41 +103,78 @@ struct BwdKernelTraits {
 // In place, on S^T and dP^T as (keys, queries): P^T = exp(scale S^T - lse) and
 // dS^T = P^T (dP^T - D), the query's LSE (in log2 units) and D read from shared memory. With
 // kApplyMask, keys past seqlen_k and keys outside a query's causal mask or window get P = 0 first.
-// With kExtended, the scores are capped and biased first and dS^T carries the cap's derivative
-// (common/score_mods.h).
+// With kExtended, the scores are capped and biased first, dS^T carries the cap's derivative
+// (common/score_mods.h), and with dropout (common/dropout.h) P^T ends dropped and rescaled, as dV
+// needs it, and dS^T = P^T (dropped, rescaled dP^T - D).
 template <bool kApplyMask, bool kExtended, MaskKind kMaskKind, class TensorS, class TensorDP, class Coords>
 __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, TensorDP& dpt, Coords const& coords,
                                                                 int key_start, int row_start,
                                                                 KeyMask<kMaskKind> const& mask,
                                                                 ScoreMods<kExtended> const& score_mods,
-                                                                float scale_log2, const float* lse,
-                                                                const float* dsum) {
+                                                                Dropout const& dropout, float scale_log2,
+                                                                const float* lse, const float* dsum) {
   using namespace cute;
-  CUTE_UNROLL
-  for (int c = 0; c < size<1>(st); ++c) {
-    const int local_query = get<1>(coords(0, c));
-    const int query = row_start + local_query;
-    float row_lse = query < mask.seqlen_q ? lse[local_query] : INFINITY;
-    row_lse = (row_lse == -INFINITY ? INFINITY : row_lse) * float(M_LOG2E);
-    const float row_dsum = query < mask.seqlen_q ? dsum[local_query] : 0.f;
-    const int key_begin = mask.key_begin(query);
-    const int key_limit = mask.key_limit(query);
+  if constexpr (kExtended) {
     CUTE_UNROLL
-    for (int r = 0; r < size<0>(st); ++r) {
-      const int key = key_start + get<0>(coords(r, c));
-      float score = st(r, c);
-      float biased = score;
-      if constexpr (kExtended) {
-        if (score_mods.softcap_input_scale != 0.f) score = tanh_approx(score * score_mods.softcap_input_scale);
-        biased = score + score_mods.bias(query, key);
+    for (int c = 0; c < size<1>(st); c += 2) {
+      // Queries c and c + 1 are neighbours (the wgmma C layout of S^T), each with its own stats.
+      float row_lse[2], row_dsum[2];
+      int query[2], key_begin[2], key_limit[2];
+      CUTE_UNROLL
+      for (int i = 0; i < 2; ++i) {
+        const int local_query = get<1>(coords(0, c + i));
+        query[i] = row_start + local_query;
+        const float query_lse = query[i] < mask.seqlen_q ? lse[local_query] : INFINITY;
+        row_lse[i] = (query_lse == -INFINITY ? INFINITY : query_lse) * float(M_LOG2E);
+        row_dsum[i] = query[i] < mask.seqlen_q ? dsum[local_query] : 0.f;
+        key_begin[i] = mask.key_begin(query[i]);
+        key_limit[i] = mask.key_limit(query[i]);
       }
-      float s = biased * scale_log2;
-      if constexpr (kApplyMask) {
-        if (key >= key_limit || (KeyMask<kMaskKind>::kLocal && key < key_begin)) s = -INFINITY;
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(st); ++r) {
+        const int key = key_start + get<0>(coords(r, c));
+        bool keep[2] = {true, true};
+        if (dropout.active()) dropout.keep_row_pair(query[0], key, keep[0], keep[1]);
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i) {
+          float score = st(r, c + i);
+          if (score_mods.softcap_input_scale != 0.f) score = tanh_approx(score * score_mods.softcap_input_scale);
+          float s = (score + score_mods.bias(query[i], key)) * scale_log2;
+          if constexpr (kApplyMask) {
+            if (key >= key_limit[i] || (KeyMask<kMaskKind>::kLocal && key < key_begin[i])) s = -INFINITY;
+          }
+          const float p = exp2f(s - row_lse[i]);
+          float dp_kept = dpt(r, c + i);
+          float p_kept = p;
+          if (dropout.active()) {
+            dp_kept = keep[i] ? dp_kept * dropout.keep_scale : 0.f;
+            p_kept = keep[i] ? p * dropout.keep_scale : 0.f;
+          }
+          dpt(r, c + i) = p * (dp_kept - row_dsum[i]) * score_mods.derivative(score);
+          st(r, c + i) = p_kept;
+        }
       }
-      st(r, c) = exp2f(s - row_lse);
-      dpt(r, c) = st(r, c) * (dpt(r, c) - row_dsum);
-      if constexpr (kExtended) dpt(r, c) *= score_mods.derivative(score);
+    }
+  } else {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(st); ++c) {
+      const int local_query = get<1>(coords(0, c));
+      const int query = row_start + local_query;
+      float row_lse = query < mask.seqlen_q ? lse[local_query] : INFINITY;
+      row_lse = (row_lse == -INFINITY ? INFINITY : row_lse) * float(M_LOG2E);
+      const float row_dsum = query < mask.seqlen_q ? dsum[local_query] : 0.f;
+      const int key_begin = mask.key_begin(query);
+      const int key_limit = mask.key_limit(query);
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(st); ++r) {
+        float s = st(r, c) * scale_log2;
+        if constexpr (kApplyMask) {
+          const int key = key_start + get<0>(coords(r, c));
+          if (key >= key_limit || (KeyMask<kMaskKind>::kLocal && key < key_begin)) s = -INFINITY;
+        }
+        st(r, c) = exp2f(s - row_lse);
+        dpt(r, c) = st(r, c) * (dpt(r, c) - row_dsum);
+      }
     }
   }
 }
@@ -162,6 +200,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
+  const Dropout dropout = dropout_of(params, batch, head);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.
@@ -280,10 +319,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     const float* lse = storage.stats[buffer][0];
     const float* dsum = storage.stats[buffer][1];
     if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) {
-      probabilities_and_ds_transposed<true>(st, dpt, tScS, key_start, row_start, mask, score_mods,
+      probabilities_and_ds_transposed<true>(st, dpt, tScS, key_start, row_start, mask, score_mods, dropout,
                                             params.softmax_scale_log2, lse, dsum);
     } else {
-      probabilities_and_ds_transposed<false>(st, dpt, tScS, key_start, row_start, mask, score_mods,
+      probabilities_and_ds_transposed<false>(st, dpt, tScS, key_start, row_start, mask, score_mods, dropout,
                                              params.softmax_scale_log2, lse, dsum);
     }
     // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared

@@ -1,0 +1,99 @@
+// Dropout on the attention probabilities in the extended kernels (kExtended): each probability
+// P[i][j] of (batch, head) is kept with probability 1 - p and dropped (set to 0) otherwise; kept
+// ones are scaled by 1 / (1 - p) on their way into O = P V (the softmax's row sums and the LSE are
+// those of the undropped P).
+//
+// The keep bit of (row i, key j) is a pure function of (seed, offset, batch, head, i, j), so every
+// kernel (either path, either direction, any tile shape) and the CPU reference
+// (flash_cutlass.reference.dropout_keep_mask) draw the same mask. One Philox4x32-10 call serves a
+// 2 x 2 block of the score matrix:
+//   counter = (j / 2, i / 2, batch * heads + head, offset / 4), key = (seed low, seed high),
+//   the output word 2 * (i % 2) + (j % 2) belongs to (i, j), and (i, j) is kept iff that word is
+//   >= drop_threshold = floor(p * 2^32).
+// Every accumulator layout here holds such blocks in pairs of elements: neighbouring columns of one
+// row in S (mma.sync and wgmma C layouts), neighbouring rows of one column in S^T (the Hopper
+// backward); a pair costs one Philox call.
+#pragma once
+
+#include <cstdint>
+#include <cute/tensor.hpp>
+
+#include "flash_cutlass/params.h"
+
+namespace flash_cutlass {
+
+// Philox4x32 with 10 rounds (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as
+// 1, 2, 3", SC 2011).
+__device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
+  constexpr uint32_t kMultiplier0 = 0xD2511F53u;
+  constexpr uint32_t kMultiplier1 = 0xCD9E8D57u;
+  constexpr uint32_t kKeyStep0 = 0x9E3779B9u;
+  constexpr uint32_t kKeyStep1 = 0xBB67AE85u;
+  CUTE_UNROLL
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t hi0 = __umulhi(kMultiplier0, counter.x);
+    const uint32_t lo0 = kMultiplier0 * counter.x;
+    const uint32_t hi1 = __umulhi(kMultiplier1, counter.z);
+    const uint32_t lo1 = kMultiplier1 * counter.z;
+    counter = make_uint4(hi1 ^ counter.y ^ key.x, lo1, hi0 ^ counter.w ^ key.y, lo0);
+    key.x += kKeyStep0;
+    key.y += kKeyStep1;
+  }
+  return counter;
+}
+
+struct Dropout {
+  uint2 key;
+  uint32_t stream;          // offset / 4
+  uint32_t batch_head;      // batch * heads + head
+  uint32_t drop_threshold;  // floor(p * 2^32); 0: no dropout
+  float keep_scale;         // 1 / (1 - p)
+
+  __device__ __forceinline__ bool active() const { return drop_threshold != 0u; }
+
+  // The Philox words of the 2 x 2 block holding (row, col).
+  __device__ __forceinline__ uint4 block_bits(int row, int col) const {
+    return philox4x32_10(make_uint4(uint32_t(col) >> 1, uint32_t(row) >> 1, batch_head, stream), key);
+  }
+
+  // Keep bits of (row, col) and (row, col + 1), col even.
+  __device__ __forceinline__ void keep_col_pair(int row, int col, bool& keep0, bool& keep1) const {
+    const uint4 bits = block_bits(row, col);
+    keep0 = ((row & 1) ? bits.z : bits.x) >= drop_threshold;
+    keep1 = ((row & 1) ? bits.w : bits.y) >= drop_threshold;
+  }
+
+  // Keep bits of (row, col) and (row + 1, col), row even.
+  __device__ __forceinline__ void keep_row_pair(int row, int col, bool& keep0, bool& keep1) const {
+    const uint4 bits = block_bits(row, col);
+    keep0 = ((col & 1) ? bits.y : bits.x) >= drop_threshold;
+    keep1 = ((col & 1) ? bits.w : bits.z) >= drop_threshold;
+  }
+
+  // In place on a probability tile p (rows, cols) in the S layout starting at (row_start,
+  // col_start): dropped entries become 0 (the kept ones are scaled later, on O).
+  template <class TensorP, class TensorC>
+  __device__ __forceinline__ void apply(TensorP& p, TensorC const& coords, int row_start, int col_start) const {
+    using namespace cute;
+    static_assert(decltype(size<1>(p))::value % 2 == 0, "columns come in pairs");
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(p); ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(p); c += 2) {
+        bool keep0, keep1;
+        keep_col_pair(row_start + get<0>(coords(r, c)), col_start + get<1>(coords(r, c)), keep0, keep1);
+        if (!keep0) p(r, c) = 0.f;
+        if (!keep1) p(r, c + 1) = 0.f;
+      }
+    }
+  }
+};
+
+// The dropout of (batch, head) from params (inactive without dropout).
+__device__ __forceinline__ Dropout dropout_of(FwdParams const& params, int batch, int head) {
+  return {make_uint2(uint32_t(params.philox_seed), uint32_t(params.philox_seed >> 32)),
+          uint32_t(params.philox_offset >> 2), uint32_t(batch * params.heads + head), params.dropout_threshold,
+          params.dropout_keep_scale};
+}
+
+}  // namespace flash_cutlass

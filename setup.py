@@ -12,8 +12,10 @@ Build options (environment variables; see README.md):
                             them out (a call with a window then raises, naming this flag).
   FLASH_CUTLASS_SOFTCAP     1 (default) accepts softcap=, FLASH_CUTLASS_ALIBI 1 (default)
   FLASH_CUTLASS_ALIBI       alibi_slopes=, FLASH_CUTLASS_DROPOUT 1 (default) dropout_p=; all
-  FLASH_CUTLASS_DROPOUT     run in the extended kernels, built when any of them is 1. A call with
-                            an option whose flag is 0 raises, naming the flag.
+  FLASH_CUTLASS_DROPOUT     run in the extended kernels: softcap and ALiBi in one instantiation
+                            (built when either flag is 1), dropout in another (which takes the
+                            other two as well). A call with an option whose flag is 0 raises,
+                            naming the flag.
   CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
                             about 3 GB of memory per concurrent nvcc.
@@ -185,8 +187,9 @@ def main():
     for feature in ("FLASH_CUTLASS_WINDOW",) + extended_options:
         if feature_enabled(feature):
             defines.append(f"-D{feature}")
-    if any(feature_enabled(option) for option in extended_options):
-        defines.append("-DFLASH_CUTLASS_EXTENDED")
+    # The score-options instantiation; the dropout one (FLASH_CUTLASS_DROPOUT) carries them too.
+    if feature_enabled("FLASH_CUTLASS_SOFTCAP") or feature_enabled("FLASH_CUTLASS_ALIBI"):
+        defines.append("-DFLASH_CUTLASS_SCORE_MODS")
     # wgmma and setmaxnreg exist only in the architecture-specific sm_90a target.
     targets = [f"{a}a" if a == 90 and sm90 else str(a) for a in archs]
     # A bare comma list (no quotes, no ';') survives ninja's shell; the C++ side stringifies it.

@@ -203,9 +203,9 @@ void set_extended_params(FwdParams& params, double softcap, const std::optional<
     const at::Tensor& state = *rng_state;
     TORCH_CHECK(state.device().is_cpu() && state.scalar_type() == at::kLong && state.dim() == 1 && state.size(0) == 2,
                 "rng_state must be an int64 CPU tensor of 2 elements (seed, offset)");
-    params.extended = true;
-    // floor(p * 2^32) <= 2^32 - 1 for p < 1.
+    // floor(p * 2^32) <= 2^32 - 1 for p < 1; a p below 2^-32 drops nothing (as in the reference).
     params.dropout_threshold = static_cast<uint32_t>(std::floor(dropout_p * 4294967296.0));
+    if (params.dropout_threshold != 0) params.extended = true;
     params.dropout_keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
     params.philox_seed = static_cast<uint64_t>(state[0].item<int64_t>());
     params.philox_offset = static_cast<uint64_t>(state[1].item<int64_t>());

@@ -3,30 +3,48 @@
 
 #ifdef FLASH_CUTLASS_DTYPE_FP16
 template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kFloat16,
-    flash_cutlass::MaskKind::kNone, false>(flash_cutlass::FwdParams const&, cudaStream_t);
+    flash_cutlass::MaskKind::kNone, flash_cutlass::Extension::kNone>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
 template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kFloat16,
-    flash_cutlass::MaskKind::kCausal, false>(flash_cutlass::FwdParams const&, cudaStream_t);
+    flash_cutlass::MaskKind::kCausal, flash_cutlass::Extension::kNone>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
 #ifdef FLASH_CUTLASS_WINDOW
 template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kFloat16,
-    flash_cutlass::MaskKind::kLocal, false>(flash_cutlass::FwdParams const&, cudaStream_t);
+    flash_cutlass::MaskKind::kLocal, flash_cutlass::Extension::kNone>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
 #endif
-#ifdef FLASH_CUTLASS_EXTENDED
+#ifdef FLASH_CUTLASS_SCORE_MODS
 template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kFloat16,
-    flash_cutlass::MaskKind::kLocal, true>(flash_cutlass::FwdParams const&, cudaStream_t);
+    flash_cutlass::MaskKind::kLocal, flash_cutlass::Extension::kScoreMods>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
+#endif
+#ifdef FLASH_CUTLASS_DROPOUT
+template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kFloat16,
+    flash_cutlass::MaskKind::kLocal, flash_cutlass::Extension::kDropout>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
 #endif
 #endif
 
 #ifdef FLASH_CUTLASS_DTYPE_BF16
 template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kBFloat16,
-    flash_cutlass::MaskKind::kNone, false>(flash_cutlass::FwdParams const&, cudaStream_t);
+    flash_cutlass::MaskKind::kNone, flash_cutlass::Extension::kNone>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
 template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kBFloat16,
-    flash_cutlass::MaskKind::kCausal, false>(flash_cutlass::FwdParams const&, cudaStream_t);
+    flash_cutlass::MaskKind::kCausal, flash_cutlass::Extension::kNone>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
 #ifdef FLASH_CUTLASS_WINDOW
 template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kBFloat16,
-    flash_cutlass::MaskKind::kLocal, false>(flash_cutlass::FwdParams const&, cudaStream_t);
+    flash_cutlass::MaskKind::kLocal, flash_cutlass::Extension::kNone>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
 #endif
-#ifdef FLASH_CUTLASS_EXTENDED
+#ifdef FLASH_CUTLASS_SCORE_MODS
 template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kBFloat16,
-    flash_cutlass::MaskKind::kLocal, true>(flash_cutlass::FwdParams const&, cudaStream_t);
+    flash_cutlass::MaskKind::kLocal, flash_cutlass::Extension::kScoreMods>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
+#endif
+#ifdef FLASH_CUTLASS_DROPOUT
+template cudaError_t flash_cutlass::sm80::run_fwd<192, flash_cutlass::DType::kBFloat16,
+    flash_cutlass::MaskKind::kLocal, flash_cutlass::Extension::kDropout>(flash_cutlass::FwdParams const&,
+    cudaStream_t);
 #endif
 #endif

@@ -58,8 +58,9 @@ inline constexpr bool kCompiledWindow =
 
 // The options of the extended instantiation (kExtended) this build accepts: the soft cap unless
 // FLASH_CUTLASS_SOFTCAP=0, ALiBi unless FLASH_CUTLASS_ALIBI=0, dropout unless
-// FLASH_CUTLASS_DROPOUT=0. setup.py compiles the extended instantiation (FLASH_CUTLASS_EXTENDED)
-// when any of them is on.
+// FLASH_CUTLASS_DROPOUT=0. setup.py compiles the score-options instantiation
+// (FLASH_CUTLASS_SCORE_MODS) when the soft cap or ALiBi is on, and the dropout one (which carries the
+// score options too) with dropout.
 inline constexpr bool kCompiledSoftcap =
 #ifdef FLASH_CUTLASS_SOFTCAP
     true;
@@ -129,46 +130,46 @@ inline bool dtype_compiled(DType dtype) {
 }
 
 namespace detail {
-template <int kHeadDim, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd_sm80_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kExtended>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kExtension>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtended>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtension>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd_sm90_dtype(FwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kExtended>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_fwd<kHeadDim, DType::kFloat16, kMaskKind, kExtension>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtended>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_fwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtension>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #ifdef FLASH_CUTLASS_DTYPE_FP16
-  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kExtended>(params, stream);
+  if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kExtension>(params, stream);
 #endif
 #ifdef FLASH_CUTLASS_DTYPE_BF16
-  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtended>(params, stream);
+  if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtension>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
 
-template <int kHeadDim, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd_sm90_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
-  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kExtended>(params, stream);
+  if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kExtension>(params, stream);
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
-  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtended>(params, stream);
+  if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtension>(params, stream);
 #endif
   return cudaErrorNotSupported;
 }
@@ -192,25 +193,33 @@ cudaError_t with_mask_kind(FwdParams const& params, Run&& run) {
   return cudaErrorInvalidValue;
 }
 
-// Calls run(mask kind, extended): the extended instantiation (kLocal, with the soft cap, ALiBi and dropout;
-// only where the build compiled it) for calls that set any of its options, else the instantiation of
-// the call's mask kind.
+// Calls run(mask kind, extension): an extended instantiation (kLocal; with dropout where the call
+// drops, else with the score options; only where the build compiled it) for calls that set any
+// option, else the instantiation of the call's mask kind.
 template <class Run>
 cudaError_t with_instantiation(FwdParams const& params, Run&& run) {
-  if (params.extended) {
-#ifdef FLASH_CUTLASS_EXTENDED
-    return run(std::integral_constant<MaskKind, MaskKind::kLocal>{}, std::true_type{});
+  using Local = std::integral_constant<MaskKind, MaskKind::kLocal>;
+  if (params.extended && params.dropout_threshold != 0) {
+#ifdef FLASH_CUTLASS_DROPOUT
+    return run(Local{}, std::integral_constant<Extension, Extension::kDropout>{});
 #else
     return cudaErrorNotSupported;
 #endif
   }
-  return with_mask_kind(params, [&](auto kind) { return run(kind, std::false_type{}); });
+  if (params.extended) {
+#ifdef FLASH_CUTLASS_SCORE_MODS
+    return run(Local{}, std::integral_constant<Extension, Extension::kScoreMods>{});
+#else
+    return cudaErrorNotSupported;
+#endif
+  }
+  return with_mask_kind(params, [&](auto kind) { return run(kind, std::integral_constant<Extension, Extension::kNone>{}); });
 }
 
 // run_<direction>_<path>_dtype for the call's instantiation.
 #define FLASH_CUTLASS_RUN_INSTANTIATION(run_dtype)                                                 \
-  with_instantiation(params, [&](auto kind, auto extended) {                                         \
-    return run_dtype<kHeadDim, decltype(kind)::value, decltype(extended)::value>(params, dtype, stream); \
+  with_instantiation(params, [&](auto kind, auto extension) {                                        \
+    return run_dtype<kHeadDim, decltype(kind)::value, decltype(extension)::value>(params, dtype, stream); \
   })
 
 template <int kHeadDim>

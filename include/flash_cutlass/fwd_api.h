@@ -9,18 +9,18 @@
 namespace flash_cutlass {
 
 namespace sm90 {
-template <int kHeadDim, DType kDType, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
 
-template <int kHeadDim, DType kDType, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
 }  // namespace sm90
 
 namespace sm80 {
-template <int kHeadDim, DType kDType, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
 
-template <int kHeadDim, DType kDType, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
 
 // Dynamic shared memory one CTA of the forward kernel for `kernel_hdim` needs, in bytes.

@@ -13,6 +13,12 @@ enum class DType { kFloat16, kBFloat16 };
 // no window logic; the extended instantiation (soft cap, ALiBi, dropout) uses kLocal, which expresses all three.
 enum class MaskKind { kNone, kCausal, kLocal };
 
+// The runtime options an instantiation carries: none (the kernels above), the score options (soft
+// cap, ALiBi: common/score_mods.h), or those and dropout (common/dropout.h). The extended
+// instantiations use MaskKind::kLocal; dropout has its own, so that calls without it do not pay
+// for its registers.
+enum class Extension { kNone, kScoreMods, kDropout };
+
 struct FwdParams {
   // Q: (batch, seqlen_q, heads, head_dim); K, V: (batch, seqlen_k, heads_k, head_dim);
   // out like Q. The last dimension is contiguous; every other stride is a multiple of 8

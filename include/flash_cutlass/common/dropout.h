@@ -1,4 +1,4 @@
-// Dropout on the attention probabilities in the extended kernels (kExtended): each probability
+// Dropout on the attention probabilities in the dropout instantiation (Extension::kDropout): each probability
 // P[i][j] of (batch, head) is kept with probability 1 - p and dropped (set to 0) otherwise; kept
 // ones are scaled by 1 / (1 - p) on their way into O = P V (the softmax's row sums and the LSE are
 // those of the undropped P).
@@ -42,14 +42,16 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
   return counter;
 }
 
-struct Dropout {
+template <bool kEnabled>
+struct Dropout {};
+
+template <>
+struct Dropout<true> {
   uint2 key;
   uint32_t stream;          // offset / 4
   uint32_t batch_head;      // batch * heads + head
-  uint32_t drop_threshold;  // floor(p * 2^32); 0: no dropout
+  uint32_t drop_threshold;  // floor(p * 2^32)
   float keep_scale;         // 1 / (1 - p)
-
-  __device__ __forceinline__ bool active() const { return drop_threshold != 0u; }
 
   // The Philox words of the 2 x 2 block holding (row, col).
   __device__ __forceinline__ uint4 block_bits(int row, int col) const {
@@ -89,11 +91,16 @@ struct Dropout {
   }
 };
 
-// The dropout of (batch, head) from params (inactive without dropout).
-__device__ __forceinline__ Dropout dropout_of(FwdParams const& params, int batch, int head) {
-  return {make_uint2(uint32_t(params.philox_seed), uint32_t(params.philox_seed >> 32)),
-          uint32_t(params.philox_offset >> 2), uint32_t(batch * params.heads + head), params.dropout_threshold,
-          params.dropout_keep_scale};
+// The dropout of (batch, head) from params; an empty policy without kDropout.
+template <bool kDropout>
+__device__ __forceinline__ Dropout<kDropout> dropout_of(FwdParams const& params, int batch, int head) {
+  if constexpr (kDropout) {
+    return {make_uint2(uint32_t(params.philox_seed), uint32_t(params.philox_seed >> 32)),
+            uint32_t(params.philox_offset >> 2), uint32_t(batch * params.heads + head), params.dropout_threshold,
+            params.dropout_keep_scale};
+  } else {
+    return {};
+  }
 }
 
 }  // namespace flash_cutlass

@@ -156,9 +156,10 @@ __device__ __forceinline__ auto load_row_stats(Coords const& coords, int row_sta
 // each element (its (row, col) from coords, the tile starting at (row_start, col_start)), dS the
 // soft cap's derivative (common/score_mods.h), and with dropout (common/dropout.h) S ends as the
 // dropped and rescaled P that dV needs and dS = P * (dropped, rescaled dP - D).
-template <bool kExtended, class TensorS, class TensorDP, class Stats, class Coords>
+template <bool kExtended, bool kDropout, class TensorS, class TensorDP, class Stats, class Coords>
 __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Stats const& stats, float scale_log2,
-                                                     ScoreMods<kExtended> const& score_mods, Dropout const& dropout,
+                                                     ScoreMods<kExtended> const& score_mods,
+                                                     Dropout<kDropout> const& dropout,
                                                      Coords const& coords, int row_start, int col_start) {
   using namespace cute;
   if constexpr (kExtended) {
@@ -170,14 +171,14 @@ __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, S
         const int row = row_start + get<0>(coords(r, c));
         const int col = col_start + get<1>(coords(r, c));
         bool keep[2] = {true, true};
-        if (dropout.active()) dropout.keep_col_pair(row, col, keep[0], keep[1]);
+        if constexpr (kDropout) dropout.keep_col_pair(row, col, keep[0], keep[1]);
         CUTE_UNROLL
         for (int i = 0; i < 2; ++i) {
           const float score = s(r, c + i);
           const float p = exp2f((score + score_mods.bias(row, col + i)) * scale_log2 - stats.lse_log2[r]);
           float dp_kept = dp(r, c + i);
           float p_kept = p;
-          if (dropout.active()) {
+          if constexpr (kDropout) {
             dp_kept = keep[i] ? dp_kept * dropout.keep_scale : 0.f;
             p_kept = keep[i] ? p * dropout.keep_scale : 0.f;
           }
@@ -242,9 +243,11 @@ __device__ __forceinline__ void store_rows(To* dst, int64_t row_stride, Acc cons
 
 // kAccumulateDq: add dS K into dq_accum with atomics; without it (deterministic mode) dQ comes
 // from flash_bwd_dq_sm80.
-template <class Traits, MaskKind kMaskKind, bool kExtended, bool kAccumulateDq>
+template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kAccumulateDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
+  constexpr bool kExtended = kExtension != Extension::kNone;
+  constexpr bool kDropout = kExtension == Extension::kDropout;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -259,7 +262,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
-  const Dropout dropout = dropout_of(params, batch, head);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.
@@ -473,9 +476,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 // Deterministic dQ: one CTA per (query block, head, batch) keeps Q and dO in shared memory, walks
 // the key blocks it sees in a fixed order and accumulates dQ = dS K in registers, then stores it
 // (fp32, unscaled) into dq_accum without atomics.
-template <class Traits, MaskKind kMaskKind, bool kExtended>
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
+  constexpr bool kExtended = kExtension != Extension::kNone;
+  constexpr bool kDropout = kExtension == Extension::kDropout;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -493,7 +498,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
-  const Dropout dropout = dropout_of(params, batch, head);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const int row_start = m_block * kBlockM;
   const int rows_left_q = params.seqlen_q - row_start;
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);

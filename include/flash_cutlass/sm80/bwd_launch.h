@@ -25,7 +25,7 @@ cudaError_t run_bwd_stages(BwdParams const& params, cudaStream_t stream, LaunchM
 
 // The main kernel (dK, dV, and dQ by atomics), or with params.deterministic, a second kernel that
 // sums dQ over the key blocks in a fixed order instead, between the preprocess and postprocess.
-template <int kHeadDim, DType kDType, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
   using Traits = BwdTraitsFor<kHeadDim, Element>;
@@ -33,14 +33,14 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
     const int64_t batch_heads = int64_t(params.batch) * params.heads;
     const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     if (!params.deterministic) {
-      return launch_kernel(&flash_bwd_sm80<Traits, kMaskKind, kExtended, true>, num_n_blocks * batch_heads, Traits::kThreads,
+      return launch_kernel(&flash_bwd_sm80<Traits, kMaskKind, kExtension, true>, num_n_blocks * batch_heads, Traits::kThreads,
                            Traits::kSmemBytes, params, stream);
     }
-    cudaError_t status = launch_kernel(&flash_bwd_sm80<Traits, kMaskKind, kExtended, false>, num_n_blocks * batch_heads,
+    cudaError_t status = launch_kernel(&flash_bwd_sm80<Traits, kMaskKind, kExtension, false>, num_n_blocks * batch_heads,
                                        Traits::kThreads, Traits::kSmemBytes, params, stream);
     if (status != cudaSuccess) return status;
     const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    return launch_kernel(&flash_bwd_dq_sm80<Traits, kMaskKind, kExtended>, num_m_blocks * batch_heads, Traits::kThreads,
+    return launch_kernel(&flash_bwd_dq_sm80<Traits, kMaskKind, kExtension>, num_m_blocks * batch_heads, Traits::kThreads,
                          Traits::kSmemBytesDq, params, stream);
   });
 }

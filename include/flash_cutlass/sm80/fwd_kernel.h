@@ -19,10 +19,12 @@
 
 namespace flash_cutlass::sm80 {
 
-template <class Traits, MaskKind kMaskKind, bool kExtended>
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* smem, int m_block, int batch,
                                                 int head) {
   using namespace cute;
+  constexpr bool kExtended = kExtension != Extension::kNone;
+  constexpr bool kDropout = kExtension == Extension::kDropout;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -36,7 +38,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   const int rows_left_q = params.seqlen_q - m_block * kBlockM;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
-  const Dropout dropout = dropout_of(params, batch, head);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
   // Global views of this (batch, head): (seqlen, kHeadDim); columns past head_dim are predicated.
@@ -150,9 +152,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       if (n_block > key_blocks.begin) load_k(n_block - 1, cute::false_type{});
       cp_async_fence();
       softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
-      if constexpr (kExtended) {
-        if (dropout.active()) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
-      }
+      if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
       // P goes straight from the S accumulator into the A operand registers of P.V.
       Tensor p = convert_fragment<Element>(acc_s);
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
@@ -180,11 +180,9 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 
     float lse[kRowsPerThread];
     softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
-    if constexpr (kExtended) {
-      if (dropout.active()) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
-      }
+    if constexpr (kDropout) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
     }
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) {
@@ -220,13 +218,13 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 
 // Grid: one CTA per (query block, head, batch), flattened into x. Query blocks run from the last
 // to the first so that, with a causal mask, the longest blocks start first.
-template <int kHeadDim, class Element, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, class Element, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(FwdTraitsFor<kHeadDim, Element>::kThreads, 1)
     flash_fwd_sm80(__grid_constant__ const FwdParams params) {
   using Traits = FwdTraitsFor<kHeadDim, Element>;
   extern __shared__ __align__(128) char smem[];
   const QueryTile tile = query_tile_of_this_cta<Traits::kBlockM>(params);
-  fwd_query_block<Traits, kMaskKind, kExtended>(params, smem, tile.m_block, tile.batch, tile.head);
+  fwd_query_block<Traits, kMaskKind, kExtension>(params, smem, tile.m_block, tile.batch, tile.head);
 }
 
 }  // namespace flash_cutlass::sm80

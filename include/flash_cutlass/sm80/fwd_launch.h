@@ -9,11 +9,11 @@
 
 namespace flash_cutlass::sm80 {
 
-template <int kHeadDim, DType kDType, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
   using Traits = FwdTraitsFor<kHeadDim, Element>;
-  return launch_kernel(&flash_fwd_sm80<kHeadDim, Element, kMaskKind, kExtended>, num_query_tiles<Traits::kBlockM>(params),
+  return launch_kernel(&flash_fwd_sm80<kHeadDim, Element, kMaskKind, kExtension>, num_query_tiles<Traits::kBlockM>(params),
                        Traits::kThreads, Traits::kSmemBytes, params, stream);
 }
 

@@ -106,12 +106,13 @@ struct BwdKernelTraits {
 // With kExtended, the scores are capped and biased first, dS^T carries the cap's derivative
 // (common/score_mods.h), and with dropout (common/dropout.h) P^T ends dropped and rescaled, as dV
 // needs it, and dS^T = P^T (dropped, rescaled dP^T - D).
-template <bool kApplyMask, bool kExtended, MaskKind kMaskKind, class TensorS, class TensorDP, class Coords>
+template <bool kApplyMask, bool kExtended, bool kDropout, MaskKind kMaskKind, class TensorS, class TensorDP,
+          class Coords>
 __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, TensorDP& dpt, Coords const& coords,
                                                                 int key_start, int row_start,
                                                                 KeyMask<kMaskKind> const& mask,
                                                                 ScoreMods<kExtended> const& score_mods,
-                                                                Dropout const& dropout, float scale_log2,
+                                                                Dropout<kDropout> const& dropout, float scale_log2,
                                                                 const float* lse, const float* dsum) {
   using namespace cute;
   if constexpr (kExtended) {
@@ -134,7 +135,7 @@ __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, Ten
       for (int r = 0; r < size<0>(st); ++r) {
         const int key = key_start + get<0>(coords(r, c));
         bool keep[2] = {true, true};
-        if (dropout.active()) dropout.keep_row_pair(query[0], key, keep[0], keep[1]);
+        if constexpr (kDropout) dropout.keep_row_pair(query[0], key, keep[0], keep[1]);
         CUTE_UNROLL
         for (int i = 0; i < 2; ++i) {
           float score = st(r, c + i);
@@ -146,7 +147,7 @@ __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, Ten
           const float p = exp2f(s - row_lse[i]);
           float dp_kept = dpt(r, c + i);
           float p_kept = p;
-          if (dropout.active()) {
+          if constexpr (kDropout) {
             dp_kept = keep[i] ? dp_kept * dropout.keep_scale : 0.f;
             p_kept = keep[i] ? p * dropout.keep_scale : 0.f;
           }
@@ -179,10 +180,12 @@ __device__ __forceinline__ void probabilities_and_ds_transposed(TensorS& st, Ten
   }
 }
 
-template <class Traits, MaskKind kMaskKind, bool kExtended>
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_constant__ const BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
+  constexpr bool kExtended = kExtension != Extension::kNone;
+  constexpr bool kDropout = kExtension == Extension::kDropout;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -200,7 +203,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   const int tidx = threadIdx.x;
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
-  const Dropout dropout = dropout_of(params, batch, head);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const int key_start = n_block * kBlockN;
   const int rows_left_k = params.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.

@@ -35,11 +35,13 @@ struct FwdKernelParams {
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 
-template <class Traits, MaskKind kMaskKind, bool kExtended>
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
+  constexpr bool kExtended = kExtension != Extension::kNone;
+  constexpr bool kDropout = kExtension == Extension::kDropout;
   using Element = typename Traits::Element;
   using PipelineKV = typename Traits::PipelineKV;
   constexpr int kBlockM = Traits::kBlockM;
@@ -117,7 +119,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
-  const Dropout dropout = dropout_of(params, batch, head);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const int consumer_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
@@ -152,9 +154,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
       softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
-      if constexpr (kExtended) {
-        if (dropout.active()) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
-      }
+      if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
       // P goes straight from the S accumulator into the A operand registers of P V.
       Tensor p = convert_fragment<Element>(acc_s);
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
@@ -183,11 +183,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
     }
     softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
-    if constexpr (kExtended) {
-      if (dropout.active()) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
-      }
+    if constexpr (kDropout) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
     }
   } else {
     // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0.

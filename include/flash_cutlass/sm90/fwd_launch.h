@@ -19,7 +19,7 @@ typename Traits::GmemTensor gmem_tensor(void const* base, int seqlen, int head_d
                                                  make_stride(row_stride, _1{}, head_stride, batch_stride)});
 }
 
-template <int kHeadDim, DType kDType, MaskKind kMaskKind, bool kExtended>
+template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using namespace cute;
   using Element = typename ElementOf<kDType>::type;
@@ -39,7 +39,7 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
   };
 
-  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtended>, num_query_tiles<Traits::kBlockM>(params), Traits::kThreads,
+  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_query_tiles<Traits::kBlockM>(params), Traits::kThreads,
                        Traits::kSmemBytes, kernel_params, stream);
 }
 

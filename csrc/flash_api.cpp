@@ -212,13 +212,53 @@ void set_extended_params(FwdParams& params, double softcap, const std::optional<
   }
 }
 
+// A variable-length call: int32 cumulative sequence lengths (batch + 1 entries each, on q's device)
+// and the longest lengths, which size the grid. The packed (total, heads, head_dim) tensors come
+// as (1, total, heads, head_dim) views, lse as (1, heads, total_q). Their contents (starting at 0,
+// non-decreasing, ending at the totals, the longest lengths at least every length) are checked by
+// flash_cutlass/interface.py, which reads them on the host.
+struct VarlenArgs {
+  const std::optional<at::Tensor>& cu_seqlens_q;
+  const std::optional<at::Tensor>& cu_seqlens_k;
+  int64_t max_seqlen_q;
+  int64_t max_seqlen_k;
+
+  bool active() const { return cu_seqlens_q.has_value() && cu_seqlens_q->defined(); }
+};
+
+// Turns params set for the (1, total, ...) views into a variable-length call's.
+void set_varlen_params(FwdParams& params, VarlenArgs const& varlen, const at::Tensor& q) {
+  TORCH_CHECK(varlen.cu_seqlens_k.has_value() && varlen.cu_seqlens_k->defined(),
+              "cu_seqlens_q and cu_seqlens_k go together");
+  const at::Tensor& cu_q = *varlen.cu_seqlens_q;
+  const at::Tensor& cu_k = *varlen.cu_seqlens_k;
+  for (const at::Tensor* cu : {&cu_q, &cu_k}) {
+    TORCH_CHECK(cu->scalar_type() == at::kInt && cu->device() == q.device() && cu->dim() == 1 && cu->is_contiguous(),
+                "cu_seqlens_q and cu_seqlens_k must be contiguous 1-D int32 tensors on q's device");
+  }
+  TORCH_CHECK(cu_q.numel() == cu_k.numel() && cu_q.numel() >= 1,
+              "cu_seqlens_q and cu_seqlens_k must have the same number (batch + 1 >= 1) of entries");
+  TORCH_CHECK(params.batch == 1, "a variable-length call takes (1, total, heads, head_dim) views");
+  TORCH_CHECK(varlen.max_seqlen_q >= 0 && varlen.max_seqlen_k >= 0 && varlen.max_seqlen_q < (int64_t(1) << 31) &&
+                  varlen.max_seqlen_k < (int64_t(1) << 31),
+              "max_seqlen_q and max_seqlen_k must be in [0, 2^31)");
+  params.cu_seqlens_q = cu_q.data_ptr<int>();
+  params.cu_seqlens_k = cu_k.data_ptr<int>();
+  params.total_q = params.seqlen_q;
+  params.total_k = params.seqlen_k;
+  params.batch = static_cast<int>(cu_q.numel() - 1);
+  params.seqlen_q = static_cast<int>(varlen.max_seqlen_q);
+  params.seqlen_k = static_cast<int>(varlen.max_seqlen_k);
+  params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.out_batch_stride = 0;
+}
+
 // Writes the pointers, strides, sizes, scale, mask and extended options of q, k, v, out and lse into
 // params.
 void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& lse, AttentionShape const& shape,
                           double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                           double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                          const std::optional<at::Tensor>& rng_state) {
+                          const std::optional<at::Tensor>& rng_state, VarlenArgs const& varlen) {
   params.q = q.data_ptr();
   params.k = k.data_ptr();
   params.v = v.data_ptr();
@@ -244,6 +284,7 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
   params.head_dim = static_cast<int>(shape.head_dim);
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  if (varlen.active()) set_varlen_params(params, varlen, q);
   set_extended_params(params, softcap, alibi_slopes, dropout_p, rng_state, q);
   set_mask_params(params, causal, window_left, window_right);
 }
@@ -251,7 +292,9 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
              double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
              const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-             const std::optional<at::Tensor>& rng_state, int64_t kernel_choice) {
+             const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& cu_seqlens_q,
+             const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+             int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) return;
   TORCH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
@@ -259,8 +302,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   const int64_t head_dim = shape.head_dim;
   const int kernel_hdim = shape.kernel_hdim;
   FwdParams params;
+  const VarlenArgs varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
-                       softcap, alibi_slopes, dropout_p, rng_state);
+                       softcap, alibi_slopes, dropout_p, rng_state, varlen);
+  TORCH_CHECK(params.seqlen_q > 0 && params.seqlen_k > 0 && params.batch > 0,
+              "a variable-length call without queries or keys is handled by the caller");
 
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -290,7 +336,9 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
               const at::Tensor& dv, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
               double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-              const std::optional<at::Tensor>& rng_state, bool deterministic, int64_t kernel_choice) {
+              const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& cu_seqlens_q,
+              const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+              bool deterministic, int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   check_operand(dout, "dout", 4);
@@ -339,8 +387,15 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   }
 
   BwdParams params;
+  const VarlenArgs varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
-                       softcap, alibi_slopes, dropout_p, rng_state);
+                       softcap, alibi_slopes, dropout_p, rng_state, varlen);
+  if (params.batch == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {  // a variable-length call without work
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return;
+  }
   params.dout = dout.data_ptr();
   params.dout_batch_stride = dout.stride(0);
   params.dout_row_stride = dout.stride(1);
@@ -363,6 +418,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     params.dkv_head_stride = dk.stride(2);
   }
   params.deterministic = deterministic;
+  if (varlen.active()) params.dout_batch_stride = params.dq_batch_stride = params.dkv_batch_stride = 0;
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
@@ -409,13 +465,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
         pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("alibi_slopes"),
-        pybind11::arg("dropout_p"), pybind11::arg("rng_state"), pybind11::arg("kernel_choice"));
+        pybind11::arg("dropout_p"), pybind11::arg("rng_state"), pybind11::arg("cu_seqlens_q"),
+        pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
+        pybind11::arg("kernel_choice"));
   m.def("backward", &flash_cutlass::backward, "Attention backward into preallocated dq, dk and dv",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
         pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("alibi_slopes"),
-        pybind11::arg("dropout_p"), pybind11::arg("rng_state"), pybind11::arg("deterministic"),
+        pybind11::arg("dropout_p"), pybind11::arg("rng_state"), pybind11::arg("cu_seqlens_q"),
+        pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
+        pybind11::arg("deterministic"),
         pybind11::arg("kernel_choice"));
   m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);

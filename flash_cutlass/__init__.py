@@ -18,9 +18,11 @@ from flash_cutlass.interface import (
     compiled_softcap,
     compiled_window,
     flash_backward,
+    flash_backward_varlen,
     flash_forward,
+    flash_forward_varlen,
 )
-from flash_cutlass.ops import flash_attention
+from flash_cutlass.ops import flash_attention, flash_attention_varlen
 
 __all__ = [
     "__version__",
@@ -33,6 +35,9 @@ __all__ = [
     "compiled_softcap",
     "compiled_window",
     "flash_attention",
+    "flash_attention_varlen",
     "flash_backward",
+    "flash_backward_varlen",
     "flash_forward",
+    "flash_forward_varlen",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -191,13 +191,76 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
-def check_alibi_slopes(alibi_slopes, q) -> Optional[torch.Tensor]:
-    """alibi_slopes as given: None, or float32 of shape (heads,) or (batch, heads) on q's device;
-    raises TypeError or ValueError naming it otherwise."""
-    alibi_slopes = reference.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
+def check_alibi_slopes(alibi_slopes, q, batch: Optional[int] = None) -> Optional[torch.Tensor]:
+    """alibi_slopes as given: None, or float32 of shape (heads,) or (batch, heads) on q's device
+    (batch: q's, or the number of sequences of a variable-length call); raises TypeError or
+    ValueError naming it otherwise."""
+    batch = q.shape[0] if batch is None else batch
+    alibi_slopes = reference.check_alibi_slopes(alibi_slopes, batch, q.shape[-2])
     if alibi_slopes is not None and alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}; they must be on one device")
     return alibi_slopes
+
+
+class Varlen(NamedTuple):
+    """A variable-length call's cumulative sequence lengths (int32, batch + 1 entries, on q's
+    device) and longest lengths."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen:
+    """Checks the packed q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim) of a
+    variable-length call and its cumulative lengths, which it reads on the host (one device
+    synchronization for CUDA tensors): they must start at 0, never decrease and end at the token
+    counts, and max_seqlen_q / max_seqlen_k must be at least the longest lengths. Raises TypeError or
+    ValueError naming the argument."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) in a variable-length "
+                             f"call, got shape {tuple(t.shape)}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
+    arguments = (("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", "max_seqlen_q", max_seqlen_q),
+                 ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k", "max_seqlen_k", max_seqlen_k))
+    for name, cu, _, _, max_name, max_len in arguments:
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; they must be on one device")
+        if isinstance(max_len, bool) or not isinstance(max_len, int):
+            raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
+        if not 0 <= max_len < 2**31:
+            raise ValueError(f"{max_name} must be in [0, 2^31), got {max_len}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same number of entries (batch + 1), got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
+    count = cu_seqlens_q.numel()
+    for (name, _, total, tensor, max_name, max_len), starts in zip(arguments, (values[:count], values[count:])):
+        if starts[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {starts[0]}")
+        lengths = [end - start for start, end in zip(starts, starts[1:])]
+        if any(length < 0 for length in lengths):
+            raise ValueError(f"{name} must be non-decreasing, got {starts}")
+        if starts[-1] != total:
+            raise ValueError(f"{name} must end at the {total} tokens of {tensor}, got {starts[-1]}")
+        if lengths and max_len < max(lengths):
+            raise ValueError(f"{max_name} = {max_len} is below the longest sequence, {max(lengths)} tokens")
+    return Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
 
 
 def check_dropout_p(dropout_p) -> float:
@@ -272,13 +335,16 @@ def _padded_head_dim(head_dim: int) -> int:
 def forward_into(q, k, v, out, lse, softmax_scale: float, causal: bool, kernel: str = "auto",
                  window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                 rng_state: Optional[torch.Tensor] = None) -> None:
+                 rng_state: Optional[torch.Tensor] = None, varlen: Optional[Varlen] = None) -> None:
     """Runs the CUDA forward kernel into preallocated out (like q) and lse (fp32, batch x heads x
     seqlen_q). q, k, v must already be valid kernel inputs: CUDA, head_dim a multiple of 8 and at
-    most a compiled head dim, 16-byte aligned strides. flash_forward is the checked entry point."""
+    most a compiled head dim, 16-byte aligned strides; a variable-length call (varlen) passes its
+    packed tensors as (1, total, heads, head_dim) views and lse as (1, heads, total_q).
+    flash_forward and flash_forward_varlen are the checked entry points."""
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     _extension().forward(q, k, v, out, lse, float(softmax_scale), bool(causal), int(window_size[0]),
-                         int(window_size[1]), float(softcap), alibi_slopes, float(dropout_p), rng_state,
-                         KERNELS[kernel])
+                         int(window_size[1]), float(softcap), alibi_slopes, float(dropout_p), rng_state, cu_q, cu_k,
+                         max_q, max_k, KERNELS[kernel])
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -328,9 +394,40 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     kernel), and the sm80 path otherwise; 'sm80' and 'sm90' force one (RuntimeError where the
     forced one cannot run the call). CPU tensors ignore it.
     """
+    return _forward_entry(q, k, v, softmax_scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p,
+                          generator, rng_state)
+
+
+def flash_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                         softmax_scale: Optional[float] = None, causal: bool = False, kernel: Optional[str] = None, *,
+                         window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                         alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                         generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None):
+    """flash_forward of a batch of sequences of different lengths, packed without padding.
+
+    q: (total_q, heads, head_dim), k and v: (total_k, heads_k, head_dim); sequence b owns rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v
+    (int32 cumulative lengths, batch + 1 entries starting at 0, on q's device; a sequence may be
+    empty). max_seqlen_q and max_seqlen_k are at least the longest lengths (they size the grid).
+    Each sequence attends only to itself, with causal masks and windows aligned to its own
+    lengths. The other arguments are flash_forward's; alibi_slopes (batch, heads) give sequence b
+    row b, and dropout draws sequence b's mask as batch entry b of flash_forward. Returns out like
+    q and lse, float32 (heads, total_q) (and rng_state with dropout). The lengths are read on the
+    host and checked: one device synchronization per call.
+    """
+    varlen = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    result = _forward_entry(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, causal, kernel,
+                            window_size, softcap, alibi_slopes, dropout_p, generator, rng_state, varlen)
+    return (result[0][0], result[1][0]) + tuple(result[2:])
+
+
+def _forward_entry(q, k, v, softmax_scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p, generator,
+                   rng_state, varlen: Optional[Varlen] = None):
+    """The checks and RNG draw of flash_forward (and of flash_forward_varlen, on (1, total, ...)
+    views), then the call: (out, lse) or (out, lse, rng_state)."""
     window_size = check_forward_inputs(q, k, v, softmax_scale, causal, window_size)
     softcap = check_softcap(softcap)
-    alibi_slopes = check_alibi_slopes(alibi_slopes, q)
+    alibi_slopes = check_alibi_slopes(alibi_slopes, q, varlen.batch if varlen is not None else None)
     dropout_p = check_dropout_p(dropout_p)
     rng_state = check_rng_state(rng_state)
     kernel = kernel_choice(kernel)
@@ -339,13 +436,14 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     if dropout_p > 0 and rng_state is None:
         rng_state = draw_rng_state(generator, q.device)
     out, lse = forward_checked(q, k, v, softmax_scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p,
-                               rng_state)
+                               rng_state, varlen)
     return (out, lse, rng_state) if dropout_p > 0 else (out, lse)
 
 
 def forward_checked(q, k, v, softmax_scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p,
-                    rng_state) -> Tuple[torch.Tensor, torch.Tensor]:
-    """flash_forward after its checks (rng_state drawn where dropout_p > 0): (out, lse)."""
+                    rng_state, varlen: Optional[Varlen] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """flash_forward after its checks (rng_state drawn where dropout_p > 0): (out, lse). A
+    variable-length call passes (1, total, heads, head_dim) views and gets lse (1, heads, total_q)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -355,8 +453,13 @@ def forward_checked(q, k, v, softmax_scale, causal, kernel, window_size, softcap
         rng_state = None
 
     if q.device.type != "cuda":
-        out, lse = reference.attention_forward(q, k, v, scale, causal, window_size=window_size, softcap=softcap,
-                                               alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
+        options = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes,
+                   "dropout_p": dropout_p, "rng_state": rng_state}
+        if varlen is not None:
+            out, lse = reference.attention_forward_varlen(q[0], k[0], v[0], varlen.cu_seqlens_q, varlen.cu_seqlens_k,
+                                                          scale, causal, **options)
+            return out.unsqueeze(0).contiguous(), lse.unsqueeze(0).contiguous()
+        out, lse = reference.attention_forward(q, k, v, scale, causal, **options)
         return out.contiguous(), lse.contiguous()
 
     _check_device(q)
@@ -373,7 +476,8 @@ def forward_checked(q, k, v, softmax_scale, causal, kernel, window_size, softcap
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    forward_into(q, k, v, out, lse, scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p, rng_state)
+    forward_into(q, k, v, out, lse, scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p, rng_state,
+                 varlen)
     if padded_head_dim != head_dim:
         out = out[..., :head_dim].contiguous()
     return out, lse
@@ -427,9 +531,37 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     without deterministic=True, and the sm80 path otherwise. CPU tensors run
     flash_cutlass.reference.attention_backward (always deterministic).
     """
+    return _backward_entry(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, kernel, window_size, softcap,
+                           alibi_slopes, dropout_p, rng_state)
+
+
+def flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                          max_seqlen_k: int, softmax_scale: Optional[float] = None, causal: bool = False,
+                          deterministic: bool = False, kernel: Optional[str] = None, *,
+                          window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                          alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                          rng_state: Optional[torch.Tensor] = None):
+    """Gradients of flash_forward_varlen: (dq, dk, dv) shaped like the packed q, k and v. dout and
+    out are shaped like q, lse is (heads, total_q) as flash_forward_varlen returned it; the other
+    arguments are those of the forward call and of flash_backward."""
+    varlen = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for t, name in ((dout, "dout"), (out, "out")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a tensor shaped like q {tuple(q.shape)}")
+    if not isinstance(lse, torch.Tensor) or lse.dim() != 2:
+        raise ValueError("lse must be a (heads, total_q) tensor, as flash_forward_varlen returns it")
+    grads = _backward_entry(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
+                            lse.unsqueeze(0), softmax_scale, causal, deterministic, kernel, window_size, softcap,
+                            alibi_slopes, dropout_p, rng_state, varlen)
+    return tuple(g[0] for g in grads)
+
+
+def _backward_entry(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, kernel, window_size, softcap,
+                    alibi_slopes, dropout_p, rng_state, varlen: Optional[Varlen] = None):
+    """flash_backward (and flash_backward_varlen, on (1, total, ...) views): checks, then the call."""
     window_size = check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_size)
     softcap = check_softcap(softcap)
-    alibi_slopes = check_alibi_slopes(alibi_slopes, q)
+    alibi_slopes = check_alibi_slopes(alibi_slopes, q, varlen.batch if varlen is not None else None)
     dropout_p = check_dropout_p(dropout_p)
     rng_state = check_rng_state(rng_state)
     if dropout_p > 0 and rng_state is None:
@@ -440,9 +572,13 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     head_dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if q.device.type != "cuda":
-        grads = reference.attention_backward(dout, q, k, v, out, lse, scale, causal, window_size=window_size,
-                                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                             rng_state=rng_state)
+        options = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes,
+                   "dropout_p": dropout_p, "rng_state": rng_state}
+        if varlen is not None:
+            grads = reference.attention_backward_varlen(dout[0], q[0], k[0], v[0], out[0], lse[0], varlen.cu_seqlens_q,
+                                                        varlen.cu_seqlens_k, scale, causal, **options)
+            return tuple(g.unsqueeze(0).contiguous() for g in grads)
+        grads = reference.attention_backward(dout, q, k, v, out, lse, scale, causal, **options)
         return tuple(g.contiguous() for g in grads)
 
     _check_device(q)
@@ -454,8 +590,10 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, scale, causal, window_size[0],
-                          window_size[1], softcap, alibi_slopes, dropout_p, rng_state, deterministic, KERNELS[kernel])
+                          window_size[1], softcap, alibi_slopes, dropout_p, rng_state, cu_q, cu_k, max_q, max_k,
+                          deterministic, KERNELS[kernel])
     if padded_head_dim != head_dim:
         dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
     return dq, dk, dv

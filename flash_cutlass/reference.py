@@ -47,8 +47,9 @@ import numbers
 
 import torch
 
-__all__ = ["alibi_bias", "attention_backward", "attention_forward", "causal_mask", "check_alibi_slopes",
-           "check_window_size", "dropout_keep_mask", "keep_mask", "naive_attention", "philox4x32_10"]
+__all__ = ["alibi_bias", "attention_backward", "attention_backward_varlen", "attention_forward",
+           "attention_forward_varlen", "causal_mask", "check_alibi_slopes", "check_window_size", "dropout_keep_mask",
+           "keep_mask", "naive_attention", "philox4x32_10"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -103,6 +104,7 @@ def attention_forward(
     alibi_slopes: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    batch_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled online-softmax attention forward.
 
@@ -132,7 +134,7 @@ def attention_forward(
     acc = qg.new_zeros((batch, kv_heads, rows, v.shape[-1]))
     window_size = check_window_size(window_size)
     alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
-    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, compute_dtype)
+    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, compute_dtype, batch_start)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
@@ -178,6 +180,7 @@ def attention_backward(
     alibi_slopes: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    batch_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled gradient of :func:`attention_forward` with respect to ``q``, ``k`` and ``v``.
 
@@ -215,7 +218,7 @@ def attention_backward(
     dv = torch.zeros(batch, sk, kv_heads, v.shape[-1], dtype=compute_dtype, device=q.device)
     window_size = check_window_size(window_size)
     alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
-    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, compute_dtype)
+    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, compute_dtype, batch_start)
 
     for start in range(0, sk, block_size):
         end = min(start + block_size, sk)
@@ -254,6 +257,7 @@ def naive_attention(
     alibi_slopes: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    batch_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with the full score matrix materialized.
 
@@ -295,11 +299,79 @@ def naive_attention(
         # softmax of an all -inf row is NaN; such a row attends nothing.
         has_key = keep.any(dim=-1).repeat(group)
         probs = torch.where(has_key.unsqueeze(-1), probs, 0.0)
-    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, probs.dtype)
+    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, probs.dtype, batch_start)
     out = torch.matmul(dropout.applied(probs, 0, sk).to(dtype), vt)
 
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     return _ungroup_out(out, group, sq), lse.to(lse_dtype).reshape(batch, heads, sq)
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """(batch index, query rows, key rows) of each sequence of a variable-length call."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        yield b, slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+
+
+def _sequence_slopes(alibi_slopes: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    return alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+
+
+def attention_forward_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_forward` of a variable-length batch: packed ``q`` ``(total_q, heads,
+    head_dim)``, ``k`` and ``v`` ``(total_k, kv_heads, head_dim)``, sequence ``b`` owning rows
+    ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32 cumulative lengths, ``batch + 1`` entries), each
+    attended on its own with the masks aligned to its own lengths. ``options`` as
+    :func:`attention_forward`'s (``alibi_slopes`` of shape ``(batch, heads)`` give sequence ``b``
+    its row; dropout draws sequence ``b`` as batch entry ``b``). Returns ``out`` like ``q`` and
+    ``lse`` ``(heads, total_q)``."""
+    alibi_slopes = options.pop("alibi_slopes", None)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype, device=q.device)
+    for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        seq_out, seq_lse = attention_forward(q[rows_q].unsqueeze(0), k[rows_k].unsqueeze(0), v[rows_k].unsqueeze(0),
+                                             softmax_scale, causal, alibi_slopes=_sequence_slopes(alibi_slopes, b),
+                                             batch_start=b, **options)
+        out[rows_q] = seq_out[0]
+        lse[:, rows_q] = seq_lse[0]
+    return out, lse
+
+
+def attention_backward_varlen(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_backward` of a variable-length batch (see :func:`attention_forward_varlen`;
+    ``lse`` is ``(heads, total_q)``). Returns ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``."""
+    alibi_slopes = options.pop("alibi_slopes", None)
+    grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        seq_grads = attention_backward(dout[rows_q].unsqueeze(0), q[rows_q].unsqueeze(0), k[rows_k].unsqueeze(0),
+                                       v[rows_k].unsqueeze(0), out[rows_q].unsqueeze(0),
+                                       lse[:, rows_q].unsqueeze(0), softmax_scale, causal,
+                                       alibi_slopes=_sequence_slopes(alibi_slopes, b), batch_start=b, **options)
+        for grad, seq_grad, rows in zip(grads, seq_grads, (rows_q, rows_k, rows_k)):
+            grad[rows] = seq_grad[0]
+    return tuple(grads)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> float:
@@ -418,17 +490,19 @@ def philox4x32_10(counter: tuple[torch.Tensor, ...], key: tuple[int, int]) -> tu
 
 def dropout_keep_mask(
     rng_state: torch.Tensor, dropout_p: float, batch: int, heads: int, sq: int, key_start: int, key_end: int,
-    device: torch.device | str | None = None,
+    device: torch.device | str | None = None, batch_start: int = 0,
 ) -> torch.Tensor:
     """Bool ``(batch, heads, sq, key_end - key_start)``: which probabilities of keys
     ``[key_start, key_end)`` dropout keeps (module docstring). The words are Philox4x32-10's with
     counter ``(j // 2, i // 2, b * heads + h, offset // 4)`` and key ``seed``; ``(i, j)`` reads
-    word ``2 * (i % 2) + j % 2`` of its counter, as the CUDA kernels do."""
+    word ``2 * (i % 2) + j % 2`` of its counter, as the CUDA kernels do. The batch entries are
+    ``batch_start, ..., batch_start + batch - 1`` of the call (a variable-length call's sequences
+    run one at a time here)."""
     seed, offset = (int(x) for x in rng_state.tolist())
     key = (seed & _MASK32, (seed >> 32) & _MASK32)
     rows = torch.arange(sq, device=device).view(1, 1, sq, 1)
     cols = torch.arange(key_start, key_end, device=device).view(1, 1, 1, -1)
-    batch_head = torch.arange(batch * heads, device=device).view(batch, heads, 1, 1)
+    batch_head = torch.arange(batch_start * heads, (batch_start + batch) * heads, device=device).view(batch, heads, 1, 1)
     counter = (cols >> 1, rows >> 1, batch_head, torch.full((), (offset >> 2) & _MASK32, device=device))
     shape = (batch, heads, sq, key_end - key_start)
     words = [w.expand(shape) for w in philox4x32_10(tuple(c.expand(shape) for c in counter), key)]
@@ -444,7 +518,7 @@ def _dropout_threshold(dropout_p: float) -> int:
 class _Dropout:
     """The dropout of one call on grouped probabilities (b, kv_heads, group * sq, n)."""
 
-    def __init__(self, dropout_p, rng_state, batch, heads, sq, kv_heads, dtype):
+    def __init__(self, dropout_p, rng_state, batch, heads, sq, kv_heads, dtype, batch_start=0):
         if not 0 <= dropout_p < 1:
             raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
         self.active = _dropout_threshold(dropout_p) > 0
@@ -453,13 +527,14 @@ class _Dropout:
         self.dropout_p, self.rng_state = dropout_p, rng_state
         self.batch, self.heads, self.sq, self.kv_heads = batch, heads, sq, kv_heads
         self.scale = 1.0 / (1.0 - dropout_p)
+        self.batch_start = batch_start
 
     def applied(self, probs: torch.Tensor, key_start: int, key_end: int) -> torch.Tensor:
         """probs with the dropped entries of keys [key_start, key_end) zeroed and the rest scaled."""
         if not self.active:
             return probs
         keep = dropout_keep_mask(self.rng_state, self.dropout_p, self.batch, self.heads, self.sq, key_start, key_end,
-                                 probs.device)
+                                 probs.device, self.batch_start)
         return torch.where(_grouped(keep, self.kv_heads), probs * self.scale, 0.0)
 
 

@@ -40,7 +40,7 @@ def dropout(enabled):
 def test_forward_op_passes_opcheck(device, causal, window, softcap, alibi, drop, deterministic):
     q, k, v = (t.requires_grad_() for t in inputs(device))
     torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, *window, softcap, slopes(device, alibi),
-                                           *dropout(drop), None, deterministic))
+                                           *dropout(drop), None, None, 0, 0, None, deterministic))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -56,7 +56,34 @@ def test_backward_op_passes_opcheck(device, causal, window, softcap, alibi, drop
                                                rng_state=rng_state)
     dout = torch.randn_like(out)
     torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, None, causal, *window, softcap,
-                                            slopes(device, alibi), dropout_p, rng_state, False))
+                                            slopes(device, alibi), dropout_p, rng_state, None, None, 0, 0, False))
+
+
+def varlen_inputs(device):
+    """Packed q, k, v of three sequences (one empty in q, one of a single query) and their lengths."""
+    gen = torch.Generator().manual_seed(1)
+    lengths_q, lengths_k = [5, 0, 1, 9], [7, 3, 4, 9]
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32, device=device)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, torch.bfloat16)
+
+    q, k, v = rand(sum(lengths_q), 4, 32), rand(sum(lengths_k), 2, 32), rand(sum(lengths_k), 2, 32)
+    return q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_ops_pass_opcheck(device, causal):
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_inputs(device)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(ops.forward_op, (*leaves, None, causal, -1, -1, 0.0, None, 0.0, None, cu_q, cu_k, max_q,
+                                           max_k, None, False))
+    out, lse = flash_cutlass.flash_forward_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max_q, max_k,
+                                                  causal=causal)
+    torch.library.opcheck(ops.backward_op, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None,
+                                            causal, -1, -1, 0.0, None, 0.0, None, cu_q, cu_k, max_q, max_k, False))
 
 
 class AttentionBlock(torch.nn.Module):

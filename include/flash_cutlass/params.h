@@ -27,7 +27,7 @@ struct FwdParams {
   const void* k = nullptr;
   const void* v = nullptr;
   void* out = nullptr;
-  // fp32 (batch, heads, seqlen_q), contiguous.
+  // fp32 (batch, heads, seqlen_q), contiguous; (heads, total_q) in a variable-length call.
   float* lse = nullptr;
 
   int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
@@ -36,8 +36,16 @@ struct FwdParams {
   int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0;
 
   int batch = 0;
+  // The sequence lengths; in a variable-length call, the longest ones.
   int seqlen_q = 0;
   int seqlen_k = 0;
+  // A variable-length call: int32 (batch + 1) cumulative sequence lengths on the device; q, out
+  // (and dout, dq) hold total_q packed rows, k and v (dk, dv) total_k, batch strides 0; the fp32
+  // per-query buffers are (heads, total_q). nullptr: every sequence has seqlen_q / seqlen_k rows.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  int64_t total_q = 0;
+  int64_t total_k = 0;
   int heads = 0;
   int heads_k = 0;
   // The real head dim (a multiple of 8), at most the compiled kHeadDim the call dispatches to.

@@ -52,6 +52,48 @@ __device__ __forceinline__ KeyTile key_tile_of_this_cta(FwdParams const& params)
   return {int(blockIdx.x % num_n_blocks), batch_head % params.heads, batch_head / params.heads};
 }
 
+// One batch entry: its sequence lengths and where its rows start. A variable-length call
+// (params.cu_seqlens_q set) packs the rows of every sequence into one (total, heads, head_dim)
+// tensor per operand, batch strides 0, sequence b owning rows [cu_seqlens[b], cu_seqlens[b + 1]);
+// params.seqlen_q and seqlen_k are then the longest lengths, which size the grid.
+struct Sequence {
+  int batch;
+  int seqlen_q;
+  int seqlen_k;
+  int q_start;  // its first query row in the packed tensors (0 without varlen)
+  int k_start;
+
+  // Element offset of this sequence's first row in a query-side (q, out, dout, dq) or key-side
+  // (k, v, dk, dv) operand.
+  __device__ __forceinline__ int64_t q_offset(int64_t batch_stride, int64_t row_stride) const {
+    return int64_t(batch) * batch_stride + int64_t(q_start) * row_stride;
+  }
+  __device__ __forceinline__ int64_t k_offset(int64_t batch_stride, int64_t row_stride) const {
+    return int64_t(batch) * batch_stride + int64_t(k_start) * row_stride;
+  }
+};
+
+__device__ __forceinline__ Sequence sequence_of(FwdParams const& params, int batch) {
+  if (params.cu_seqlens_q == nullptr) return {batch, params.seqlen_q, params.seqlen_k, 0, 0};
+  const int q_start = params.cu_seqlens_q[batch];
+  const int k_start = params.cu_seqlens_k[batch];
+  return {batch, params.cu_seqlens_q[batch + 1] - q_start, params.cu_seqlens_k[batch + 1] - k_start, q_start,
+          k_start};
+}
+
+// Index of (sequence, head, query 0) in the fp32 per-query buffers (lse, D; times the head dim in
+// the dQ accumulator): (batch, heads, seqlen_q), or (heads, total_q) in a variable-length call.
+__device__ __forceinline__ int64_t query_stats_index(FwdParams const& params, Sequence const& sequence, int head) {
+  if (params.cu_seqlens_q == nullptr) return (int64_t(sequence.batch) * params.heads + head) * params.seqlen_q;
+  return int64_t(head) * params.total_q + sequence.q_start;
+}
+
+// Row of (sequence, key 0) in the GQA dK/dV accumulators: (batch, seqlen_k, heads, head dim), or
+// (total_k, heads, head dim) in a variable-length call.
+__device__ __forceinline__ int64_t key_accum_row(FwdParams const& params, Sequence const& sequence) {
+  return params.cu_seqlens_k == nullptr ? int64_t(sequence.batch) * params.seqlen_k : int64_t(sequence.k_start);
+}
+
 struct KeyBlockRange {
   int begin;           // key blocks [begin, end) are visited; end <= begin: the block sees no key
   int end;

@@ -64,9 +64,10 @@ struct KeyMask {
   }
 };
 
+// The mask of a sequence of seqlen_q queries and seqlen_k keys under params' window.
 template <MaskKind kKind>
-__device__ __forceinline__ KeyMask<kKind> key_mask_of(FwdParams const& params) {
-  return {params.seqlen_q, params.seqlen_k, params.window_left, params.window_right};
+__device__ __forceinline__ KeyMask<kKind> key_mask_of(FwdParams const& params, int seqlen_q, int seqlen_k) {
+  return {seqlen_q, seqlen_k, params.window_left, params.window_right};
 }
 
 }  // namespace flash_cutlass

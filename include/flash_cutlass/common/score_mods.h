@@ -70,15 +70,17 @@ struct ScoreMods<true> {
   }
 };
 
-// The options of (batch, head) from params; an empty policy without kExtended.
+// The options of (batch, head) from params, for a sequence of seqlen_q queries and seqlen_k keys;
+// an empty policy without kExtended.
 template <bool kExtended>
-__device__ __forceinline__ ScoreMods<kExtended> score_mods_of(FwdParams const& params, int batch, int head) {
+__device__ __forceinline__ ScoreMods<kExtended> score_mods_of(FwdParams const& params, int batch, int head,
+                                                              int seqlen_q, int seqlen_k) {
   if constexpr (kExtended) {
     const float slope =
         params.alibi_slopes == nullptr
             ? 0.f
             : params.alibi_slopes[int64_t(batch) * params.alibi_slopes_batch_stride + head] * params.alibi_slope_scale;
-    return {params.softcap_input_scale, slope, params.seqlen_k - params.seqlen_q};
+    return {params.softcap_input_scale, slope, seqlen_k - seqlen_q};
   } else {
     return {};
   }

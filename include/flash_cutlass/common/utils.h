@@ -22,14 +22,15 @@ __device__ __forceinline__ int kv_head_of(int head, FwdParams const& params) {
   return head / (params.heads / params.heads_k);
 }
 
-// The (rows, kHeadDim) matrix of one (batch, head) of a (batch, seqlen, heads, head_dim) tensor in
-// global memory, rows row_stride apart, columns contiguous.
+// The (rows, kHeadDim) matrix of one (sequence, head) of a (batch, seqlen, heads, head_dim) or
+// packed (total, heads, head_dim) tensor in global memory: the sequence's first row at element
+// `offset` (Sequence::q_offset / k_offset), rows row_stride apart, columns contiguous.
 template <class Element, int kHeadDim, class Pointer>
-__device__ __forceinline__ auto head_matrix(Pointer base, int batch, int64_t batch_stride, int head,
-                                            int64_t head_stride, int rows, int64_t row_stride) {
+__device__ __forceinline__ auto head_matrix(Pointer base, int64_t offset, int head, int64_t head_stride, int rows,
+                                            int64_t row_stride) {
   using namespace cute;
   using Value = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, Element const, Element>;
-  return make_tensor(make_gmem_ptr(static_cast<Value*>(base) + batch * batch_stride + head * head_stride),
+  return make_tensor(make_gmem_ptr(static_cast<Value*>(base) + offset + head * head_stride),
                      make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
 }
 

@@ -260,29 +260,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   const int n_block = tile.n_block, head = tile.head, batch = tile.batch;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
-  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
+  const Sequence sequence = sequence_of(params, batch);
+  // In a variable-length call, the key blocks past this sequence's end have nothing to do.
+  if (n_block * kBlockN >= sequence.seqlen_k) return;
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
+  const ScoreMods<kExtended> score_mods =
+      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
   const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const int key_start = n_block * kBlockN;
-  const int rows_left_k = params.seqlen_k - key_start;
+  const int rows_left_k = sequence.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.
   const int2 m_blocks = query_block_range<kBlockM>(mask, key_start, kBlockN);
   const int m_block_begin = m_blocks.x;
   const int m_block_end = m_blocks.y;
 
-  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, batch, params.q_batch_stride, head, params.q_head_stride,
-                                             params.seqlen_q, params.q_row_stride);
+  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, sequence.q_offset(params.q_batch_stride, params.q_row_stride),
+                                             head, params.q_head_stride, sequence.seqlen_q, params.q_row_stride);
   Tensor gQ = local_tile(mQ, TileQ{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
-  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout, batch, params.dout_batch_stride, head,
-                                              params.dout_head_stride, params.seqlen_q, params.dout_row_stride);
+  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout,
+                                              sequence.q_offset(params.dout_batch_stride, params.dout_row_stride), head,
+                                              params.dout_head_stride, sequence.seqlen_q, params.dout_row_stride);
   Tensor gdO = local_tile(mdO, TileQ{}, make_coord(_, 0));
-  Tensor mK = head_matrix<Element, kHeadDim>(params.k, batch, params.k_batch_stride, head_k, params.k_head_stride,
-                                             params.seqlen_k, params.k_row_stride);
+  Tensor mK = head_matrix<Element, kHeadDim>(params.k, sequence.k_offset(params.k_batch_stride, params.k_row_stride),
+                                             head_k, params.k_head_stride, sequence.seqlen_k, params.k_row_stride);
   Tensor gK = local_tile(mK, TileKV{}, make_coord(n_block, 0));
-  Tensor mV = head_matrix<Element, kHeadDim>(params.v, batch, params.v_batch_stride, head_k, params.v_head_stride,
-                                             params.seqlen_k, params.v_row_stride);
+  Tensor mV = head_matrix<Element, kHeadDim>(params.v, sequence.k_offset(params.v_batch_stride, params.v_row_stride),
+                                             head_k, params.v_head_stride, sequence.seqlen_k, params.v_row_stride);
   Tensor gV = local_tile(mV, TileKV{}, make_coord(n_block, 0));
-  const int64_t row_offset = (int64_t(batch) * params.heads + head) * params.seqlen_q;
+  const int64_t row_offset = query_stats_index(params, sequence, head);
   const float* lse_row = params.lse + row_offset;
   const float* dsum_row = params.dsoftmax_sum + row_offset;
   float* dq_accum = params.dq_accum + row_offset * kHeadDim;
@@ -325,19 +330,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   Tensor col_ok = columns_below(tQcQ, params.head_dim);
   auto load_q = [&](int m_block, int buffer) {
     copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), gmem_thr_copy.partition_D(sQ_buffer(buffer)),
-                          tQcQ, col_ok, params.seqlen_q - m_block * kBlockM);
+                          tQcQ, col_ok, sequence.seqlen_q - m_block * kBlockM);
   };
   // The LSE and D of a query block's rows, rows past seqlen_q zero-filled.
   auto load_stats = [&](int m_block, int buffer) {
     if (tidx < 2 * kBlockM) {
       const int row = m_block * kBlockM + tidx % kBlockM;
-      const float* src = (tidx < kBlockM ? lse_row : dsum_row) + min(row, params.seqlen_q - 1);
-      cp_async_4(smem_stats + buffer * 2 * kBlockM + tidx, src, row < params.seqlen_q ? 4 : 0);
+      const float* src = (tidx < kBlockM ? lse_row : dsum_row) + min(row, sequence.seqlen_q - 1);
+      cp_async_4(smem_stats + buffer * 2 * kBlockM + tidx, src, row < sequence.seqlen_q ? 4 : 0);
     }
   };
   auto load_do = [&](int m_block) {
     copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO, tQcQ, col_ok,
-                          params.seqlen_q - m_block * kBlockM);
+                          sequence.seqlen_q - m_block * kBlockM);
   };
 
   typename Traits::TiledMmaSdP mma_sdp;
@@ -429,7 +434,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
                    thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
     const float* stats_buffer = smem_stats + buffer * 2 * kBlockM;
-    const auto stats = load_row_stats(tScS, row_start, params.seqlen_q, stats_buffer, stats_buffer + kBlockM);
+    const auto stats = load_row_stats(tScS, row_start, sequence.seqlen_q, stats_buffer, stats_buffer + kBlockM);
     probabilities_and_ds(s, dp, stats, scale_log2, score_mods, dropout, tScS, row_start, key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_s, sP, tidx);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
@@ -451,7 +456,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
       gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,
                      thr_copy_b_dq);
       atomic_add_rows(dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
-                      params.seqlen_q - row_start);
+                      sequence.seqlen_q - row_start);
     }
   }
 
@@ -459,7 +464,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   // dtype, or, with GQA, per query head in fp32 for the caller to sum over each group.
   Tensor tKVc = thr_mma_dkv.partition_C(make_identity_tensor(TileKV{}));
   if (params.dk != nullptr) {
-    const int64_t offset = int64_t(batch) * params.dkv_batch_stride + int64_t(key_start) * params.dkv_row_stride +
+    const int64_t offset = sequence.k_offset(params.dkv_batch_stride, params.dkv_row_stride) +
+                           int64_t(key_start) * params.dkv_row_stride +
                            int64_t(head) * params.dkv_head_stride;
     store_rows(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale, tKVc,
                rows_left_k, params.head_dim);
@@ -467,7 +473,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
                params.head_dim);
   } else {
     const int64_t row_stride = int64_t(params.heads) * kHeadDim;
-    const int64_t offset = (int64_t(batch) * params.seqlen_k + key_start) * row_stride + int64_t(head) * kHeadDim;
+    const int64_t offset = (key_accum_row(params, sequence) + key_start) * row_stride + int64_t(head) * kHeadDim;
     store_rows(params.dk_accum + offset, row_stride, acc_dk, 1.f, tKVc, rows_left_k, kHeadDim);
     store_rows(params.dv_accum + offset, row_stride, acc_dv, 1.f, tKVc, rows_left_k, kHeadDim);
   }
@@ -489,33 +495,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
   using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
 
-  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;  // of the longest sequence
   const int m_block = int(blockIdx.x % num_m_blocks);
   const int batch_head = int(blockIdx.x / num_m_blocks);
   const int head = batch_head % params.heads;
   const int batch = batch_head / params.heads;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
-  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
-  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
+  const Sequence sequence = sequence_of(params, batch);
   const int row_start = m_block * kBlockM;
-  const int rows_left_q = params.seqlen_q - row_start;
+  // In a variable-length call, the query blocks past this sequence's end have nothing to do.
+  if (row_start >= sequence.seqlen_q) return;
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
+  const ScoreMods<kExtended> score_mods =
+      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
+  const int rows_left_q = sequence.seqlen_q - row_start;
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
-  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, batch, params.q_batch_stride, head, params.q_head_stride,
-                                             params.seqlen_q, params.q_row_stride);
+  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, sequence.q_offset(params.q_batch_stride, params.q_row_stride),
+                                             head, params.q_head_stride, sequence.seqlen_q, params.q_row_stride);
   Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));
-  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout, batch, params.dout_batch_stride, head,
-                                              params.dout_head_stride, params.seqlen_q, params.dout_row_stride);
+  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout,
+                                              sequence.q_offset(params.dout_batch_stride, params.dout_row_stride), head,
+                                              params.dout_head_stride, sequence.seqlen_q, params.dout_row_stride);
   Tensor gdO = local_tile(mdO, TileQ{}, make_coord(m_block, 0));
-  Tensor mK = head_matrix<Element, kHeadDim>(params.k, batch, params.k_batch_stride, head_k, params.k_head_stride,
-                                             params.seqlen_k, params.k_row_stride);
+  Tensor mK = head_matrix<Element, kHeadDim>(params.k, sequence.k_offset(params.k_batch_stride, params.k_row_stride),
+                                             head_k, params.k_head_stride, sequence.seqlen_k, params.k_row_stride);
   Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));
-  Tensor mV = head_matrix<Element, kHeadDim>(params.v, batch, params.v_batch_stride, head_k, params.v_head_stride,
-                                             params.seqlen_k, params.v_row_stride);
+  Tensor mV = head_matrix<Element, kHeadDim>(params.v, sequence.k_offset(params.v_batch_stride, params.v_row_stride),
+                                             head_k, params.v_head_stride, sequence.seqlen_k, params.v_row_stride);
   Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
-  const int64_t row_offset = (int64_t(batch) * params.heads + head) * params.seqlen_q;
+  const int64_t row_offset = query_stats_index(params, sequence, head);
 
   extern __shared__ __align__(128) char smem[];
   Element* smem_q = reinterpret_cast<Element*>(smem);
@@ -571,7 +582,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(TileS{})));
   Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
   clear(acc_dq);
-  const auto stats = load_row_stats(tScS, row_start, params.seqlen_q, params.lse + row_offset + row_start,
+  const auto stats = load_row_stats(tScS, row_start, sequence.seqlen_q, params.lse + row_offset + row_start,
                                     params.dsoftmax_sum + row_offset + row_start);
 
   copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
@@ -581,7 +592,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     // K and V of this block; the previous step's reads of them and of dS are done.
     __syncthreads();
     const int key_start = n_block * kBlockN;
-    const int rows_left_k = params.seqlen_k - key_start;
+    const int rows_left_k = sequence.seqlen_k - key_start;
     copy_tile_async<true>(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, col_ok, rows_left_k);
     copy_tile_async<true>(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, col_ok, rows_left_k);
     cp_async_fence();

@@ -35,26 +35,31 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 
   const int tidx = threadIdx.x;
   const int head_k = kv_head_of(head, params);
-  const int rows_left_q = params.seqlen_q - m_block * kBlockM;
-  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
-  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
+  const Sequence sequence = sequence_of(params, batch);
+  // In a variable-length call, the query blocks past this sequence's end have nothing to do.
+  if (m_block * kBlockM >= sequence.seqlen_q) return;
+  const int rows_left_q = sequence.seqlen_q - m_block * kBlockM;
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
+  const ScoreMods<kExtended> score_mods =
+      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
   const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
-  // Global views of this (batch, head): (seqlen, kHeadDim); columns past head_dim are predicated.
-  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, batch, params.q_batch_stride, head, params.q_head_stride,
-                                             params.seqlen_q, params.q_row_stride);
-  Tensor mK = head_matrix<Element, kHeadDim>(params.k, batch, params.k_batch_stride, head_k, params.k_head_stride,
-                                             params.seqlen_k, params.k_row_stride);
-  Tensor mV = head_matrix<Element, kHeadDim>(params.v, batch, params.v_batch_stride, head_k, params.v_head_stride,
-                                             params.seqlen_k, params.v_row_stride);
-  Tensor mO = head_matrix<Element, kHeadDim>(params.out, batch, params.out_batch_stride, head,
-                                             params.out_head_stride, params.seqlen_q, params.out_row_stride);
+  // Global views of this (sequence, head): (seqlen, kHeadDim); columns past head_dim are predicated.
+  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, sequence.q_offset(params.q_batch_stride, params.q_row_stride),
+                                             head, params.q_head_stride, sequence.seqlen_q, params.q_row_stride);
+  Tensor mK = head_matrix<Element, kHeadDim>(params.k, sequence.k_offset(params.k_batch_stride, params.k_row_stride),
+                                             head_k, params.k_head_stride, sequence.seqlen_k, params.k_row_stride);
+  Tensor mV = head_matrix<Element, kHeadDim>(params.v, sequence.k_offset(params.v_batch_stride, params.v_row_stride),
+                                             head_k, params.v_head_stride, sequence.seqlen_k, params.v_row_stride);
+  Tensor mO = head_matrix<Element, kHeadDim>(params.out,
+                                             sequence.q_offset(params.out_batch_stride, params.out_row_stride), head,
+                                             params.out_head_stride, sequence.seqlen_q, params.out_row_stride);
   Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
   Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));       // (kBlockN, kHeadDim, n_blocks)
   Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
   Tensor gO = local_tile(mO, TileQ{}, make_coord(m_block, 0));
-  float* lse_row = params.lse + (int64_t(batch) * params.heads + head) * params.seqlen_q + m_block * kBlockM;
+  float* lse_row = params.lse + query_stats_index(params, sequence, head) + m_block * kBlockM;
 
   Element* smem_q = reinterpret_cast<Element*>(smem);
   Element* smem_k = smem_q + Traits::kSmemElemsQ;
@@ -104,7 +109,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 
   if (key_blocks.end > key_blocks.begin) {
     const int last = key_blocks.end - 1;
-    const int rows_left_k = params.seqlen_k - last * kBlockN;
+    const int rows_left_k = sequence.seqlen_k - last * kBlockN;
     // Only the last key block can be partial; it is the first one processed.
     OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
     // One K and one V buffer, refilled in turn: V of tile n streams in during S = Q K^T, and K of

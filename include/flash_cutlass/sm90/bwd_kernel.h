@@ -201,29 +201,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   const int n_block = tile.n_block, head = tile.head, batch = tile.batch;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
-  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
+  const Sequence sequence = sequence_of(params, batch);
+  // In a variable-length call, the key blocks past this sequence's end have nothing to do.
+  if (n_block * kBlockN >= sequence.seqlen_k) return;
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
+  const ScoreMods<kExtended> score_mods =
+      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
   const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const int key_start = n_block * kBlockN;
-  const int rows_left_k = params.seqlen_k - key_start;
+  const int rows_left_k = sequence.seqlen_k - key_start;
   // The query blocks whose rows see any key of this block.
   const int2 m_blocks = query_block_range<kBlockM>(mask, key_start, kBlockN);
   const int m_block_begin = m_blocks.x;
   const int m_block_end = m_blocks.y;
 
-  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, batch, params.q_batch_stride, head, params.q_head_stride,
-                                             params.seqlen_q, params.q_row_stride);
-  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout, batch, params.dout_batch_stride, head,
-                                              params.dout_head_stride, params.seqlen_q, params.dout_row_stride);
-  Tensor mK = head_matrix<Element, kHeadDim>(params.k, batch, params.k_batch_stride, head_k, params.k_head_stride,
-                                             params.seqlen_k, params.k_row_stride);
-  Tensor mV = head_matrix<Element, kHeadDim>(params.v, batch, params.v_batch_stride, head_k, params.v_head_stride,
-                                             params.seqlen_k, params.v_row_stride);
+  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, sequence.q_offset(params.q_batch_stride, params.q_row_stride),
+                                             head, params.q_head_stride, sequence.seqlen_q, params.q_row_stride);
+  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout,
+                                              sequence.q_offset(params.dout_batch_stride, params.dout_row_stride), head,
+                                              params.dout_head_stride, sequence.seqlen_q, params.dout_row_stride);
+  Tensor mK = head_matrix<Element, kHeadDim>(params.k, sequence.k_offset(params.k_batch_stride, params.k_row_stride),
+                                             head_k, params.k_head_stride, sequence.seqlen_k, params.k_row_stride);
+  Tensor mV = head_matrix<Element, kHeadDim>(params.v, sequence.k_offset(params.v_batch_stride, params.v_row_stride),
+                                             head_k, params.v_head_stride, sequence.seqlen_k, params.v_row_stride);
   Tensor gQ = local_tile(mQ, TileQ{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
   Tensor gdO = local_tile(mdO, TileQ{}, make_coord(_, 0));
   Tensor gK = local_tile(mK, TileKV{}, make_coord(n_block, 0));
   Tensor gV = local_tile(mV, TileKV{}, make_coord(n_block, 0));
-  const int64_t row_offset = (int64_t(batch) * params.heads + head) * params.seqlen_q;
+  const int64_t row_offset = query_stats_index(params, sequence, head);
   const float* lse_row = params.lse + row_offset;
   const float* dsum_row = params.dsoftmax_sum + row_offset;
   float* dq_accum = params.dq_accum + row_offset * kHeadDim;
@@ -253,15 +258,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   Tensor col_ok = columns_below(tQcQ, params.head_dim);
   // Q, dO, LSE and D of a query block into `buffer`; rows past seqlen_q zero-filled.
   auto load_query_block = [&](int m_block, int buffer) {
-    const int rows_left = params.seqlen_q - m_block * kBlockM;
+    const int rows_left = sequence.seqlen_q - m_block * kBlockM;
     sm80::copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ(_, _, _, buffer), tQcQ, col_ok,
                                 rows_left);
     sm80::copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, buffer), tQcQ, col_ok,
                                 rows_left);
     if (tidx < 2 * kBlockM) {
       const int row = m_block * kBlockM + tidx % kBlockM;
-      const float* src = (tidx < kBlockM ? lse_row : dsum_row) + min(row, params.seqlen_q - 1);
-      sm80::cp_async_4(&storage.stats[buffer][tidx / kBlockM][tidx % kBlockM], src, row < params.seqlen_q ? 4 : 0);
+      const float* src = (tidx < kBlockM ? lse_row : dsum_row) + min(row, sequence.seqlen_q - 1);
+      sm80::cp_async_4(&storage.stats[buffer][tidx / kBlockM][tidx % kBlockM], src, row < sequence.seqlen_q ? 4 : 0);
     }
   };
 
@@ -350,13 +355,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     warpgroup_fence_operand(pt);
     warpgroup_fence_operand(dst);
     sm80::atomic_add_rows(dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
-                          params.seqlen_q - row_start);
+                          sequence.seqlen_q - row_start);
   }
 
   // dK (times the softmax scale) and dV of this key block, as in the sm80 path.
   Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   if (params.dk != nullptr) {
-    const int64_t offset = int64_t(batch) * params.dkv_batch_stride + int64_t(key_start) * params.dkv_row_stride +
+    const int64_t offset = sequence.k_offset(params.dkv_batch_stride, params.dkv_row_stride) +
+                           int64_t(key_start) * params.dkv_row_stride +
                            int64_t(head) * params.dkv_head_stride;
     sm80::store_rows(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale,
                      tKVc, rows_left_k, params.head_dim);
@@ -364,7 +370,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
                      rows_left_k, params.head_dim);
   } else {
     const int64_t row_stride = int64_t(params.heads) * kHeadDim;
-    const int64_t offset = (int64_t(batch) * params.seqlen_k + key_start) * row_stride + int64_t(head) * kHeadDim;
+    const int64_t offset = (key_accum_row(params, sequence) + key_start) * row_stride + int64_t(head) * kHeadDim;
     sm80::store_rows(params.dk_accum + offset, row_stride, acc_dk, 1.f, tKVc, rows_left_k, kHeadDim);
     sm80::store_rows(params.dv_accum + offset, row_stride, acc_dv, 1.f, tKVc, rows_left_k, kHeadDim);
   }

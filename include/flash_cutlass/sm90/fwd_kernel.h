@@ -32,6 +32,19 @@ struct FwdKernelParams {
 
 // Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
 // S and O accumulators. (24 + 2 * 240) * 128 threads fill the 64K-register file.
+// The rows and batch extent of the TMA views of Q and of K, V: (seqlen, batch) per sequence, or
+// (total rows, 1) in a variable-length call.
+struct TmaExtents {
+  int rows_q;
+  int rows_k;
+  int batch;
+};
+
+__host__ __device__ inline TmaExtents tma_extents(FwdParams const& params) {
+  if (params.cu_seqlens_q == nullptr) return {params.seqlen_q, params.seqlen_k, params.batch};
+  return {int(params.total_q), int(params.total_k), 1};
+}
+
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 
@@ -55,7 +68,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const QueryTile tile = query_tile_of_this_cta<kBlockM>(params);
   const int m_block = tile.m_block, head = tile.head, batch = tile.batch;
   const int head_k = kv_head_of(head, params);
-  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params);
+  const Sequence sequence = sequence_of(params, batch);
+  // In a variable-length call, the query blocks past this sequence's end have nothing to do.
+  if (m_block * kBlockM >= sequence.seqlen_q) return;
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;
@@ -83,17 +99,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (producer_thread && key_blocks.end > key_blocks.begin) {
-      // TMA views of Q, K, V: (seqlen, head_dim, heads, batch); out-of-range rows and columns of a
-      // tile arrive as zeros.
+      // TMA views of Q, K, V: (seqlen, head_dim, heads, batch), or (total, head_dim, heads, 1) in a
+      // variable-length call, each sequence's rows from its first one on; rows and columns past the
+      // tensor arrive as zeros (rows past a packed sequence are the next one's, masked like them).
+      const TmaExtents extents = tma_extents(params);
       Tensor mQ = kernel_params.tma_q.get_tma_tensor(
-          make_shape(params.seqlen_q, params.head_dim, params.heads, params.batch));
+          make_shape(extents.rows_q, params.head_dim, params.heads, extents.batch));
       Tensor mK = kernel_params.tma_k.get_tma_tensor(
-          make_shape(params.seqlen_k, params.head_dim, params.heads_k, params.batch));
+          make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
       Tensor mV = kernel_params.tma_v.get_tma_tensor(
-          make_shape(params.seqlen_k, params.head_dim, params.heads_k, params.batch));
-      Tensor gQ = local_tile(mQ(_, _, head, batch), select<0, 2>(TileShape{}), make_coord(m_block, _0{}));
-      Tensor gK = local_tile(mK(_, _, head_k, batch), select<1, 2>(TileShape{}), make_coord(_, _0{}));
-      Tensor gV = local_tile(mV(_, _, head_k, batch), select<1, 2>(TileShape{}), make_coord(_, _0{}));
+          make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
+      const int tma_batch = params.cu_seqlens_q == nullptr ? batch : 0;
+      Tensor gQ = local_tile(domain_offset(make_coord(sequence.q_start, _0{}), mQ(_, _, head, tma_batch)),
+                             select<0, 2>(TileShape{}), make_coord(m_block, _0{}));
+      Tensor gK = local_tile(domain_offset(make_coord(sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
+                             select<1, 2>(TileShape{}), make_coord(_, _0{}));
+      Tensor gV = local_tile(domain_offset(make_coord(sequence.k_start, _0{}), mV(_, _, head_k, tma_batch)),
+                             select<1, 2>(TileShape{}), make_coord(_, _0{}));
       auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                         group_modes<0, 2>(gQ));
       auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
@@ -118,7 +140,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, batch, head);
+  const ScoreMods<kExtended> score_mods =
+      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
   const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const int consumer_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaQK mma_qk;
@@ -195,15 +218,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // Epilogue: each thread stores its pairs of neighbouring columns straight from registers.
   const int row_start = m_block * kBlockM;
-  Element* out = static_cast<Element*>(params.out) + int64_t(batch) * params.out_batch_stride +
+  Element* out = static_cast<Element*>(params.out) + sequence.q_offset(params.out_batch_stride, params.out_row_stride) +
                  int64_t(head) * params.out_head_stride;
-  float* lse_row = params.lse + (int64_t(batch) * params.heads + head) * params.seqlen_q;
+  float* lse_row = params.lse + query_stats_index(params, sequence, head);
   Tensor o = convert_fragment<Element>(acc_o);
   Tensor o_rc = as_rows_cols(o);
   CUTE_UNROLL
   for (int r = 0; r < kRowsPerThread; ++r) {
     const int row = row_start + get<0>(tOcO(r, 0));
-    if (row >= params.seqlen_q) continue;
+    if (row >= sequence.seqlen_q) continue;
     if (get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
     CUTE_UNROLL
     for (int c = 0; c < size<1>(o_rc); c += 2) {

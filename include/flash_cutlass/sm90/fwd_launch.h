@@ -26,11 +26,12 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Traits = FwdTraitsFor<kHeadDim, Element>;
   using TileShape = typename Traits::TileShape;
 
-  const auto q = gmem_tensor<Traits>(params.q, params.seqlen_q, params.head_dim, params.heads, params.batch,
+  const TmaExtents extents = tma_extents(params);
+  const auto q = gmem_tensor<Traits>(params.q, extents.rows_q, params.head_dim, params.heads, extents.batch,
                                      params.q_row_stride, params.q_head_stride, params.q_batch_stride);
-  const auto k = gmem_tensor<Traits>(params.k, params.seqlen_k, params.head_dim, params.heads_k, params.batch,
+  const auto k = gmem_tensor<Traits>(params.k, extents.rows_k, params.head_dim, params.heads_k, extents.batch,
                                      params.k_row_stride, params.k_head_stride, params.k_batch_stride);
-  const auto v = gmem_tensor<Traits>(params.v, params.seqlen_k, params.head_dim, params.heads_k, params.batch,
+  const auto v = gmem_tensor<Traits>(params.v, extents.rows_k, params.head_dim, params.heads_k, extents.batch,
                                      params.v_row_stride, params.v_head_stride, params.v_batch_stride);
   const FwdKernelParams<Traits> kernel_params{
       params,

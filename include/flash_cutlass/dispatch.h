@@ -56,7 +56,7 @@ inline constexpr bool kCompiledWindow =
     false;
 #endif
 
-// The options of the extended instantiation (kExtended) this build accepts: the soft cap unless
+// The options of the extended instantiations (Extension) this build accepts: the soft cap unless
 // FLASH_CUTLASS_SOFTCAP=0, ALiBi unless FLASH_CUTLASS_ALIBI=0, dropout unless
 // FLASH_CUTLASS_DROPOUT=0. setup.py compiles the score-options instantiation
 // (FLASH_CUTLASS_SCORE_MODS) when the soft cap or ALiBi is on, and the dropout one (which carries the

@@ -1,6 +1,7 @@
 // The per-call options on the attention scores that the extended kernel instantiation
-// (kExtended) applies: the tanh soft cap and ALiBi. Their switches and values are runtime
-// parameters; the kernels without kExtended carry none of this code.
+// (Extension::kScoreMods, and kDropout which adds dropout) applies: the tanh soft cap and ALiBi.
+// Their switches and values are runtime parameters; the kernels of Extension::kNone carry none of
+// this code (kExtended below: any extension).
 //
 // The kernels keep x = q.k in their S accumulators and exponentiate z * softmax_scale_log2.
 // The extended kernels take z = cap(x) + bias(row, col), where

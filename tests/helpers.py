@@ -132,3 +132,54 @@ def check_kernels_against_oracle(kernel: str, q, k, v, dout, causal: bool, **opt
     grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel, **options)
     for name, grad, ref, base in zip("qkv", grads, grads_of(torch.float32), grads_of(None)):
         fa2_check(grad, ref, base, f"{kernel} backward d{name}")
+
+
+def window_keep(sq: int, sk: int, causal: bool, window) -> torch.Tensor:
+    """keep[i, j] of a causal mask and window, built one element at a time from the documented
+    rule (d = sk - sq: i sees j iff i + d - left <= j <= i + d + right, -1 unbounded, causal sets
+    right to 0)."""
+    left, right = window
+    if causal:
+        right = 0
+    keep = torch.zeros(sq, sk, dtype=torch.bool)
+    for i in range(sq):
+        for j in range(sk):
+            diagonal = i + sk - sq
+            keep[i, j] = (left < 0 or j >= diagonal - left) and (right < 0 or j <= diagonal + right)
+    return keep
+
+
+def explicit_attention_fp64(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            dropout_keep=None, dropout_p=0.0):
+    """out and lse of (batch, seqlen, heads, head_dim) attention with every option written out
+    from its documented rule, independently of flash_cutlass.reference: the soft cap, ALiBi's
+    distances and the mask element by element, dropout from an explicit keep mask (batch, heads,
+    sq, sk). Computes in the inputs' dtype (fp64 in the tests); rows without keys give 0, -inf."""
+    batch, sq, heads, _ = q.shape
+    sk = k.shape[1]
+    group = heads // k.shape[2]
+    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        distance = torch.zeros(sq, sk, dtype=scores.dtype)
+        for i in range(sq):
+            for j in range(sk):
+                distance[i, j] = abs(i + sk - sq - j)
+        slopes = alibi_slopes.to(scores.dtype).expand(batch, heads)
+        scores = scores - slopes[:, :, None, None] * distance
+    scores = scores.masked_fill(~window_keep(sq, sk, causal, window), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+    if dropout_keep is not None:
+        probs = torch.where(dropout_keep, probs / (1 - dropout_p), 0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vr), lse
+
+
+def make_qkv_fp64(gen, sq, sk, heads, heads_k, head_dim, dtype=torch.float64, spread=1.0):
+    """q (2, sq, heads, head_dim), k and v (2, sk, heads_k, head_dim): normal * spread, as dtype."""
+    def rand(*shape):
+        return (spread * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+    return rand(2, sq, heads, head_dim), rand(2, sk, heads_k, head_dim), rand(2, sk, heads_k, head_dim)

@@ -8,54 +8,16 @@ oracle with FlashAttention-2's pass rule, alone and combined with causal, a wind
 and GQA.
 """
 
-import math
 
 import pytest
 import torch
 
 import flash_cutlass
 from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
-from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, requires_cuda
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, explicit_attention_fp64,
+                     make_qkv_fp64, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
-
-
-def alibi_attention_fp64(q, k, v, scale, slopes, causal=False, window=(-1, -1), softcap=0.0):
-    """out and lse with the bias, soft cap and mask written out; rows without keys give 0, -inf."""
-    batch, sq, heads, _ = q.shape
-    sk = k.shape[1]
-    group = heads // k.shape[2]
-    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    per_batch_head = slopes.double().expand(batch, heads)
-    bias = torch.empty(batch, heads, sq, sk, dtype=torch.float64)
-    for b in range(batch):
-        for h in range(heads):
-            for i in range(sq):
-                for j in range(sk):
-                    bias[b, h, i, j] = -per_batch_head[b, h] * abs(i + sk - sq - j)
-    scores = scores + bias
-    left, right = window[0], 0 if causal else window[1]
-    rows = torch.arange(sq).unsqueeze(1) + sk - sq
-    cols = torch.arange(sk).unsqueeze(0)
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        keep &= cols >= rows - left
-    if right >= 0:
-        keep &= cols <= rows + right
-    scores = scores.masked_fill(~keep, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
-    return torch.einsum("bhqk,bkhd->bqhd", probs, vr), lse
-
-
-def make_qkv(gen, sq, sk, heads, heads_k, head_dim, dtype=torch.float64):
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-
-    return rand(2, sq, heads, head_dim), rand(2, sk, heads_k, head_dim), rand(2, sk, heads_k, head_dim)
 
 
 def make_slopes(gen, shape):
@@ -68,9 +30,9 @@ def make_slopes(gen, shape):
                                                    (False, (6, 2), 0.0), (True, (9, -1), 5.0), (False, (-1, -1), 2.0)])
 @pytest.mark.parametrize("sq,sk", [(17, 17), (17, 40), (40, 17)])
 def test_reference_forward_matches_explicit_alibi(gen, slopes_shape, causal, window, softcap, sq, sk):
-    q, k, v = make_qkv(gen, sq, sk, 4, 2, 16)
+    q, k, v = make_qkv_fp64(gen, sq, sk, 4, 2, 16)
     slopes = make_slopes(gen, slopes_shape)
-    expected_out, expected_lse = alibi_attention_fp64(q, k, v, 0.3, slopes, causal, window, softcap)
+    expected_out, expected_lse = explicit_attention_fp64(q, k, v, 0.3, causal, window, softcap, slopes)
     options = {"window_size": window, "softcap": softcap, "alibi_slopes": slopes}
     for block_size in (7, 128):
         out, lse = attention_forward(q, k, v, 0.3, causal, block_size=block_size, **options)
@@ -85,10 +47,10 @@ def test_reference_forward_matches_explicit_alibi(gen, slopes_shape, causal, win
 @pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
                                                    (True, (9, -1), 5.0)])
 def test_reference_backward_matches_autograd(gen, slopes_shape, causal, window, softcap):
-    q, k, v = make_qkv(gen, 17, 40, 4, 2, 16)  # every row keeps its diagonal key
+    q, k, v = make_qkv_fp64(gen, 17, 40, 4, 2, 16)  # every row keeps its diagonal key
     slopes = make_slopes(gen, slopes_shape)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = alibi_attention_fp64(*leaves, 0.3, slopes, causal, window, softcap)
+    out, _ = explicit_attention_fp64(*leaves, 0.3, causal, window, softcap, slopes)
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(out, leaves, dout)
     options = {"window_size": window, "softcap": softcap, "alibi_slopes": slopes}
@@ -99,10 +61,11 @@ def test_reference_backward_matches_autograd(gen, slopes_shape, causal, window, 
 
 
 def test_cpu_entry_points_take_alibi_slopes(gen):
-    q, k, v = make_qkv(gen, 30, 50, 4, 2, 16, torch.bfloat16)
+    q, k, v = make_qkv_fp64(gen, 30, 50, 4, 2, 16, torch.bfloat16)
     slopes = make_slopes(gen, (2, 4))
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, alibi_slopes=slopes)
-    expected_out, expected_lse = alibi_attention_fp64(q.double(), k.double(), v.double(), 16**-0.5, slopes, True)
+    expected_out, expected_lse = explicit_attention_fp64(q.double(), k.double(), v.double(), 16**-0.5, True,
+                                                         alibi_slopes=slopes)
     torch.testing.assert_close(out.double(), expected_out, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -116,7 +79,7 @@ def test_cpu_entry_points_take_alibi_slopes(gen):
 
 def test_alibi_changes_the_result(gen):
     """Guards the tests above against a bias that is silently dropped."""
-    q, k, v = make_qkv(gen, 20, 20, 4, 4, 16)
+    q, k, v = make_qkv_fp64(gen, 20, 20, 4, 4, 16)
     plain, _ = attention_forward(q, k, v, 0.3, False)
     biased, _ = attention_forward(q, k, v, 0.3, False, alibi_slopes=torch.full((4,), 0.5))
     assert (plain - biased).abs().max() > 1e-2

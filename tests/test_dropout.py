@@ -18,8 +18,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import (attention_backward, attention_forward, dropout_keep_mask, naive_attention,
                                      philox4x32_10)
-from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, kernel_unavailable,
-                     requires_cuda)
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, explicit_attention_fp64,
+                     kernel_unavailable, make_qkv_fp64, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -61,42 +61,15 @@ def test_mask_depends_on_seed_offset_and_position():
     assert torch.equal(base[..., 16:48], dropout_keep_mask(state(7, 0), 0.5, 2, 2, 64, 16, 48))
 
 
-def dropped_attention_fp64(q, k, v, scale, keep, dropout_p, causal=False, window=(-1, -1)):
-    """out, lse with the mask and dropout written out; keep: (batch, heads, sq, sk)."""
-    group = q.shape[2] // k.shape[2]
-    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
-    sq, sk = q.shape[1], k.shape[1]
-    left, right = window[0], 0 if causal else window[1]
-    rows = torch.arange(sq).unsqueeze(1) + sk - sq
-    cols = torch.arange(sk).unsqueeze(0)
-    visible = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        visible &= cols >= rows - left
-    if right >= 0:
-        visible &= cols <= rows + right
-    scores = scores.masked_fill(~visible, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
-    dropped = torch.where(keep, probs / (1 - dropout_p), 0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", dropped, vr), lse
-
-
-def make_qkv(gen, sq, sk, heads, heads_k, head_dim, dtype=torch.float64):
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-
-    return rand(2, sq, heads, head_dim), rand(2, sk, heads_k, head_dim), rand(2, sk, heads_k, head_dim)
-
-
 @pytest.mark.parametrize("dropout_p", [0.17, 0.6])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 2))])
 @pytest.mark.parametrize("sq,sk", [(17, 17), (17, 40), (40, 17)])
 def test_reference_forward_matches_explicit_dropout(gen, dropout_p, causal, window, sq, sk):
-    q, k, v = make_qkv(gen, sq, sk, 4, 2, 16)
+    q, k, v = make_qkv_fp64(gen, sq, sk, 4, 2, 16)
     rng_state = state(99, 12)
     keep = dropout_keep_mask(rng_state, dropout_p, 2, 4, sq, 0, sk)
-    expected_out, expected_lse = dropped_attention_fp64(q, k, v, 0.3, keep, dropout_p, causal, window)
+    expected_out, expected_lse = explicit_attention_fp64(q, k, v, 0.3, causal, window, dropout_keep=keep,
+                                                                 dropout_p=dropout_p)
     options = {"window_size": window, "dropout_p": dropout_p, "rng_state": rng_state}
     for block_size in (7, 128):
         out, lse = attention_forward(q, k, v, 0.3, causal, block_size=block_size, **options)
@@ -109,11 +82,11 @@ def test_reference_forward_matches_explicit_dropout(gen, dropout_p, causal, wind
 
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (9, -1))])
 def test_reference_backward_matches_autograd(gen, causal, window):
-    q, k, v = make_qkv(gen, 17, 40, 4, 2, 16)
+    q, k, v = make_qkv_fp64(gen, 17, 40, 4, 2, 16)
     rng_state, dropout_p = state(5, 4), 0.3
     keep = dropout_keep_mask(rng_state, dropout_p, 2, 4, 17, 0, 40)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = dropped_attention_fp64(*leaves, 0.3, keep, dropout_p, causal, window)
+    out, _ = explicit_attention_fp64(*leaves, 0.3, causal, window, dropout_keep=keep, dropout_p=dropout_p)
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(out, leaves, dout)
     options = {"window_size": window, "dropout_p": dropout_p, "rng_state": rng_state}
@@ -124,7 +97,7 @@ def test_reference_backward_matches_autograd(gen, causal, window):
 
 
 def test_cpu_entry_points_return_and_reuse_rng_state(gen):
-    q, k, v = make_qkv(gen, 30, 50, 4, 2, 16, torch.bfloat16)
+    q, k, v = make_qkv_fp64(gen, 30, 50, 4, 2, 16, torch.bfloat16)
     out, lse, rng_state = flash_cutlass.flash_forward(q, k, v, causal=True, dropout_p=0.2,
                                                       generator=torch.Generator().manual_seed(3))
     again, _, same_state = flash_cutlass.flash_forward(q, k, v, causal=True, dropout_p=0.2,

@@ -13,44 +13,18 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
-from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, requires_cuda
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, explicit_attention_fp64,
+                     make_qkv_fp64, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
-
-
-def softcapped_attention_fp64(q, k, v, scale, softcap, causal=False, window=(-1, -1)):
-    """out and lse with the soft cap and mask written out; rows without keys give 0 and -inf."""
-    group = q.shape[2] // k.shape[2]
-    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = softcap * torch.tanh(torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale / softcap)
-    sq, sk = q.shape[1], k.shape[1]
-    left, right = window[0], 0 if causal else window[1]
-    rows = torch.arange(sq).unsqueeze(1) + sk - sq
-    cols = torch.arange(sk).unsqueeze(0)
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        keep &= cols >= rows - left
-    if right >= 0:
-        keep &= cols <= rows + right
-    scores = scores.masked_fill(~keep, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
-    return torch.einsum("bhqk,bkhd->bqhd", probs, vr), lse
-
-
-def make_qkv(gen, sq, sk, heads, heads_k, head_dim, dtype=torch.float64, spread=3.0):
-    def rand(*shape):
-        return (spread * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
-
-    return rand(2, sq, heads, head_dim), rand(2, sk, heads_k, head_dim), rand(2, sk, heads_k, head_dim)
 
 
 @pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 2)), (True, (9, -1))])
 @pytest.mark.parametrize("sq,sk", [(17, 17), (17, 60), (60, 17)])
 def test_reference_forward_matches_explicit_softcap(gen, softcap, causal, window, sq, sk):
-    q, k, v = make_qkv(gen, sq, sk, 4, 2, 16)
-    expected_out, expected_lse = softcapped_attention_fp64(q, k, v, 0.3, softcap, causal, window)
+    q, k, v = make_qkv_fp64(gen, sq, sk, 4, 2, 16, spread=3.0)
+    expected_out, expected_lse = explicit_attention_fp64(q, k, v, 0.3, causal, window, softcap=softcap)
     for block_size in (7, 128):
         out, lse = attention_forward(q, k, v, 0.3, causal, block_size=block_size, window_size=window,
                                      softcap=softcap)
@@ -64,9 +38,9 @@ def test_reference_forward_matches_explicit_softcap(gen, softcap, causal, window
 @pytest.mark.parametrize("softcap", [0.5, 5.0])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (9, -1))])
 def test_reference_backward_matches_autograd(gen, softcap, causal, window):
-    q, k, v = make_qkv(gen, 17, 60, 4, 2, 16)  # every row keeps its diagonal key
+    q, k, v = make_qkv_fp64(gen, 17, 60, 4, 2, 16, spread=3.0)  # every row keeps its diagonal key
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = softcapped_attention_fp64(*leaves, 0.3, softcap, causal, window)
+    out, _ = explicit_attention_fp64(*leaves, 0.3, causal, window, softcap=softcap)
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(out, leaves, dout)
     ref_out, lse = attention_forward(q, k, v, 0.3, causal, window_size=window, softcap=softcap)
@@ -77,9 +51,10 @@ def test_reference_backward_matches_autograd(gen, softcap, causal, window):
 
 
 def test_cpu_entry_points_take_softcap(gen):
-    q, k, v = make_qkv(gen, 30, 50, 4, 2, 16, torch.bfloat16)
+    q, k, v = make_qkv_fp64(gen, 30, 50, 4, 2, 16, torch.bfloat16, spread=3.0)
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, softcap=2.0)
-    expected_out, expected_lse = softcapped_attention_fp64(q.double(), k.double(), v.double(), 16**-0.5, 2.0, True)
+    expected_out, expected_lse = explicit_attention_fp64(q.double(), k.double(), v.double(), 16**-0.5, True,
+                                                         softcap=2.0)
     torch.testing.assert_close(out.double(), expected_out, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -5,49 +5,18 @@ the argument checks. GPU (skipped without one): both forward kernels and both ba
 against the fp32 oracle with FlashAttention-2's pass rule.
 """
 
-import math
 
 import pytest
 import torch
 
 import flash_cutlass
 from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
-from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, requires_cuda
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, explicit_attention_fp64,
+                     make_qkv_fp64, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 # (left, right); -1 is unbounded. (0, 0) keeps only the diagonal.
 WINDOWS = [(0, 0), (3, -1), (-1, 2), (5, 7), (20, 0), (40, 1000)]
-
-
-def window_keep(sq, sk, causal, window):
-    """keep[i, j] of the window, built one element at a time from the documented rule."""
-    left, right = window
-    if causal:
-        right = 0
-    keep = torch.zeros(sq, sk, dtype=torch.bool)
-    for i in range(sq):
-        for j in range(sk):
-            diagonal = i + sk - sq
-            keep[i, j] = (left < 0 or j >= diagonal - left) and (right < 0 or j <= diagonal + right)
-    return keep
-
-
-def masked_attention_fp64(q, k, v, scale, keep):
-    """out and lse of attention under an explicit keep mask, in fp64; rows without keys give 0, -inf."""
-    group = q.shape[2] // k.shape[2]
-    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
-    scores = scores.masked_fill(~keep, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
-    return torch.einsum("bhqk,bkhd->bqhd", probs, vr), lse
-
-
-def make_qkv(gen, sq, sk, heads, heads_k, head_dim, dtype=torch.float64):
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-
-    return rand(2, sq, heads, head_dim), rand(2, sk, heads_k, head_dim), rand(2, sk, heads_k, head_dim)
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -55,8 +24,8 @@ def make_qkv(gen, sq, sk, heads, heads_k, head_dim, dtype=torch.float64):
 @pytest.mark.parametrize("sq,sk", [(17, 17), (17, 60), (60, 17), (1, 33), (33, 1)])
 @pytest.mark.parametrize("heads,heads_k", [(4, 4), (4, 1)])
 def test_reference_forward_matches_explicit_mask(gen, causal, window, sq, sk, heads, heads_k):
-    q, k, v = make_qkv(gen, sq, sk, heads, heads_k, 16)
-    expected_out, expected_lse = masked_attention_fp64(q, k, v, 0.3, window_keep(sq, sk, causal, window))
+    q, k, v = make_qkv_fp64(gen, sq, sk, heads, heads_k, 16)
+    expected_out, expected_lse = explicit_attention_fp64(q, k, v, 0.3, causal, window)
     for block_size in (7, 128):
         out, lse = attention_forward(q, k, v, 0.3, causal, block_size=block_size, window_size=window)
         torch.testing.assert_close(out, expected_out, **FP64_TOL)
@@ -70,10 +39,9 @@ def test_reference_forward_matches_explicit_mask(gen, causal, window, sq, sk, he
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(17, 17), (17, 60)])  # every row keeps its diagonal key
 def test_reference_backward_matches_autograd_of_explicit_mask(gen, causal, window, sq, sk):
-    q, k, v = make_qkv(gen, sq, sk, 4, 2, 16)
-    keep = window_keep(sq, sk, causal, window)
+    q, k, v = make_qkv_fp64(gen, sq, sk, 4, 2, 16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = masked_attention_fp64(*leaves, 0.3, keep)
+    out, _ = explicit_attention_fp64(*leaves, 0.3, causal, window)
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(out, leaves, dout)
     ref_out, lse = attention_forward(q, k, v, 0.3, causal, window_size=window)
@@ -83,10 +51,10 @@ def test_reference_backward_matches_autograd_of_explicit_mask(gen, causal, windo
 
 
 def test_cpu_entry_points_take_window_size(gen):
-    q, k, v = make_qkv(gen, 30, 50, 4, 2, 16, torch.bfloat16)
+    q, k, v = make_qkv_fp64(gen, 30, 50, 4, 2, 16, torch.bfloat16)
     out, lse = flash_cutlass.flash_forward(q, k, v, window_size=(4, 2))
-    expected_out, expected_lse = masked_attention_fp64(
-        q.double(), k.double(), v.double(), 16**-0.5, window_keep(30, 50, False, (4, 2)))
+    expected_out, expected_lse = explicit_attention_fp64(q.double(), k.double(), v.double(), 16**-0.5, False,
+                                                         (4, 2))
     torch.testing.assert_close(out.double(), expected_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

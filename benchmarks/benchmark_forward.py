@@ -233,6 +233,24 @@ def median_ms(fn: Callable[[], object], warmup: int, min_reps: int, min_time_ms:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
+def peer_ms(make_peer: Callable[[], Callable[[], object] | None], name: str, min_time_ms: float) -> float | None:
+    """median_ms of a peer's runner, None when make_peer() has none for this case or the peer fails
+    (its first error line goes to stderr: a peer that fails must not stop the run)."""
+    try:
+        runner = make_peer()
+        return median_ms(runner, 3, 10, min_time_ms) if runner else None
+    except Exception as err:
+        print(f"{name} failed: {str(err).splitlines()[0]}", file=sys.stderr)
+        return None
+
+
+def write_rows(path: Path | None, rows: Sequence[dict]) -> None:
+    """The rows of a small benchmark, with the GPU and torch version, as JSON at path (if given)."""
+    if path is not None:
+        path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "rows": list(rows)}, indent=1))
+
+
 def make_inputs(case: Case, dtype: torch.dtype, device: str = "cuda") -> Inputs:
     shape = (case.batch, case.seqlen, case.heads, case.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))

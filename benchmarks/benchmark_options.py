@@ -11,14 +11,14 @@ scores the mask keeps (half of them with causal).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_forward import DIRECTIONS, HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, tflops  # noqa: E402
+from benchmark_forward import (  # noqa: E402
+    DIRECTIONS, HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, peer_ms, tflops, write_rows)
 
 SOFTCAP = 30.0
 DROPOUT_P = 0.1
@@ -115,11 +115,8 @@ def main(argv=None) -> int:
                                                       direction), 5, 10, args.min_time_ms)
                         flex_ms = None
                         if not args.no_flex and dropout_p == 0:
-                            try:
-                                runner = flex_runner(q, k, v, causal, softcap, slopes, direction)
-                                flex_ms = median_ms(runner, 3, 10, args.min_time_ms) if runner else None
-                            except Exception as err:  # a peer that fails must not stop the run
-                                print(f"flex failed: {str(err).splitlines()[0]}", file=sys.stderr)
+                            flex_ms = peer_ms(lambda: flex_runner(q, k, v, causal, softcap, slopes, direction),
+                                              "flex", args.min_time_ms)
                         row = {"direction": direction, "head_dim": head_dim, "causal": causal, "seqlen": seqlen,
                                "batch": batch, "heads": heads, "option": name, "ms": ms,
                                "tflops": tflops(flops, ms), "plain_ms": plain_ms, "flex_ms": flex_ms}
@@ -128,9 +125,7 @@ def main(argv=None) -> int:
                         print(f"| {direction} | {head_dim} | {'yes' if causal else 'no'} | {seqlen} | {name} | "
                               f"{ms:.3f} | {row['tflops']:.1f} | {plain_ms:.3f} | {ms / plain_ms:.2f} | {flex} |",
                               flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "rows": rows}, indent=1))
+    write_rows(args.json, rows)
     return 0
 
 

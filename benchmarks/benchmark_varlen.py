@@ -13,14 +13,13 @@ sequence's mask keeps (padding excluded), so the padded batch's TFLOPS are per u
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_forward import HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, tflops  # noqa: E402
+from benchmark_forward import HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, peer_ms, tflops, write_rows  # noqa: E402
 
 DIRECTION_FACTOR = {"forward": 1.0, "backward": 2.5}
 
@@ -103,21 +102,15 @@ def main(argv=None) -> int:
                                args.min_time_ms)
                 padded_ms = median_ms(padded_runner(flash_cutlass, lengths, heads, head_dim, causal, direction), 5,
                                       10, args.min_time_ms)
-                nested_ms = None
-                try:
-                    runner = nested_sdpa_runner(lengths, heads, head_dim, causal, direction)
-                    nested_ms = median_ms(runner, 3, 10, args.min_time_ms) if runner else None
-                except Exception as err:  # a peer that fails must not stop the run
-                    print(f"nested SDPA failed: {str(err).splitlines()[0]}", file=sys.stderr)
+                nested_ms = peer_ms(lambda: nested_sdpa_runner(lengths, heads, head_dim, causal, direction),
+                                    "nested SDPA", args.min_time_ms)
                 row = {"direction": direction, "head_dim": head_dim, "causal": causal, "lengths": lengths, "ms": ms,
                        "tflops": tflops(flops, ms), "padded_ms": padded_ms, "nested_sdpa_ms": nested_ms}
                 rows.append(row)
                 nested = f"{nested_ms:.3f} | {nested_ms / ms:.2f}" if nested_ms else "n/a | n/a"
                 print(f"| {direction} | {head_dim} | {'yes' if causal else 'no'} | {ms:.3f} | {row['tflops']:.1f} | "
                       f"{padded_ms:.3f} | {padded_ms / ms:.2f} | {nested} |", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "rows": rows}, indent=1))
+    write_rows(args.json, rows)
     return 0
 
 

@@ -12,14 +12,14 @@ a kernel that skips the blocks outside the window keeps its TFLOPS.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_forward import DIRECTIONS, HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, tflops  # noqa: E402
+from benchmark_forward import (  # noqa: E402
+    DIRECTIONS, HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, peer_ms, tflops, write_rows)
 
 
 def visible_pairs(seqlen: int, left: int, right: int) -> int:
@@ -105,11 +105,8 @@ def main(argv=None) -> int:
                                                                                                    left, right)
                     flex_ms = None
                     if not args.no_flex:
-                        try:
-                            runner = flex_runner(q, k, v, left, right, direction)
-                            flex_ms = median_ms(runner, 3, 10, args.min_time_ms) if runner else None
-                        except Exception as err:  # a peer that fails must not stop the run
-                            print(f"flex failed: {str(err).splitlines()[0]}", file=sys.stderr)
+                        flex_ms = peer_ms(lambda: flex_runner(q, k, v, left, right, direction), "flex",
+                                          args.min_time_ms)
                     row = {"direction": direction, "head_dim": head_dim, "seqlen": args.seqlen, "batch": batch,
                            "heads": heads, "window": [left, right], "ms": ms, "tflops": tflops(flops, ms),
                            "full_ms": full_ms, "flex_ms": flex_ms}
@@ -117,9 +114,7 @@ def main(argv=None) -> int:
                     flex = f"{flex_ms:.3f} | {flex_ms / ms:.2f}" if flex_ms else "n/a | n/a"
                     print(f"| {direction} | {head_dim} | ({left}, {right}) | {ms:.3f} | {row['tflops']:.1f} | "
                           f"{full_ms:.3f} | {full_ms / ms:.1f} | {flex} |", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "rows": rows}, indent=1))
+    write_rows(args.json, rows)
     return 0
 
 

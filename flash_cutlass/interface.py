@@ -216,12 +216,11 @@ class Varlen(NamedTuple):
         return self.cu_seqlens_q.numel() - 1
 
 
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen:
-    """Checks the packed q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim) of a
-    variable-length call and its cumulative lengths, which it reads on the host (one device
-    synchronization for CUDA tensors): they must start at 0, never decrease and end at the token
-    counts, and max_seqlen_q / max_seqlen_k must be at least the longest lengths. Raises TypeError or
-    ValueError naming the argument."""
+def check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
+    """The checks of a variable-length call that read no tensor data (so torch.compile traces
+    them): packed q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim), int32 1-D
+    cumulative lengths of batch + 1 entries on q's device, int max_seqlen_q / max_seqlen_k in
+    [0, 2^31). Returns the batch size; raises TypeError or ValueError naming the argument."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -230,14 +229,13 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                              f"call, got shape {tuple(t.shape)}")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
-    arguments = (("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", "max_seqlen_q", max_seqlen_q),
-                 ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k", "max_seqlen_k", max_seqlen_k))
-    for name, cu, _, _, max_name, max_len in arguments:
+    for name, cu, max_name, max_len in (("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q),
+                                        ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
         if cu.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.numel() < 1:
+        if cu.dim() != 1 or cu.shape[0] < 1:
             raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {tuple(cu.shape)}")
         if cu.device != q.device:
             raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; they must be on one device")
@@ -245,12 +243,24 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
         if not 0 <= max_len < 2**31:
             raise ValueError(f"{max_name} must be in [0, 2^31), got {max_len}")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same number of entries (batch + 1), got "
-                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    return cu_seqlens_q.shape[0] - 1
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen:
+    """check_varlen_shapes, then the lengths themselves, read on the host (one device
+    synchronization for CUDA tensors): they must start at 0, never decrease and end at the token
+    counts, and max_seqlen_q / max_seqlen_k must be at least the longest lengths. The returned
+    Varlen carries the longest lengths themselves (the kernels' grid)."""
+    check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
-    count = cu_seqlens_q.numel()
-    for (name, _, total, tensor, max_name, max_len), starts in zip(arguments, (values[:count], values[count:])):
+    count = cu_seqlens_q.shape[0]
+    longest = []
+    for name, total, tensor, max_name, max_len, starts in (
+            ("cu_seqlens_q", q.shape[0], "q", "max_seqlen_q", max_seqlen_q, values[:count]),
+            ("cu_seqlens_k", k.shape[0], "k", "max_seqlen_k", max_seqlen_k, values[count:])):
         if starts[0] != 0:
             raise ValueError(f"{name} must start at 0, got {starts[0]}")
         lengths = [end - start for start, end in zip(starts, starts[1:])]
@@ -258,9 +268,10 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise ValueError(f"{name} must be non-decreasing, got {starts}")
         if starts[-1] != total:
             raise ValueError(f"{name} must end at the {total} tokens of {tensor}, got {starts[-1]}")
-        if lengths and max_len < max(lengths):
-            raise ValueError(f"{max_name} = {max_len} is below the longest sequence, {max(lengths)} tokens")
-    return Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+        longest.append(max(lengths, default=0))
+        if max_len < longest[-1]:
+            raise ValueError(f"{max_name} = {max_len} is below the longest sequence, {longest[-1]} tokens")
+    return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), longest[0], longest[1])
 
 
 def check_dropout_p(dropout_p) -> float:
@@ -408,7 +419,8 @@ def flash_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
     q: (total_q, heads, head_dim), k and v: (total_k, heads_k, head_dim); sequence b owns rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v
     (int32 cumulative lengths, batch + 1 entries starting at 0, on q's device; a sequence may be
-    empty). max_seqlen_q and max_seqlen_k are at least the longest lengths (they size the grid).
+    empty). max_seqlen_q and max_seqlen_k must be at least the longest lengths (the kernels' grid
+    is sized by the longest lengths themselves).
     Each sequence attends only to itself, with causal masks and windows aligned to its own
     lengths. The other arguments are flash_forward's; alibi_slopes (batch, heads) give sequence b
     row b, and dropout draws sequence b's mask as batch entry b of flash_forward. Returns out like
@@ -545,11 +557,14 @@ def flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     out are shaped like q, lse is (heads, total_q) as flash_forward_varlen returned it; the other
     arguments are those of the forward call and of flash_backward."""
     varlen = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for t, name in ((dout, "dout"), (out, "out"), (lse, "lse")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     for t, name in ((dout, "dout"), (out, "out")):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a tensor shaped like q {tuple(q.shape)}")
-    if not isinstance(lse, torch.Tensor) or lse.dim() != 2:
-        raise ValueError("lse must be a (heads, total_q) tensor, as flash_forward_varlen returns it")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if lse.dim() != 2:
+        raise ValueError(f"lse must be (heads, total_q) as flash_forward_varlen returns it, got {tuple(lse.shape)}")
     grads = _backward_entry(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
                             lse.unsqueeze(0), softmax_scale, causal, deterministic, kernel, window_size, softcap,
                             alibi_slopes, dropout_p, rng_state, varlen)

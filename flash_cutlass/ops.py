@@ -37,12 +37,14 @@ def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale:
 
 
 def _check_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                rng_state, cu_seqlens_q):
+                rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """The shape-only checks of the fake implementations (a varlen call's lengths are data)."""
     views = (q, k, v) if not _is_varlen(cu_seqlens_q) else (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    batch = None
+    if _is_varlen(cu_seqlens_q):
+        batch = interface.check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     interface.check_forward_inputs(*views, softmax_scale, causal, (window_left, window_right))
     interface.check_softcap(softcap)
-    batch = cu_seqlens_q.shape[0] - 1 if _is_varlen(cu_seqlens_q) else None
     interface.check_alibi_slopes(alibi_slopes, views[0], batch)
     interface.check_dropout_p(dropout_p)
     interface.check_rng_state(rng_state)
@@ -52,7 +54,7 @@ def _check_fake(q, k, v, softmax_scale, causal, window_left, window_right, softc
 def _forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
                   rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, deterministic):
     _check_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                rng_state, cu_seqlens_q)
+                rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     interface.kernel_choice(kernel)
     if _is_varlen(cu_seqlens_q):
         total_q, heads, _ = q.shape
@@ -80,10 +82,12 @@ def backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 def _backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
                    dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic):
     _check_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                rng_state, cu_seqlens_q)
-    if not _is_varlen(cu_seqlens_q):
-        interface.check_backward_inputs(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                                        (window_left, window_right))
+                rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    tensors = (dout, q, k, v, out, lse)
+    if _is_varlen(cu_seqlens_q):
+        # As (1, total, ...) views: lse (heads, total_q) becomes (1, heads, total_q).
+        tensors = tuple(t.unsqueeze(0) for t in tensors)
+    interface.check_backward_inputs(*tensors, softmax_scale, causal, deterministic, (window_left, window_right))
     # The gradients come back contiguous, whatever the inputs' strides.
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -155,11 +159,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     """flash_attention of a variable-length batch: packed q (total_q, heads, head_dim), k and v
     (total_k, heads_k, head_dim) and cumulative lengths as flash_forward_varlen takes them.
     Returns out like q, or (out, lse) with return_lse, lse (heads, total_q)."""
-    varlen = interface.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    # Shapes only here, so that torch.compile traces this; the op checks the lengths themselves.
+    batch = interface.check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     window_left, window_right, softcap, dropout_p, rng_state = _checked_options(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, causal, window_size, softcap, alibi_slopes,
-        dropout_p, generator, kernel, deterministic, varlen.batch)
+        dropout_p, generator, kernel, deterministic, batch)
     out, lse = forward_op(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                          rng_state, cu_seqlens_q, cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k, kernel,
-                          deterministic)
+                          rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, deterministic)
     return (out, lse) if return_lse else out

@@ -29,7 +29,7 @@ def cumulative(lengths, device="cpu"):
 
 def packed_inputs(gen, lengths_q, lengths_k, heads, heads_k, head_dim, dtype=torch.float64, device="cpu"):
     def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device, dtype)
+        return torch.randn(*shape, generator=gen, device=gen.device, dtype=torch.float32).to(device, dtype)
 
     return (rand(sum(lengths_q), heads, head_dim), rand(sum(lengths_k), heads_k, head_dim),
             rand(sum(lengths_k), heads_k, head_dim))
@@ -124,6 +124,8 @@ def test_cpu_entry_points_equal_per_sequence_calls(gen):
     max_q, max_k = max(lengths_q), max(lengths_k)
     out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
     assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32
+    wider = flash_cutlass.flash_forward_varlen(q, k, v, cu_q, cu_k, max_q + 100, max_k + 1, causal=True)
+    assert torch.equal(wider[0], out) and torch.equal(wider[1], lse)
     dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
     dq, dk, dv = flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=True)
 
@@ -205,7 +207,7 @@ def test_bad_varlen_input_is_rejected_by_every_entry_point(change, error, match)
 # GPU ----------------------------------------------------------------------------------------
 
 GPU_LENGTHS = [
-    ([300, 0, 1, 129, 64], [300, 17, 1, 129, 250]),
+    ([300, 0, 1, 129, 64, 40], [300, 17, 1, 129, 250, 0]),  # no queries, one of each, no keys
     ([1000, 24], [24, 1000]),
 ]
 GPU_CASES = [
@@ -239,11 +241,15 @@ def test_varlen_matches_per_sequence_calls_and_oracle(cuda_gen, kernel, dtype, h
     options = {"window_size": window, "softcap": softcap, "dropout_p": dropout_p, "rng_state": rng_state}
     forward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "forward") else kernel
     backward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "backward") else kernel
+    # The sm80 backward's deterministic dQ kernel on one case; a max_seqlen above the longest on another.
+    deterministic = backward_kernel == "sm80" and case == 1
+    max_q += 64 * (case == 2)
 
     out, lse, *_ = flash_cutlass.flash_forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                                       kernel=forward_kernel, alibi_slopes=slopes, **options)
     dq, dk, dv = flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
-                                                     kernel=backward_kernel, alibi_slopes=slopes, **options)
+                                                     deterministic=deterministic, kernel=backward_kernel,
+                                                     alibi_slopes=slopes, **options)
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
     scale = 1.0 / math.sqrt(head_dim)
     for b in range(len(lengths_q)):
@@ -257,8 +263,11 @@ def test_varlen_matches_per_sequence_calls_and_oracle(cuda_gen, kernel, dtype, h
                                                            alibi_slopes=seq_slopes, **options)
             assert torch.equal(out[rows_q], seq_out[0]), f"sequence {b}: out differs from the per-sequence call"
             assert torch.equal(lse[:, rows_q], seq_lse[0]), f"sequence {b}: lse differs from the per-sequence call"
+        if lengths_k[b] == 0:
+            assert not out[rows_q].any() and bool(torch.isneginf(lse[:, rows_q]).all()) and not dq[rows_q].any()
+        if lengths_q[b] == 0:
+            assert not dk[rows_k].any() and not dv[rows_k].any()
         if lengths_q[b] == 0 or lengths_k[b] == 0:
-            assert not dk[rows_k].any() and not dv[rows_k].any() and not dq[rows_q].any()
             continue
         oracle_options = dict(options, alibi_slopes=seq_slopes, batch_start=b)
         oracle_out, oracle_lse = naive_attention(seq_q, seq_k, seq_v, scale, causal, torch.float32, **oracle_options)

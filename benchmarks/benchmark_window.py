@@ -48,7 +48,10 @@ def flex_runner(q, k, v, left, right, direction):
     functorch_config.donated_buffer = False
     seqlen = q.shape[1]
     block_mask = create_block_mask(keep, None, None, seqlen, seqlen, device=q.device)
-    compiled = torch.compile(flex_attention)
+    # A fresh, static compile per case: reusing dynamo's state across score_mods and masks failed
+    # on torch 2.11 ("all unwrapped values must be FakeTensor ...").
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
     qt, kt, vt = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(qt)
     if direction == "forward":

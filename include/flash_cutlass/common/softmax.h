@@ -52,6 +52,43 @@ struct OnlineSoftmax {
     }
   }
 
+  // update() in two halves, for a caller that keeps o busy (an in-flight P V) meanwhile:
+  // update_scores does everything but rescaling o and returns each row's factor in `correction`
+  // (1 for the first tile); rescale(o, correction) applies it later.
+  template <bool kFirstTile, class TensorS>
+  __device__ __forceinline__ void update_scores(TensorS& s, float (&correction)[kRows]) {
+    using namespace cute;
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float prev_max = kFirstTile ? -INFINITY : row_max[r];
+      float new_max = prev_max;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) new_max = fmaxf(new_max, s(r, c));
+      new_max = quad_max(new_max);
+      row_max[r] = new_max;
+      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+      correction[r] = kFirstTile || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
+      float tile_sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
+        tile_sum += s(r, c);
+      }
+      row_sum[r] = kFirstTile ? tile_sum : row_sum[r] * correction[r] + tile_sum;
+    }
+  }
+
+  template <class TensorO>
+  __device__ __forceinline__ static void rescale(TensorO& o, float const (&correction)[kRows]) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction[r];
+    }
+  }
+
   // Normalizes o by l and returns, per row, lse = scale * m + log(l) (natural log).
   // A row that attended to no key gets o = 0 and lse = -inf.
   template <class TensorO>

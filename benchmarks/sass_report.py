@@ -77,7 +77,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
     parser.add_argument("--mask", choices=("none", "causal", "local"), default="none",
                         help="the instantiation of this mask kind (local: sliding window; default: %(default)s)")
-    parser.add_argument("--softcap", action="store_true", help="the soft-capping instantiation")
+    parser.add_argument("--extension", choices=("none", "score_mods", "dropout"), default="none",
+                        help="the runtime options the instantiation carries (score_mods: soft cap and ALiBi; "
+                             "dropout: those and dropout; both use --mask local; default: %(default)s)")
     parser.add_argument("--sass", type=Path, metavar="PATH",
                         help="also write the whole SASS here (to diff two versions of a kernel)")
     args = parser.parse_args(argv)
@@ -89,15 +91,19 @@ def main(argv=None) -> int:
 
     dtype = {"bf16": "kBFloat16", "fp16": "kFloat16"}[args.dtype]
     short, params = ("fwd", "FwdParams") if args.direction == "forward" else ("bwd", "BwdParams")
-    name = f"{short}_{args.path}_hdim{args.head_dim}_{args.dtype}_{args.mask}{'_softcap' if args.softcap else ''}"
+    if args.extension != "none" and args.mask != "local":
+        parser.error("--extension score_mods and dropout are instantiated with --mask local only")
+    name = f"{short}_{args.path}_hdim{args.head_dim}_{args.dtype}_{args.mask}_{args.extension}"
     mask_kind = {"none": "kNone", "causal": "kCausal", "local": "kLocal"}[args.mask]
+    extension = {"none": "kNone", "score_mods": "kScoreMods", "dropout": "kDropout"}[args.extension]
     with tempfile.TemporaryDirectory() as tmp:
         # One instantiation alone (csrc/instantiations groups every dtype and mask of a head dim).
         source = Path(tmp) / f"{name}.cu"
         source.write_text(
             f'#include "flash_cutlass/{args.path}/{short}_launch.h"\n'
             f"template cudaError_t flash_cutlass::{args.path}::run_{short}<{args.head_dim}, "
-            f"flash_cutlass::DType::{dtype}, flash_cutlass::MaskKind::{mask_kind}, {str(args.softcap).lower()}>("
+            f"flash_cutlass::DType::{dtype}, flash_cutlass::MaskKind::{mask_kind}, "
+            f"flash_cutlass::Extension::{extension}>("
             f"flash_cutlass::{params} const&, cudaStream_t);\n")
         cubin = Path(tmp) / "kernel.cubin"
         nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", TARGETS[args.path], "-O3", "--use_fast_math",
@@ -117,7 +123,9 @@ def main(argv=None) -> int:
         if entry:
             flags = re.findall(r"Lb([01])E", line)
             kinds = re.findall(r"MaskKindE(\d)E", line)
+            extensions = re.findall(r"ExtensionE(\d)E", line)
             details = ([f"mask kind {', '.join(kinds)}"] if kinds else []) + (
+                [f"extension {', '.join(extensions)}"] if extensions else []) + (
                 [f"bool template arguments {', '.join(flags)}"] if flags else [])
             print(f"  {entry.group(1)}" + (f" ({'; '.join(details)})" if details else ""))
         elif "registers" in line or "spill" in line:

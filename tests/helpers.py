@@ -183,3 +183,19 @@ def make_qkv_fp64(gen, sq, sk, heads, heads_k, head_dim, dtype=torch.float64, sp
         return (spread * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
 
     return rand(2, sq, heads, head_dim), rand(2, sk, heads_k, head_dim), rand(2, sk, heads_k, head_dim)
+
+
+def check_reference_backward(gen, q, k, v, scale, causal, oracle_options, reference_options):
+    """The reference's tiled backward (flash_cutlass.reference.attention_backward, key blocks of
+    16) against fp64 autograd of explicit_attention_fp64, for q, k, v in fp64. oracle_options go to
+    explicit_attention_fp64, reference_options to the reference's forward and backward."""
+    from flash_cutlass.reference import attention_backward, attention_forward
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = explicit_attention_fp64(*leaves, scale, causal, **oracle_options)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(out, leaves, dout)
+    ref_out, lse = attention_forward(q, k, v, scale, causal, **reference_options)
+    grads = attention_backward(dout, q, k, v, ref_out, lse, scale, causal, block_size=16, **reference_options)
+    for name, grad, ref in zip("qkv", grads, expected):
+        torch.testing.assert_close(grad, ref, atol=1e-10, rtol=1e-10, msg=lambda m: f"d{name}: {m}")

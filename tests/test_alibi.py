@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import flash_cutlass
-from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
-from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, explicit_attention_fp64,
-                     make_qkv_fp64, requires_cuda)
+from flash_cutlass.reference import attention_forward, naive_attention
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
+                     explicit_attention_fp64, make_qkv_fp64, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -49,15 +49,9 @@ def test_reference_forward_matches_explicit_alibi(gen, slopes_shape, causal, win
 def test_reference_backward_matches_autograd(gen, slopes_shape, causal, window, softcap):
     q, k, v = make_qkv_fp64(gen, 17, 40, 4, 2, 16)  # every row keeps its diagonal key
     slopes = make_slopes(gen, slopes_shape)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = explicit_attention_fp64(*leaves, 0.3, causal, window, softcap, slopes)
-    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    expected = torch.autograd.grad(out, leaves, dout)
-    options = {"window_size": window, "softcap": softcap, "alibi_slopes": slopes}
-    ref_out, lse = attention_forward(q, k, v, 0.3, causal, **options)
-    grads = attention_backward(dout, q, k, v, ref_out, lse, 0.3, causal, block_size=16, **options)
-    for name, grad, ref in zip("qkv", grads, expected):
-        torch.testing.assert_close(grad, ref, **FP64_TOL, msg=lambda m: f"d{name}: {m}")
+    check_reference_backward(gen, q, k, v, 0.3, causal,
+                             {"window": window, "softcap": softcap, "alibi_slopes": slopes},
+                             {"window_size": window, "softcap": softcap, "alibi_slopes": slopes})
 
 
 def test_cpu_entry_points_take_alibi_slopes(gen):

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import flash_cutlass
-from flash_cutlass.reference import (attention_backward, attention_forward, dropout_keep_mask, naive_attention,
-                                     philox4x32_10)
-from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, explicit_attention_fp64,
-                     kernel_unavailable, make_qkv_fp64, requires_cuda)
+from flash_cutlass.reference import attention_forward, dropout_keep_mask, naive_attention, philox4x32_10
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
+                     explicit_attention_fp64, kernel_unavailable, make_qkv_fp64, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -85,15 +84,9 @@ def test_reference_backward_matches_autograd(gen, causal, window):
     q, k, v = make_qkv_fp64(gen, 17, 40, 4, 2, 16)
     rng_state, dropout_p = state(5, 4), 0.3
     keep = dropout_keep_mask(rng_state, dropout_p, 2, 4, 17, 0, 40)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = explicit_attention_fp64(*leaves, 0.3, causal, window, dropout_keep=keep, dropout_p=dropout_p)
-    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    expected = torch.autograd.grad(out, leaves, dout)
-    options = {"window_size": window, "dropout_p": dropout_p, "rng_state": rng_state}
-    ref_out, lse = attention_forward(q, k, v, 0.3, causal, **options)
-    grads = attention_backward(dout, q, k, v, ref_out, lse, 0.3, causal, block_size=16, **options)
-    for name, grad, ref in zip("qkv", grads, expected):
-        torch.testing.assert_close(grad, ref, **FP64_TOL, msg=lambda m: f"d{name}: {m}")
+    check_reference_backward(gen, q, k, v, 0.3, causal,
+                             {"window": window, "dropout_keep": keep, "dropout_p": dropout_p},
+                             {"window_size": window, "dropout_p": dropout_p, "rng_state": rng_state})
 
 
 def test_cpu_entry_points_return_and_reuse_rng_state(gen):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import flash_cutlass
-from flash_cutlass.reference import attention_backward, attention_forward, naive_attention
-from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, explicit_attention_fp64,
-                     make_qkv_fp64, requires_cuda)
+from flash_cutlass.reference import attention_forward, naive_attention
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
+                     explicit_attention_fp64, make_qkv_fp64, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -39,15 +39,8 @@ def test_reference_forward_matches_explicit_softcap(gen, softcap, causal, window
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (9, -1))])
 def test_reference_backward_matches_autograd(gen, softcap, causal, window):
     q, k, v = make_qkv_fp64(gen, 17, 60, 4, 2, 16, spread=3.0)  # every row keeps its diagonal key
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = explicit_attention_fp64(*leaves, 0.3, causal, window, softcap=softcap)
-    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    expected = torch.autograd.grad(out, leaves, dout)
-    ref_out, lse = attention_forward(q, k, v, 0.3, causal, window_size=window, softcap=softcap)
-    grads = attention_backward(dout, q, k, v, ref_out, lse, 0.3, causal, block_size=16, window_size=window,
-                               softcap=softcap)
-    for name, grad, ref in zip("qkv", grads, expected):
-        torch.testing.assert_close(grad, ref, **FP64_TOL, msg=lambda m: f"d{name}: {m}")
+    check_reference_backward(gen, q, k, v, 0.3, causal, {"window": window, "softcap": softcap},
+                             {"window_size": window, "softcap": softcap})
 
 
 def test_cpu_entry_points_take_softcap(gen):

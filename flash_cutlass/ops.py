@@ -88,12 +88,13 @@ def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool
                     deterministic: bool = False, return_lse: bool = False, kernel: Optional[str] = None, *,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                    generator: Optional[torch.Generator] = None):
+                    generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None):
     """Autograd-enabled attention: out = softmax(softmax_scale * q k^T) v, differentiable in q, k
     and v (flash_backward is its gradient), and traceable by torch.compile.
 
-    Arguments as flash_forward's (window_size, softcap, alibi_slopes, dropout_p and generator
-    included; the slopes get no gradient; the backward reuses the forward's dropout mask); deterministic is flash_backward's (bitwise reproducible
+    Arguments as flash_forward's (window_size, softcap, alibi_slopes, dropout_p, generator and
+    rng_state included; the slopes get no gradient; the backward reuses the forward's dropout
+    mask; an rng_state drawn outside a torch.compile region keeps the region one graph); deterministic is flash_backward's (bitwise reproducible
     gradients). Returns out, or (out, lse) with return_lse; lse carries no gradient (it is marked
     non-differentiable).
     """
@@ -102,10 +103,16 @@ def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool
     softcap = interface.check_softcap(softcap)
     interface.check_alibi_slopes(alibi_slopes, q)
     dropout_p = interface.check_dropout_p(dropout_p)
+    rng_state = interface.check_rng_state(rng_state)
     interface.kernel_choice(kernel)
     interface.check_deterministic(deterministic)
+    if generator is not None and rng_state is not None:
+        raise ValueError("pass generator or rng_state, not both")
     # Drawn here, outside the op, so that the op is a function of its inputs.
-    rng_state = interface.draw_rng_state(generator, q.device) if dropout_p > 0 else None
+    if dropout_p > 0 and rng_state is None:
+        rng_state = interface.draw_rng_state(generator, q.device)
+    if dropout_p == 0:
+        rng_state = None
     out, lse = forward_op(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
                           rng_state, kernel, deterministic)
     return (out, lse) if return_lse else out

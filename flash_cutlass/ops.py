@@ -94,9 +94,9 @@ def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool
 
     Arguments as flash_forward's (window_size, softcap, alibi_slopes, dropout_p, generator and
     rng_state included; the slopes get no gradient; the backward reuses the forward's dropout
-    mask; an rng_state drawn outside a torch.compile region keeps the region one graph); deterministic is flash_backward's (bitwise reproducible
-    gradients). Returns out, or (out, lse) with return_lse; lse carries no gradient (it is marked
-    non-differentiable).
+    mask; an rng_state drawn outside a torch.compile region keeps the region one graph);
+    deterministic is flash_backward's (bitwise reproducible gradients). Returns out, or (out, lse)
+    with return_lse; lse carries no gradient (it is marked non-differentiable).
     """
     # Checked here, before the op's schema would convert them (1 into True, say).
     window_left, window_right = interface.check_forward_inputs(q, k, v, softmax_scale, causal, window_size)

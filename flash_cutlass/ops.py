@@ -114,36 +114,42 @@ def _backward(ctx, grad_out, _grad_lse):
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _checked_options(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, generator, kernel,
-                     deterministic, batch=None):
+def _checked_options(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, generator,
+                     rng_state, kernel, deterministic, batch=None):
     """The checks of flash_attention(_varlen) before the op's schema would convert the arguments (1
-    into True, say), and the dropout state, drawn here, outside the op, so that the op is a function
-    of its inputs: (window_left, window_right, softcap, dropout_p, rng_state)."""
+    into True, say), and the dropout state (rng_state, or drawn from generator here, outside the op,
+    so that the op is a function of its inputs): (window_left, window_right, softcap, dropout_p,
+    rng_state)."""
     window_left, window_right = interface.check_forward_inputs(q, k, v, softmax_scale, causal, window_size)
     softcap = interface.check_softcap(softcap)
     interface.check_alibi_slopes(alibi_slopes, q, batch)
     dropout_p = interface.check_dropout_p(dropout_p)
+    rng_state = interface.check_rng_state(rng_state)
     interface.kernel_choice(kernel)
     interface.check_deterministic(deterministic)
-    rng_state = interface.draw_rng_state(generator, q.device) if dropout_p > 0 else None
-    return window_left, window_right, softcap, dropout_p, rng_state
+    if generator is not None and rng_state is not None:
+        raise ValueError("pass generator or rng_state, not both")
+    if dropout_p > 0 and rng_state is None:
+        rng_state = interface.draw_rng_state(generator, q.device)
+    return window_left, window_right, softcap, dropout_p, rng_state if dropout_p > 0 else None
 
 
 def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
                     deterministic: bool = False, return_lse: bool = False, kernel: Optional[str] = None, *,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                    generator: Optional[torch.Generator] = None):
+                    generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None):
     """Autograd-enabled attention: out = softmax(softmax_scale * q k^T) v, differentiable in q, k
     and v (flash_backward is its gradient), and traceable by torch.compile.
 
-    Arguments as flash_forward's (window_size, softcap, alibi_slopes, dropout_p and generator
-    included; the slopes get no gradient; the backward reuses the forward's dropout mask);
+    Arguments as flash_forward's (window_size, softcap, alibi_slopes, dropout_p, generator and
+    rng_state included; the slopes get no gradient; the backward reuses the forward's dropout
+    mask; an rng_state drawn outside a torch.compile region keeps the region one graph);
     deterministic is flash_backward's (bitwise reproducible gradients). Returns out, or (out, lse)
     with return_lse; lse carries no gradient (it is marked non-differentiable).
     """
     window_left, window_right, softcap, dropout_p, rng_state = _checked_options(
-        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, generator, kernel,
+        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, generator, rng_state, kernel,
         deterministic)
     out, lse = forward_op(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
                           rng_state, None, None, 0, 0, kernel, deterministic)
@@ -155,7 +161,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            return_lse: bool = False, kernel: Optional[str] = None, *,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                           generator: Optional[torch.Generator] = None):
+                           generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None):
     """flash_attention of a variable-length batch: packed q (total_q, heads, head_dim), k and v
     (total_k, heads_k, head_dim) and cumulative lengths as flash_forward_varlen takes them.
     Returns out like q, or (out, lse) with return_lse, lse (heads, total_q)."""
@@ -163,7 +169,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     batch = interface.check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     window_left, window_right, softcap, dropout_p, rng_state = _checked_options(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, causal, window_size, softcap, alibi_slopes,
-        dropout_p, generator, kernel, deterministic, batch)
+        dropout_p, generator, rng_state, kernel, deterministic, batch)
     out, lse = forward_op(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
                           rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, deterministic)
     return (out, lse) if return_lse else out

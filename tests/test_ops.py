@@ -142,6 +142,23 @@ def test_compiled_varlen_attention_matches_eager_without_graph_breaks(device):
         torch.testing.assert_close(grad, expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_dropout_with_an_outside_rng_state_is_one_graph(device):
+    q, k, v = (t.requires_grad_() for t in inputs(device))
+    rng_state = torch.tensor([123, 4])
+
+    def attend(q, k, v):
+        return flash_cutlass.flash_attention(q, k, v, causal=True, dropout_p=0.25, rng_state=rng_state)
+
+    eager = attend(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager)
+    expected = flash_cutlass.flash_forward(q.detach(), k.detach(), v.detach(), causal=True, dropout_p=0.25,
+                                           rng_state=rng_state)[0]
+    torch.testing.assert_close(eager, expected)
+
+
 def test_lse_is_not_differentiable():
     q, k, v = (t.requires_grad_() for t in inputs("cpu"))
     out, lse = flash_cutlass.flash_attention(q, k, v, return_lse=True)

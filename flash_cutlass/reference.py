@@ -502,7 +502,8 @@ def dropout_keep_mask(
     key = (seed & _MASK32, (seed >> 32) & _MASK32)
     rows = torch.arange(sq, device=device).view(1, 1, sq, 1)
     cols = torch.arange(key_start, key_end, device=device).view(1, 1, 1, -1)
-    batch_head = torch.arange(batch_start * heads, (batch_start + batch) * heads, device=device).view(batch, heads, 1, 1)
+    batch_head = torch.arange(batch_start * heads, (batch_start + batch) * heads, device=device)
+    batch_head = batch_head.view(batch, heads, 1, 1)
     counter = (cols >> 1, rows >> 1, batch_head, torch.full((), (offset >> 2) & _MASK32, device=device))
     shape = (batch, heads, sq, key_end - key_start)
     words = [w.expand(shape) for w in philox4x32_10(tuple(c.expand(shape) for c in counter), key)]

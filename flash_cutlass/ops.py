@@ -106,13 +106,8 @@ def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool
     rng_state = interface.check_rng_state(rng_state)
     interface.kernel_choice(kernel)
     interface.check_deterministic(deterministic)
-    if generator is not None and rng_state is not None:
-        raise ValueError("pass generator or rng_state, not both")
     # Drawn here, outside the op, so that the op is a function of its inputs.
-    if dropout_p > 0 and rng_state is None:
-        rng_state = interface.draw_rng_state(generator, q.device)
-    if dropout_p == 0:
-        rng_state = None
+    rng_state = interface.dropout_rng_state(dropout_p, generator, rng_state, q.device)
     out, lse = forward_op(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
                           rng_state, kernel, deterministic)
     return (out, lse) if return_lse else out

@@ -132,8 +132,8 @@ AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const a
 // Python API takes them (-1: unbounded; causal bounds the right side at 0). A side that reaches
 // every key of every row counts as unbounded (stored as max(seqlen_q, seqlen_k)): causal calls
 // without a real left bound run the causal kernels, calls without any bound the unmasked ones,
-// and the rest the sliding-window kernels. The extended kernels (params.extended, set before) take
-// every mask in the window's form.
+// and the rest the sliding-window kernels. The extended kernels (uses_extension: the options are
+// set before) take every mask in the window's form.
 void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_t window_right) {
   TORCH_CHECK(window_left >= -1 && window_right >= -1, "window_size entries must be >= -1, got (", window_left, ", ",
               window_right, ")");
@@ -146,7 +146,7 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
   const bool right_unbounded = window_right < 0 || window_right >= params.seqlen_q - 1;
   params.window_left = left_unbounded ? unbounded : static_cast<int>(window_left);
   params.window_right = right_unbounded ? unbounded : static_cast<int>(window_right);
-  if (params.extended) {
+  if (uses_extension(params)) {
     params.mask = MaskKind::kLocal;
   } else if (causal && left_unbounded) {
     params.mask = MaskKind::kCausal;
@@ -172,7 +172,6 @@ void set_extended_params(FwdParams& params, double softcap, const std::optional<
     TORCH_CHECK(kCompiledSoftcap, "softcap=", softcap,
                 " needs the soft cap of the extended kernels, which this build left out (FLASH_CUTLASS_SOFTCAP=0); "
                 "rebuild with FLASH_CUTLASS_SOFTCAP=1");
-    params.extended = true;
     params.softcap = static_cast<float>(softcap);
     params.softcap_input_scale = static_cast<float>(params.softmax_scale / softcap);
     params.softmax_scale_log2 = static_cast<float>(softcap * M_LOG2E);
@@ -189,7 +188,6 @@ void set_extended_params(FwdParams& params, double softcap, const std::optional<
     TORCH_CHECK(per_head || per_batch_head, "alibi_slopes must have shape (heads,) = (", params.heads,
                 ",) or (batch, heads) = (", params.batch, ", ", params.heads, "), got ", slopes.sizes());
     TORCH_CHECK(slopes.stride(-1) == 1 || params.heads == 1, "alibi_slopes must have a contiguous last dimension");
-    params.extended = true;
     params.alibi_slopes = slopes.data_ptr<float>();
     params.alibi_slopes_batch_stride = per_batch_head ? slopes.stride(0) : 0;
     params.alibi_slope_scale = static_cast<float>(1.0 / (softcap > 0 ? softcap : params.softmax_scale));
@@ -205,7 +203,6 @@ void set_extended_params(FwdParams& params, double softcap, const std::optional<
                 "rng_state must be an int64 CPU tensor of 2 elements (seed, offset)");
     // floor(p * 2^32) <= 2^32 - 1 for p < 1; a p below 2^-32 drops nothing (as in the reference).
     params.dropout_threshold = static_cast<uint32_t>(std::floor(dropout_p * 4294967296.0));
-    if (params.dropout_threshold != 0) params.extended = true;
     params.dropout_keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
     params.philox_seed = static_cast<uint64_t>(state[0].item<int64_t>());
     params.philox_offset = static_cast<uint64_t>(state[1].item<int64_t>());

@@ -322,6 +322,17 @@ def draw_rng_state(generator: Optional[torch.Generator], device: torch.device) -
     return torch.tensor([seed, offset], dtype=torch.int64)
 
 
+def dropout_rng_state(dropout_p: float, generator, rng_state: Optional[torch.Tensor],
+                      device: torch.device) -> Optional[torch.Tensor]:
+    """The (seed, offset) state of a forward call: None without dropout, else rng_state as given
+    or drawn from generator (draw_rng_state). Raises ValueError when both are given."""
+    if generator is not None and rng_state is not None:
+        raise ValueError("pass generator or rng_state, not both")
+    if dropout_p == 0:
+        return None
+    return rng_state if rng_state is not None else draw_rng_state(generator, device)
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t itself if every global access can be 16 bytes wide, else a contiguous copy."""
     strides_ok = all(s % _ALIGN_ELEMS == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
@@ -443,10 +454,7 @@ def _forward_entry(q, k, v, softmax_scale, causal, kernel, window_size, softcap,
     dropout_p = check_dropout_p(dropout_p)
     rng_state = check_rng_state(rng_state)
     kernel = kernel_choice(kernel)
-    if generator is not None and rng_state is not None:
-        raise ValueError("pass generator or rng_state, not both")
-    if dropout_p > 0 and rng_state is None:
-        rng_state = draw_rng_state(generator, q.device)
+    rng_state = dropout_rng_state(dropout_p, generator, rng_state, q.device)
     out, lse = forward_checked(q, k, v, softmax_scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p,
                                rng_state, varlen)
     return (out, lse, rng_state) if dropout_p > 0 else (out, lse)
@@ -454,15 +462,11 @@ def _forward_entry(q, k, v, softmax_scale, causal, kernel, window_size, softcap,
 
 def forward_checked(q, k, v, softmax_scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p,
                     rng_state, varlen: Optional[Varlen] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """flash_forward after its checks (rng_state drawn where dropout_p > 0): (out, lse). A
+    """flash_forward after its checks, rng_state resolved (dropout_rng_state): (out, lse). A
     variable-length call passes (1, total, heads, head_dim) views and gets lse (1, heads, total_q)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    if dropout_p > 0 and rng_state is None:
-        raise ValueError("dropout_p > 0 needs rng_state (flash_forward draws one from its generator)")
-    if dropout_p == 0:
-        rng_state = None
 
     if q.device.type != "cuda":
         options = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes,

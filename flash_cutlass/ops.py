@@ -127,11 +127,8 @@ def _checked_options(q, k, v, softmax_scale, causal, window_size, softcap, alibi
     rng_state = interface.check_rng_state(rng_state)
     interface.kernel_choice(kernel)
     interface.check_deterministic(deterministic)
-    if generator is not None and rng_state is not None:
-        raise ValueError("pass generator or rng_state, not both")
-    if dropout_p > 0 and rng_state is None:
-        rng_state = interface.draw_rng_state(generator, q.device)
-    return window_left, window_right, softcap, dropout_p, rng_state if dropout_p > 0 else None
+    rng_state = interface.dropout_rng_state(dropout_p, generator, rng_state, q.device)
+    return window_left, window_right, softcap, dropout_p, rng_state
 
 
 def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,

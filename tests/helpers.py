@@ -199,3 +199,28 @@ def check_reference_backward(gen, q, k, v, scale, causal, oracle_options, refere
     grads = attention_backward(dout, q, k, v, ref_out, lse, scale, causal, block_size=16, **reference_options)
     for name, grad, ref in zip("qkv", grads, expected):
         torch.testing.assert_close(grad, ref, atol=1e-10, rtol=1e-10, msg=lambda m: f"d{name}: {m}")
+
+
+def cuda_inputs(gen, dtype, seqlen_q, seqlen_k, heads, heads_k, head_dim, spread=1.0):
+    """q, k, v and dout of the GPU oracle grids, normal times spread, drawn on gen's device: batch
+    2, or 1 once the score matrix passes 2^20 entries."""
+    def rand(*shape):
+        return (spread * torch.randn(*shape, generator=gen, device=gen.device)).to(dtype)
+
+    batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
+    return (rand(batch, seqlen_q, heads, head_dim), rand(batch, seqlen_k, heads_k, head_dim),
+            rand(batch, seqlen_k, heads_k, head_dim), rand(batch, seqlen_q, heads, head_dim))
+
+
+def check_rejected_by_every_entry_point(error, match, backward_options=None, **options):
+    """flash_forward, flash_backward and flash_attention each raise `error` with a message matching
+    `match` on a small CPU call with the keyword `options` (flash_backward gets backward_options
+    too, e.g. the rng_state it needs with dropout)."""
+    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
+    out, lse = flash_cutlass.flash_forward(q, q, q)
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_forward(q, q, q, **options)
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, **options, **(backward_options or {}))
+    with pytest.raises(error, match=match):
+        flash_cutlass.flash_attention(q, q, q, **options)

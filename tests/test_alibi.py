@@ -15,7 +15,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
-                     explicit_attention_fp64, make_qkv_fp64, requires_cuda)
+                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, make_qkv_fp64,
+                     requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -88,14 +89,7 @@ def test_alibi_changes_the_result(gen):
     (torch.ones(1, 2, 1), ValueError, r"alibi_slopes must have shape"),
 ])
 def test_bad_alibi_slopes_are_rejected_by_every_entry_point(slopes, error, match):
-    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
-    out, lse = flash_cutlass.flash_forward(q, q, q)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_forward(q, q, q, alibi_slopes=slopes)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_backward(out, q, q, q, out, lse, alibi_slopes=slopes)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_attention(q, q, q, alibi_slopes=slopes)
+    check_rejected_by_every_entry_point(error, match, alibi_slopes=slopes)
 
 
 # GPU: every compiled kernel and head dim, both dtypes, alone and with causal, a window, a soft
@@ -125,14 +119,8 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, ca
     if dtype not in COMPILED_DTYPES:
         pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     heads_k = 2 if seqlen_q != seqlen_k else HEADS
-    batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(dtype)
-
-    q, k, v = rand(batch, seqlen_q, HEADS, head_dim), rand(batch, seqlen_k, heads_k, head_dim), rand(
-        batch, seqlen_k, heads_k, head_dim)
-    dout = rand(batch, seqlen_q, HEADS, head_dim)
+    q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, HEADS, heads_k, head_dim)
+    batch = q.shape[0]
     # ALiBi's usual slopes 2^(-8 h / heads), per (batch, head) scaled differently per batch.
     slopes = torch.exp2(-8 * torch.arange(1, HEADS + 1, device="cuda") / HEADS)
     if per_batch:

@@ -18,7 +18,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, dropout_keep_mask, naive_attention, philox4x32_10
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
-                     explicit_attention_fp64, kernel_unavailable, make_qkv_fp64, requires_cuda)
+                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, kernel_unavailable,
+                     make_qkv_fp64, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -123,14 +124,7 @@ def test_cpu_entry_points_return_and_reuse_rng_state(gen):
     (True, TypeError, r"dropout_p must be a float, got bool"),
 ])
 def test_bad_dropout_p_is_rejected_by_every_entry_point(dropout_p, error, match):
-    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
-    out, lse = flash_cutlass.flash_forward(q, q, q)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_forward(q, q, q, dropout_p=dropout_p)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_backward(out, q, q, q, out, lse, dropout_p=dropout_p, rng_state=state(1))
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_attention(q, q, q, dropout_p=dropout_p)
+    check_rejected_by_every_entry_point(error, match, backward_options={"rng_state": state(1)}, dropout_p=dropout_p)
 
 
 @pytest.mark.parametrize("rng_state,error,match", [
@@ -139,12 +133,7 @@ def test_bad_dropout_p_is_rejected_by_every_entry_point(dropout_p, error, match)
     (torch.tensor([1, 2, 3]), ValueError, r"rng_state must be an int64 CPU tensor of 2 elements"),
 ])
 def test_bad_rng_state_is_rejected(rng_state, error, match):
-    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
-    out, lse = flash_cutlass.flash_forward(q, q, q)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_forward(q, q, q, dropout_p=0.1, rng_state=rng_state)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_backward(out, q, q, q, out, lse, dropout_p=0.1, rng_state=rng_state)
+    check_rejected_by_every_entry_point(error, match, dropout_p=0.1, rng_state=rng_state)
 
 
 def test_backward_with_dropout_needs_rng_state_and_forward_one_source():
@@ -232,14 +221,7 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, ca
         pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     causal, window, extra = GPU_CASES[case]
     heads_k = 2 if seqlen_q != seqlen_k else HEADS
-    batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(dtype)
-
-    q, k, v = rand(batch, seqlen_q, HEADS, head_dim), rand(batch, seqlen_k, heads_k, head_dim), rand(
-        batch, seqlen_k, heads_k, head_dim)
-    dout = rand(batch, seqlen_q, HEADS, head_dim)
+    q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, HEADS, heads_k, head_dim)
     options = {"window_size": window, "dropout_p": 0.17, "rng_state": state(31337 + case, 4 * seqlen_q)}
     if extra.get("alibi"):
         options["alibi_slopes"] = torch.exp2(-8 * torch.arange(1, HEADS + 1, device="cuda") / HEADS).float()

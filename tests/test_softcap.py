@@ -14,7 +14,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
-                     explicit_attention_fp64, make_qkv_fp64, requires_cuda)
+                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, make_qkv_fp64,
+                     requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -67,14 +68,7 @@ def test_cpu_entry_points_take_softcap(gen):
     (True, TypeError, r"softcap must be a float"),
 ])
 def test_bad_softcap_is_rejected_by_every_entry_point(softcap, error, match):
-    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
-    out, lse = flash_cutlass.flash_forward(q, q, q)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_forward(q, q, q, softcap=softcap)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_backward(out, q, q, q, out, lse, softcap=softcap)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_attention(q, q, q, softcap=softcap)
+    check_rejected_by_every_entry_point(error, match, softcap=softcap)
 
 
 # GPU: every compiled kernel and head dim, both dtypes, with causal and a window.
@@ -103,14 +97,7 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, so
     if dtype not in COMPILED_DTYPES:
         pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     heads_k = 2 if seqlen_q != seqlen_k else HEADS
-
-    def rand(*shape):
-        return (3 * torch.randn(*shape, generator=cuda_gen, device="cuda")).to(dtype)
-
-    batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
-    q, k, v = rand(batch, seqlen_q, HEADS, head_dim), rand(batch, seqlen_k, heads_k, head_dim), rand(
-        batch, seqlen_k, heads_k, head_dim)
-    dout = rand(batch, seqlen_q, HEADS, head_dim)
+    q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, HEADS, heads_k, head_dim, spread=3.0)
     check_kernels_against_oracle(kernel, q, k, v, dout, causal, window_size=window, softcap=softcap)
 
 

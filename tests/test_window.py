@@ -12,7 +12,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
-                     explicit_attention_fp64, make_qkv_fp64, requires_cuda)
+                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, make_qkv_fp64,
+                     requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 # (left, right); -1 is unbounded. (0, 0) keeps only the diagonal.
@@ -68,14 +69,7 @@ def test_cpu_entry_points_take_window_size(gen):
     (4, TypeError, r"window_size must be a \(left, right\) tuple of two ints"),
 ])
 def test_bad_window_size_is_rejected_by_every_entry_point(window, error, match):
-    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
-    out, lse = flash_cutlass.flash_forward(q, q, q)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_forward(q, q, q, window_size=window)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_backward(out, q, q, q, out, lse, window_size=window)
-    with pytest.raises(error, match=match):
-        flash_cutlass.flash_attention(q, q, q, window_size=window)
+    check_rejected_by_every_entry_point(error, match, window_size=window)
 
 
 # GPU: every compiled kernel and head dim, both dtypes, windows alone and with causal.
@@ -95,15 +89,6 @@ requires_window_kernels = pytest.mark.skipif(
     not window_kernels_compiled(), reason="the sliding-window kernels were left out (FLASH_CUTLASS_WINDOW=0)")
 
 
-def cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, head_dim, heads_k):
-    def rand(*shape):
-        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(dtype)
-
-    batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
-    return (rand(batch, seqlen_q, HEADS, head_dim), rand(batch, seqlen_k, heads_k, head_dim),
-            rand(batch, seqlen_k, heads_k, head_dim), rand(batch, seqlen_q, HEADS, head_dim))
-
-
 @requires_cuda
 @requires_window_kernels
 @pytest.mark.parametrize("seqlen_q,seqlen_k", GPU_SEQLENS)
@@ -116,7 +101,7 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, ca
     if dtype not in COMPILED_DTYPES:
         pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     heads_k = 2 if (seqlen_q + seqlen_k) % 2 else HEADS  # GQA on some shapes
-    q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, head_dim, heads_k)
+    q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, HEADS, heads_k, head_dim)
     check_kernels_against_oracle(kernel, q, k, v, dout, causal, window_size=window)
 
 
@@ -124,7 +109,7 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, ca
 @requires_window_kernels
 def test_deterministic_backward_with_window_is_bitwise_reproducible(cuda_gen):
     dtype = COMPILED_DTYPES[-1]
-    q, k, v, dout = cuda_inputs(cuda_gen, dtype, 700, 900, COMPILED_HEAD_DIMS[0], 2)
+    q, k, v, dout = cuda_inputs(cuda_gen, dtype, 700, 900, HEADS, 2, COMPILED_HEAD_DIMS[0])
     out, lse = flash_cutlass.flash_forward(q, k, v, window_size=(64, 16))
     first = flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, window_size=(64, 16))
     second = flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, window_size=(64, 16))
@@ -135,7 +120,7 @@ def test_deterministic_backward_with_window_is_bitwise_reproducible(cuda_gen):
 @requires_cuda
 @pytest.mark.skipif(window_kernels_compiled(), reason="this build has the sliding-window kernels")
 def test_window_without_its_kernels_names_the_build_flag(cuda_gen):
-    q, k, v, _ = cuda_inputs(cuda_gen, COMPILED_DTYPES[-1], 64, 64, COMPILED_HEAD_DIMS[0], HEADS)
+    q, k, v, _ = cuda_inputs(cuda_gen, COMPILED_DTYPES[-1], 64, 64, HEADS, HEADS, COMPILED_HEAD_DIMS[0])
     with pytest.raises(RuntimeError, match="FLASH_CUTLASS_WINDOW=0"):
         flash_cutlass.flash_forward(q, k, v, window_size=(8, 0))
     # Windows that reach every key need no window kernel.
@@ -145,7 +130,7 @@ def test_window_without_its_kernels_names_the_build_flag(cuda_gen):
 @requires_cuda
 def test_window_wider_than_the_sequence_equals_full_attention(cuda_gen):
     dtype = COMPILED_DTYPES[-1]
-    q, k, v, _ = cuda_inputs(cuda_gen, dtype, 300, 300, COMPILED_HEAD_DIMS[-1], HEADS)
+    q, k, v, _ = cuda_inputs(cuda_gen, dtype, 300, 300, HEADS, HEADS, COMPILED_HEAD_DIMS[-1])
     full = flash_cutlass.flash_forward(q, k, v)
     wide = flash_cutlass.flash_forward(q, k, v, window_size=(299, 299))
     causal = flash_cutlass.flash_forward(q, k, v, causal=True)

@@ -199,14 +199,14 @@ cudaError_t with_mask_kind(FwdParams const& params, Run&& run) {
 template <class Run>
 cudaError_t with_instantiation(FwdParams const& params, Run&& run) {
   using Local = std::integral_constant<MaskKind, MaskKind::kLocal>;
-  if (params.extended && params.dropout_threshold != 0) {
+  if (params.dropout_threshold != 0) {
 #ifdef FLASH_CUTLASS_DROPOUT
     return run(Local{}, std::integral_constant<Extension, Extension::kDropout>{});
 #else
     return cudaErrorNotSupported;
 #endif
   }
-  if (params.extended) {
+  if (uses_extension(params)) {
 #ifdef FLASH_CUTLASS_SCORE_MODS
     return run(Local{}, std::integral_constant<Extension, Extension::kScoreMods>{});
 #else

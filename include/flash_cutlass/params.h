@@ -60,9 +60,8 @@ struct FwdParams {
   // max(seqlen_q, seqlen_k).
   int window_left = 0;
   int window_right = 0;
-  // The options of the extended kernel instantiation (common/score_mods.h, common/dropout.h); the
-  // host routes a call there when it sets any of them.
-  bool extended = false;
+  // The options of the extended kernel instantiations (common/score_mods.h, common/dropout.h); a
+  // call that sets any of them runs there (uses_extension below).
   // Soft cap: softcap > 0, softcap_input_scale = softmax_scale / softcap, and softmax_scale_log2
   // is then softcap * log2(e). 0: none.
   float softcap = 0.f;
@@ -81,6 +80,11 @@ struct FwdParams {
   uint64_t philox_seed = 0;
   uint64_t philox_offset = 0;
 };
+
+// Whether a call sets any option of the extended instantiations: a soft cap, ALiBi or dropout.
+inline bool uses_extension(FwdParams const& params) {
+  return params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_threshold != 0;
+}
 
 // One backward call: the forward's tensors (q, k, v, out, lse, scale, mask, shapes), dout, the
 // gradients and the fp32 work buffers below.

@@ -13,6 +13,7 @@ sequence's mask keeps (padding excluded), so the padded batch's TFLOPS are per u
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -63,14 +64,19 @@ def nested_sdpa_runner(lengths, heads, head_dim, causal, direction):
     """SDPA on jagged nested tensors (batch, heads, jagged seqlen, head_dim); None if unsupported."""
     if causal:
         return None  # SDPA takes is_causal with nested tensors only for equal lengths
-    parts = [torch.randn(n, heads, head_dim, device="cuda", dtype=torch.bfloat16) for n in lengths]
-    q, k, v = (torch.nested.nested_tensor(parts, layout=torch.jagged).transpose(1, 2).requires_grad_()
-               for _ in range(3))
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda")
+
+    def jagged():
+        # One offsets tensor for every operand: they share one ragged dim (SDPA requires it).
+        values = torch.randn(int(offsets[-1]), heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        return torch.nested.nested_tensor_from_jagged(values, offsets).transpose(1, 2)
+
+    q, k, v = (jagged().requires_grad_() for _ in range(3))
     attend = torch.nn.functional.scaled_dot_product_attention
     if direction == "forward":
         return lambda: attend(q, k, v)
     out = attend(q, k, v)
-    dout = torch.nested.nested_tensor([torch.randn_like(p) for p in parts], layout=torch.jagged).transpose(1, 2)
+    dout = jagged()
     return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
 

@@ -39,6 +39,11 @@ def kernel_unavailable(kernel: str, head_dim: int, direction: str) -> str:
     return ""
 
 
+def worse_baseline(oracle: torch.Tensor, *candidates: torch.Tensor) -> torch.Tensor:
+    """The candidate baseline for :func:`fa2_check` farthest from ``oracle`` (max abs difference)."""
+    return max(candidates, key=lambda c: (c.detach().float().to(oracle.device) - oracle.float()).abs().max().item())
+
+
 def fa2_check(
     actual: torch.Tensor,
     oracle: torch.Tensor,

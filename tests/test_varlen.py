@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import flash_cutlass
-from flash_cutlass.reference import (attention_backward_varlen, attention_forward_varlen, dropout_keep_mask,
-                                     naive_attention)
-from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, fa2_check, kernel_unavailable, requires_cuda
+from flash_cutlass.reference import (attention_backward, attention_backward_varlen, attention_forward_varlen,
+                                     dropout_keep_mask, naive_attention)
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, fa2_check, kernel_unavailable, requires_cuda,
+                     worse_baseline)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -280,9 +281,15 @@ def test_varlen_matches_per_sequence_calls_and_oracle(cuda_gen, kernel, dtype, h
             attended, _ = naive_attention(*leaves, scale, causal, **oracle_options)
             return torch.autograd.grad(attended, leaves, seq_dout.to(attended.dtype))
 
-        for name, grad, rows, ref, base in zip("qkv", (dq, dk, dv), (rows_q, rows_k, rows_k), grads_of(torch.float32),
-                                               grads_of(None)):
-            fa2_check(grad[rows], ref[0], base[0], f"sequence {b} d{name}")
+        # The kernels' dS = P * (dP - D) takes D = rowsum(dout * out) from the stored out, rounded to
+        # the input dtype; where a row sees one key (a 1-token sequence) autograd's softmax gradient
+        # is exactly 0 while dP - D is out's rounding error. The baseline is the worse of autograd in
+        # the input dtype and the reference's backward from the rounded out.
+        from_rounded_out = attention_backward(seq_dout, seq_q, seq_k, seq_v, same_out, oracle_lse, scale, causal,
+                                              **oracle_options)
+        for name, grad, rows, ref, base, rounded in zip("qkv", (dq, dk, dv), (rows_q, rows_k, rows_k),
+                                                        grads_of(torch.float32), grads_of(None), from_rounded_out):
+            fa2_check(grad[rows], ref[0], worse_baseline(ref[0], base[0], rounded[0]), f"sequence {b} d{name}")
 
 
 @requires_cuda

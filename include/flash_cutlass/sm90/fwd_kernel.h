@@ -71,9 +71,10 @@ __device__ __forceinline__ void hand_over_turn(int consumer) {
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 
-// kPingPong (an experiment, chosen at launch by FLASH_CUTLASS_SM90_PINGPONG): the consumer
-// warpgroups' ping-pong over a loop that issues S of tile n with P V of tile n+1.
-template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kPingPong>
+// Traits::kPingPong (per head dim, kernel_traits.h): the consumer warpgroups' ping-pong over a loop
+// that issues S of tile n with P V of tile n+1; otherwise each warpgroup runs its GEMMs and softmax
+// in turn, unsynchronized with the other.
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (key_blocks.end > key_blocks.begin) {
     OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
-    if constexpr (kPingPong) {
+    if constexpr (Traits::kPingPong) {
       typename PipelineKV::PipelineState state;  // the K/V stage of the tile being scored
       storage.q_full.wait(0);
       // Intra-warpgroup overlap: the scores of tile n (S = Q K^T, then the softmax) run while the

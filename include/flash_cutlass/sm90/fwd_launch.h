@@ -4,9 +4,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm90/fwd_kernel.h"
@@ -43,13 +40,7 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
   };
 
-  // The ping-pong experiment, on unless FLASH_CUTLASS_SM90_PINGPONG=0 (so one build times both).
-  const char* ping_pong = std::getenv("FLASH_CUTLASS_SM90_PINGPONG");
-  if (ping_pong != nullptr && std::string(ping_pong) == "0") {
-    return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension, false>, num_query_tiles<Traits::kBlockM>(params),
-                         Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
-  }
-  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension, true>, num_query_tiles<Traits::kBlockM>(params),
+  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_query_tiles<Traits::kBlockM>(params),
                        Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
 }
 

@@ -11,7 +11,7 @@
 
 namespace flash_cutlass::sm90 {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, class Element_>
 struct FwdKernelTraits {
   using Element = Element_;
   static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
@@ -20,6 +20,8 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  // The consumer warpgroups take turns at the tensor cores (see fwd_kernel.h).
+  static constexpr bool kPingPong = kPingPong_;
   // One producer warpgroup (a single thread issues the TMA loads) and one consumer warpgroup per
   // 64 query rows.
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -81,15 +83,16 @@ struct FwdKernelTraits {
                                              cute::_1{}));
 };
 
-// Tile sizes per head dim: two consumer warpgroups of 64 query rows each.
+// Tile sizes per head dim: two consumer warpgroups of 64 query rows each. Ping-pong where it was
+// measured faster on the H200 (docs/PERFORMANCE.md): +6-13% at head dims 128 and 256, -3-5% at 64.
 template <int kHeadDim>
 struct FwdTileSizes;
-template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
-template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
-template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; };
+template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = false; };
+template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = true; };
+template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPingPong = true; };
 
 template <int kHeadDim, class Element>
 using FwdTraitsFor = FwdKernelTraits<kHeadDim, FwdTileSizes<kHeadDim>::kBlockM, FwdTileSizes<kHeadDim>::kBlockN,
-                                     FwdTileSizes<kHeadDim>::kStages, Element>;
+                                     FwdTileSizes<kHeadDim>::kStages, FwdTileSizes<kHeadDim>::kPingPong, Element>;
 
 }  // namespace flash_cutlass::sm90

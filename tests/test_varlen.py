@@ -210,6 +210,7 @@ def test_bad_varlen_input_is_rejected_by_every_entry_point(change, error, match)
 GPU_LENGTHS = [
     ([300, 0, 1, 129, 64, 40], [300, 17, 1, 129, 250, 0]),  # no queries, one of each, no keys
     ([1000, 24], [24, 1000]),
+    ([700, 650, 5, 1300, 0, 300], [700, 1, 900, 1300, 64, 300]),  # more query tiles than SMs
 ]
 GPU_CASES = [
     # causal, window, alibi, softcap, dropout_p

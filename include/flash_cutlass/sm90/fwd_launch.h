@@ -40,8 +40,19 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
   };
 
-  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_query_tiles<Traits::kBlockM>(params),
-                       Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
+  // Without a mask every tile costs the same: a persistent grid of one CTA per SM, each CTA's
+  // producer loading its next tile while the consumers finish the current one. With a causal mask
+  // or a window, tile costs differ and one CTA per tile lets the hardware balance them.
+  const int64_t num_tiles = num_query_tiles<Traits::kBlockM>(params);
+  int64_t num_ctas = num_tiles;
+  if constexpr (kMaskKind == MaskKind::kNone) {
+    int sms = 0;
+    const cudaError_t status = multiprocessor_count(&sms);
+    if (status != cudaSuccess) return status;
+    if (num_tiles <= 0x7fffffff) num_ctas = num_tiles < sms ? num_tiles : sms;
+  }
+  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
+                       kernel_params, stream);
 }
 
 }  // namespace flash_cutlass::sm90

@@ -62,6 +62,7 @@ struct FwdKernelTraits {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
     cutlass::arch::ClusterTransactionBarrier q_full;
+    cutlass::arch::ClusterBarrier q_empty;  // the consumers are done with Q: the next tile's may load
     typename PipelineKV::SharedStorage pipeline_k;
     typename PipelineKV::SharedStorage pipeline_v;
   };

@@ -254,6 +254,13 @@ def test_varlen_matches_per_sequence_calls_and_oracle(cuda_gen, kernel, dtype, h
                                                      alibi_slopes=slopes, **options)
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
     scale = 1.0 / math.sqrt(head_dim)
+    # The oracle and the same-dtype baseline, sequence by sequence, assembled over the packed rows and
+    # checked once per result, as for a padded batch: a maximum over a few rows (a 5-query sequence)
+    # is too small a sample to bound the kernel's error. Rows of sequences without queries or keys
+    # hold the kernel's own values (checked exactly below).
+    results = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    oracles = {name: t.detach().float().clone() for name, t in results.items()}
+    baselines = {name: t.detach().float().clone() for name, t in results.items()}
     for b in range(len(lengths_q)):
         rows_q, rows_k = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
         seq = [t[rows_q].unsqueeze(0) for t in (q, dout)] + [t[rows_k].unsqueeze(0) for t in (k, v)]
@@ -274,8 +281,8 @@ def test_varlen_matches_per_sequence_calls_and_oracle(cuda_gen, kernel, dtype, h
         oracle_options = dict(options, alibi_slopes=seq_slopes, batch_start=b)
         oracle_out, oracle_lse = naive_attention(seq_q, seq_k, seq_v, scale, causal, torch.float32, **oracle_options)
         same_out, same_lse = naive_attention(seq_q, seq_k, seq_v, scale, causal, **oracle_options)
-        fa2_check(out[rows_q], oracle_out[0], same_out[0], f"sequence {b} out")
-        fa2_check(lse[:, rows_q], oracle_lse[0], same_lse[0], f"sequence {b} lse")
+        oracles["out"][rows_q], baselines["out"][rows_q] = oracle_out[0], same_out[0].float()
+        oracles["lse"][:, rows_q], baselines["lse"][:, rows_q] = oracle_lse[0], same_lse[0].float()
 
         def grads_of(compute_dtype):
             leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (seq_q, seq_k, seq_v)]
@@ -288,9 +295,12 @@ def test_varlen_matches_per_sequence_calls_and_oracle(cuda_gen, kernel, dtype, h
         # the input dtype and the reference's backward from the rounded out.
         from_rounded_out = attention_backward(seq_dout, seq_q, seq_k, seq_v, same_out, oracle_lse, scale, causal,
                                               **oracle_options)
-        for name, grad, rows, ref, base, rounded in zip("qkv", (dq, dk, dv), (rows_q, rows_k, rows_k),
-                                                        grads_of(torch.float32), grads_of(None), from_rounded_out):
-            fa2_check(grad[rows], ref[0], worse_baseline(ref[0], base[0], rounded[0]), f"sequence {b} d{name}")
+        for name, rows, ref, base, rounded in zip(("dq", "dk", "dv"), (rows_q, rows_k, rows_k),
+                                                  grads_of(torch.float32), grads_of(None), from_rounded_out):
+            oracles[name][rows] = ref[0]
+            baselines[name][rows] = worse_baseline(ref[0], base[0], rounded[0]).float()
+    for name, result in results.items():
+        fa2_check(result, oracles[name], baselines[name], name)
 
 
 @requires_cuda

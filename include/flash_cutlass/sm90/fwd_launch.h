@@ -4,6 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+
 #include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm90/fwd_kernel.h"
@@ -49,7 +51,10 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
     int sms = 0;
     const cudaError_t status = multiprocessor_count(&sms);
     if (status != cudaSuccess) return status;
-    if (num_tiles <= 0x7fffffff) num_ctas = num_tiles < sms ? num_tiles : sms;
+    const char* persistent = std::getenv("FLASH_CUTLASS_SM90_PERSISTENT");  // A/B experiment
+    if (num_tiles <= 0x7fffffff && !(persistent != nullptr && persistent[0] == '0')) {
+      num_ctas = num_tiles < sms ? num_tiles : sms;
+    }
   }
   return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
                        kernel_params, stream);

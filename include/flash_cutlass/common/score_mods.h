@@ -95,4 +95,18 @@ __device__ __forceinline__ float lse_score_unit(FwdParams const& params) {
   return params.softmax_scale;
 }
 
+// The forward's scores before the softmax, in place on one (rows, cols) tile whose element (0, 0)
+// is score (row0, col0): the soft cap and ALiBi (kExtended), then the mask (kMasked: the tiles that
+// need one). The sm80 forward spells the same steps out: through this helper, ptxas spills 96
+// bytes more in its score-options kernel at head dim 128 (the Hopper kernels compile the same).
+template <bool kMasked, bool kExtended, class Mask, class TensorS, class TensorC>
+__device__ __forceinline__ void prepare_scores(ScoreMods<kExtended> const& score_mods, Mask const& mask, TensorS& s,
+                                               TensorC const& coords, int row0, int col0) {
+  if constexpr (kExtended) {
+    score_mods.cap(s);
+    score_mods.add_bias(s, coords, row0, col0);
+  }
+  if constexpr (kMasked) mask.apply(s, coords, row0, col0);
+}
+
 }  // namespace flash_cutlass

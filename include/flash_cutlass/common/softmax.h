@@ -23,33 +23,9 @@ struct OnlineSoftmax {
   // o: the output accumulator as (rows, cols), rescaled to the new maximum.
   template <bool kFirstTile, class TensorS, class TensorO>
   __device__ __forceinline__ void update(TensorS& s, TensorO& o) {
-    using namespace cute;
-    static_assert(decltype(size<0>(s))::value == kRows);
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const float prev_max = kFirstTile ? -INFINITY : row_max[r];
-      float new_max = prev_max;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) new_max = fmaxf(new_max, s(r, c));
-      new_max = quad_max(new_max);
-      row_max[r] = new_max;
-      // A row with every key masked so far keeps m = -inf; exponentiate against 0 so that
-      // its P is exactly 0 instead of exp(-inf + inf) = NaN.
-      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      if (!kFirstTile) {
-        const float correction = new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
-        row_sum[r] *= correction;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction;
-      }
-      float tile_sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
-        tile_sum += s(r, c);
-      }
-      row_sum[r] = kFirstTile ? tile_sum : row_sum[r] + tile_sum;
-    }
+    float correction[kRows];
+    update_scores<kFirstTile>(s, correction);
+    if constexpr (!kFirstTile) rescale(o, correction);
   }
 
   // update() in two halves, for a caller that keeps o busy (an in-flight P V) meanwhile:
@@ -67,6 +43,8 @@ struct OnlineSoftmax {
       for (int c = 0; c < size<1>(s); ++c) new_max = fmaxf(new_max, s(r, c));
       new_max = quad_max(new_max);
       row_max[r] = new_max;
+      // A row with every key masked so far keeps m = -inf; exponentiate against 0 so that
+      // its P is exactly 0 instead of exp(-inf + inf) = NaN.
       const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
       correction[r] = kFirstTile || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
       float tile_sum = 0.f;

@@ -259,11 +259,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           warpgroup_fence_operand(acc_s);
           pipeline_k.consumer_release(state);
           Tensor s = as_rows_cols(acc_s);
-          if constexpr (kExtended) {
-            score_mods.cap(s);
-            score_mods.add_bias(s, tScS, m_block * kBlockM, n_block * kBlockN);
-          }
-          if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
+          prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
           softmax.template update_scores<decltype(first_tile)::value>(s, correction);
           if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
           warpgroup_fence_operand(acc_s);
@@ -339,11 +335,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
           pipeline_k.consumer_release(state);
           Tensor s = as_rows_cols(acc_s);
-          if constexpr (kExtended) {
-            score_mods.cap(s);
-            score_mods.add_bias(s, tScS, m_block * kBlockM, n_block * kBlockN);
-          }
-          if constexpr (decltype(masked)::value) mask.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
+          prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
           softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
           if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
           // P goes straight from the S accumulator into the A operand registers of P V.

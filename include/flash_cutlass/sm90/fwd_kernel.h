@@ -117,7 +117,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-  const int num_tiles = int(num_query_tiles<kBlockM>(params));
+  // One CTA per SM taking tiles in turn (kernel_traits.h: per head dim, and only without a mask,
+  // where every tile costs the same), or one CTA per tile.
+  constexpr bool kPersistentGrid = Traits::kPersistent && kMaskKind == MaskKind::kNone;
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;
 
@@ -157,9 +159,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
       auto state = cutlass::make_producer_start_state<PipelineKV>();
       int q_loads = 0;
-      for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) {
+      auto load_tile = [&](int index) __attribute__((always_inline)) {
         const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, index);
-        if (!work.in_sequence() || !work.has_keys()) continue;
+        if (!work.in_sequence() || !work.has_keys()) return;
         const int head = work.tile.head;
         const int head_k = kv_head_of(head, params);
         const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
@@ -197,6 +199,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                tVsV(_, state.index()));
           ++state;
         }
+      };
+      if constexpr (kPersistentGrid) {
+        const int num_tiles = int(num_query_tiles<kBlockM>(params));
+        for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) load_tile(index);
+      } else {
+        load_tile(int(blockIdx.x));
       }
     }
     return;
@@ -220,9 +228,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   typename PipelineKV::PipelineState state;  // the K/V stage the consumers read next
   int q_loads = 0;
 
-  for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) {
+  auto compute_tile = [&](int index) __attribute__((always_inline)) {
     const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, index);
-    if (!work.in_sequence()) continue;
+    if (!work.in_sequence()) return;
     const int m_block = work.tile.m_block, head = work.tile.head, batch = work.tile.batch;
     const Sequence& sequence = work.sequence;
     const KeyMask<kMaskKind>& mask = work.mask;
@@ -403,6 +411,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
     }
+  };
+  if constexpr (kPersistentGrid) {
+    const int num_tiles = int(num_query_tiles<kBlockM>(params));
+    for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) compute_tile(index);
+  } else {
+    compute_tile(int(blockIdx.x));
   }
 #endif  // Other targets (sm_80, PTX) get an empty body: the host launches this kernel only on sm_90.
 }

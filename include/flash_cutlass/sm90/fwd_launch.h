@@ -47,7 +47,7 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   // or a window, tile costs differ and one CTA per tile lets the hardware balance them.
   const int64_t num_tiles = num_query_tiles<Traits::kBlockM>(params);
   int64_t num_ctas = num_tiles;
-  if constexpr (kMaskKind == MaskKind::kNone) {
+  if constexpr (Traits::kPersistent && kMaskKind == MaskKind::kNone) {
     int sms = 0;
     const cudaError_t status = multiprocessor_count(&sms);
     if (status != cudaSuccess) return status;

@@ -11,7 +11,7 @@
 
 namespace flash_cutlass::sm90 {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, class Element_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kPersistent_, class Element_>
 struct FwdKernelTraits {
   using Element = Element_;
   static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
@@ -22,6 +22,8 @@ struct FwdKernelTraits {
   static constexpr int kStages = kStages_;
   // The consumer warpgroups take turns at the tensor cores (see fwd_kernel.h).
   static constexpr bool kPingPong = kPingPong_;
+  // Calls without a mask run a persistent grid (see fwd_kernel.h).
+  static constexpr bool kPersistent = kPersistent_;
   // One producer warpgroup (a single thread issues the TMA loads) and one consumer warpgroup per
   // 64 query rows.
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -88,12 +90,13 @@ struct FwdKernelTraits {
 // measured faster on the H200 (docs/PERFORMANCE.md): +6-13% at head dims 128 and 256, -3-5% at 64.
 template <int kHeadDim>
 struct FwdTileSizes;
-template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = false; };
-template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = true; };
-template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPingPong = true; };
+template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = false, kPersistent = true; };
+template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = true, kPersistent = true; };
+template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPingPong = true, kPersistent = false; };
 
 template <int kHeadDim, class Element>
 using FwdTraitsFor = FwdKernelTraits<kHeadDim, FwdTileSizes<kHeadDim>::kBlockM, FwdTileSizes<kHeadDim>::kBlockN,
-                                     FwdTileSizes<kHeadDim>::kStages, FwdTileSizes<kHeadDim>::kPingPong, Element>;
+                                     FwdTileSizes<kHeadDim>::kStages, FwdTileSizes<kHeadDim>::kPingPong,
+                                     FwdTileSizes<kHeadDim>::kPersistent, Element>;
 
 }  // namespace flash_cutlass::sm90

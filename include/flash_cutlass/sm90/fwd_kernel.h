@@ -30,6 +30,8 @@ struct FwdKernelParams {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
+  typename Traits::TmaO tma_o;  // over out when store_o_with_tma, else a valid descriptor left unused
+  bool store_o_with_tma;
 };
 
 // The rows and batch extent of the TMA views of Q and of K, V: (seqlen, batch) per sequence, or
@@ -70,6 +72,12 @@ __device__ __forceinline__ void hand_over_turn(int consumer) {
 
 // Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
 // S and O accumulators. (24 + 2 * 240) * 128 threads fill the 64K-register file.
+// Named barrier 3: every consumer thread, around the epilogue's shared-memory tile of O.
+template <int kConsumerThreads>
+__device__ __forceinline__ void sync_consumers() {
+  asm volatile("bar.sync 3, %0;" ::"n"(kConsumerThreads) : "memory");
+}
+
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 
@@ -388,18 +396,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r < kRowsPerThread; ++r) lse[r] = -INFINITY;
     }
 
-    // Epilogue: each thread stores its pairs of neighbouring columns straight from registers.
+    // Epilogue: the log-sum-exp from registers, one thread per row; O through shared memory and a
+    // TMA store (which leaves out rows and columns past the tensor), or from registers.
     const int row_start = m_block * kBlockM;
+    float* lse_row = params.lse + query_stats_index(params, sequence, head);
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int row = row_start + get<0>(tOcO(r, 0));
+      if (row < sequence.seqlen_q && get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
+    }
+    Tensor o = convert_fragment<Element>(acc_o);
+    if (Traits::kTmaStoreO && kernel_params.store_o_with_tma) {
+      Tensor sO = make_tensor(make_smem_ptr(storage.o.data()), typename Traits::SmemLayoutQ{});
+      if (consumer_idx == 0) tma_store_wait<0>();  // the previous tile's store has read sO
+      sync_consumers<Traits::kConsumerThreads>();
+      copy(o, thr_pv.partition_C(sO));
+      tma_store_fence();  // the writes above, visible to the TMA unit
+      sync_consumers<Traits::kConsumerThreads>();
+      if (consumer_idx == 0) {
+        Tensor mO = kernel_params.tma_o.get_tma_tensor(
+            make_shape(sequence.seqlen_q, params.head_dim, params.heads, params.batch));
+        Tensor gO = local_tile(mO(_, _, head, batch), select<0, 2>(TileShape{}), make_coord(m_block, _0{}));
+        auto [tOgO, tOsO] = tma_partition(kernel_params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
+                                          group_modes<0, 2>(gO));
+        copy(kernel_params.tma_o, tOsO, tOgO);
+        tma_store_arrive();
+      }
+      return;
+    }
     Element* out = static_cast<Element*>(params.out) + sequence.q_offset(params.out_batch_stride, params.out_row_stride) +
                    int64_t(head) * params.out_head_stride;
-    float* lse_row = params.lse + query_stats_index(params, sequence, head);
-    Tensor o = convert_fragment<Element>(acc_o);
     Tensor o_rc = as_rows_cols(o);
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int row = row_start + get<0>(tOcO(r, 0));
       if (row >= sequence.seqlen_q) continue;
-      if (get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
       CUTE_UNROLL
       for (int c = 0; c < size<1>(o_rc); c += 2) {
         const int col = get<1>(tOcO(r, c));
@@ -418,6 +449,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   } else {
     compute_tile(int(blockIdx.x));
   }
+  // The CTA's shared memory must outlive the reads of its last TMA store.
+  if (Traits::kTmaStoreO && kernel_params.store_o_with_tma && consumer_idx == 0) tma_store_wait<0>();
 #endif  // Other targets (sm_80, PTX) get an empty body: the host launches this kernel only on sm_90.
 }
 

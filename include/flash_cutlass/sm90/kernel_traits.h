@@ -59,8 +59,14 @@ struct FwdKernelTraits {
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
 
+  // O leaves through shared memory and a TMA store where a tile of it fits beside Q and the K/V
+  // stages (head dims 64 and 128); at 256 the consumers store it from registers.
+  static constexpr bool kTmaStoreO =
+      (2 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + 1024 <= 227 * 1024;
+
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, kTmaStoreO ? cute::cosize_v<SmemLayoutQ> : 8> o;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
     cutlass::arch::ClusterTransactionBarrier q_full;
@@ -80,6 +86,9 @@ struct FwdKernelTraits {
   using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
                                                 GmemLayout{}));
   using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                            cute::select<0, 2>(TileShape{}), cute::_1{}));
+  using GmemTensorOut = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}));
+  using TmaO = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutQ{},
                                             cute::select<0, 2>(TileShape{}), cute::_1{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                              cute::take<0, 2>(SmemLayoutKV{}), cute::select<1, 2>(TileShape{}),

@@ -1,5 +1,6 @@
-// The Hopper-path forward kernel: a persistent grid (one CTA per SM) whose CTAs take the
-// (query block, head, batch) tiles of out = softmax(scale * Q K^T) V and its log-sum-exp in turn.
+// The Hopper-path forward kernel: CTAs take the (query block, head, batch) tiles of
+// out = softmax(scale * Q K^T) V and its log-sum-exp, one each or (a persistent grid, one CTA per
+// SM) in turn.
 // A producer thread brings each tile's Q and its K/V blocks through a multi-stage pipeline with
 // TMA, running ahead into the next tile while the consumers finish this one; each consumer
 // warpgroup owns 64 query rows and runs S = Q K^T and O += P V as wgmma, with the online softmax
@@ -70,14 +71,14 @@ __device__ __forceinline__ void hand_over_turn(int consumer) {
   }
 }
 
-// Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
-// S and O accumulators. (24 + 2 * 240) * 128 threads fill the 64K-register file.
 // Named barrier 3: every consumer thread, around the epilogue's shared-memory tile of O.
 template <int kConsumerThreads>
 __device__ __forceinline__ void sync_consumers() {
   asm volatile("bar.sync 3, %0;" ::"n"(kConsumerThreads) : "memory");
 }
 
+// Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
+// S and O accumulators. (24 + 2 * 240) * 128 threads fill the 64K-register file.
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 

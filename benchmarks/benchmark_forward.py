@@ -244,6 +244,11 @@ def peer_ms(make_peer: Callable[[], Callable[[], object] | None], name: str, min
         return None
 
 
+def peer_columns(peer: float | None, ms: float) -> str:
+    """A peer's two table cells: its time and its time over ours ("n/a | n/a" without one)."""
+    return f"{peer:.3f} | {peer / ms:.2f}" if peer else "n/a | n/a"
+
+
 def write_rows(path: Path | None, rows: Sequence[dict]) -> None:
     """The rows of a small benchmark, with the GPU and torch version, as JSON at path (if given)."""
     if path is not None:

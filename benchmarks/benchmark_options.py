@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_forward import (  # noqa: E402
-    DIRECTIONS, HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, peer_ms, tflops, write_rows)
+    DIRECTIONS, HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, peer_columns, peer_ms, tflops, write_rows)
 
 SOFTCAP = 30.0
 DROPOUT_P = 0.1
@@ -124,10 +124,9 @@ def main(argv=None) -> int:
                                "batch": batch, "heads": heads, "option": name, "ms": ms,
                                "tflops": tflops(flops, ms), "plain_ms": plain_ms, "flex_ms": flex_ms}
                         rows.append(row)
-                        flex = f"{flex_ms:.3f} | {flex_ms / ms:.2f}" if flex_ms else "n/a | n/a"
                         print(f"| {direction} | {head_dim} | {'yes' if causal else 'no'} | {seqlen} | {name} | "
-                              f"{ms:.3f} | {row['tflops']:.1f} | {plain_ms:.3f} | {ms / plain_ms:.2f} | {flex} |",
-                              flush=True)
+                              f"{ms:.3f} | {row['tflops']:.1f} | {plain_ms:.3f} | {ms / plain_ms:.2f} | "
+                              f"{peer_columns(flex_ms, ms)} |", flush=True)
     write_rows(args.json, rows)
     return 0
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_forward import HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, peer_ms, tflops, write_rows  # noqa: E402
+from benchmark_forward import (  # noqa: E402
+    HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, peer_columns, peer_ms, tflops, write_rows)
 
 DIRECTION_FACTOR = {"forward": 1.0, "backward": 2.5}
 
@@ -113,9 +114,8 @@ def main(argv=None) -> int:
                 row = {"direction": direction, "head_dim": head_dim, "causal": causal, "lengths": lengths, "ms": ms,
                        "tflops": tflops(flops, ms), "padded_ms": padded_ms, "nested_sdpa_ms": nested_ms}
                 rows.append(row)
-                nested = f"{nested_ms:.3f} | {nested_ms / ms:.2f}" if nested_ms else "n/a | n/a"
                 print(f"| {direction} | {head_dim} | {'yes' if causal else 'no'} | {ms:.3f} | {row['tflops']:.1f} | "
-                      f"{padded_ms:.3f} | {padded_ms / ms:.2f} | {nested} |", flush=True)
+                      f"{padded_ms:.3f} | {padded_ms / ms:.2f} | {peer_columns(nested_ms, ms)} |", flush=True)
     write_rows(args.json, rows)
     return 0
 

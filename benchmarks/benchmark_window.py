@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_forward import (  # noqa: E402
-    DIRECTIONS, HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, peer_ms, tflops, write_rows)
+    DIRECTIONS, HIDDEN_SIZE, TOKENS_PER_BATCH, median_ms, peer_columns, peer_ms, tflops, write_rows)
 
 
 def visible_pairs(seqlen: int, left: int, right: int) -> int:
@@ -114,9 +114,8 @@ def main(argv=None) -> int:
                            "heads": heads, "window": [left, right], "ms": ms, "tflops": tflops(flops, ms),
                            "full_ms": full_ms, "flex_ms": flex_ms}
                     rows.append(row)
-                    flex = f"{flex_ms:.3f} | {flex_ms / ms:.2f}" if flex_ms else "n/a | n/a"
                     print(f"| {direction} | {head_dim} | ({left}, {right}) | {ms:.3f} | {row['tflops']:.1f} | "
-                          f"{full_ms:.3f} | {full_ms / ms:.1f} | {flex} |", flush=True)
+                          f"{full_ms:.3f} | {full_ms / ms:.1f} | {peer_columns(flex_ms, ms)} |", flush=True)
     write_rows(args.json, rows)
     return 0
 

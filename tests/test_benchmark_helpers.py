@@ -39,6 +39,11 @@ def test_tflops_of_a_known_time():
     assert bench.tflops(1e12, 1.0) == pytest.approx(1000.0)
 
 
+def test_peer_columns_give_the_peer_time_and_its_ratio_or_na():
+    assert bench.peer_columns(3.0, 1.5) == "3.000 | 2.00"
+    assert bench.peer_columns(None, 1.5) == "n/a | n/a"
+
+
 def test_default_cases_keep_tokens_and_hidden_fixed():
     cases = bench.benchmark_cases(bench.DEFAULT_HEAD_DIMS, bench.DEFAULT_SEQLENS, [False, True])
     assert len(cases) == 3 * 2 * 6

@@ -136,4 +136,29 @@ __device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, in
   return {first_row / kBlockM, (row_end + kBlockM - 1) / kBlockM};
 }
 
+// What a backward CTA derives from its key tile: its sequence and mask, and the query blocks
+// [m_block_begin, m_block_end) whose rows see any of its keys. A variable-length call's key
+// blocks past their sequence's end (shorter sequences have fewer than the longest) have nothing to do.
+template <int kBlockM, int kBlockN, MaskKind kKind>
+struct KeyBlockWork {
+  KeyTile tile;
+  Sequence sequence;
+  KeyMask<kKind> mask;
+  int key_start;
+  int m_block_begin;
+  int m_block_end;
+
+  __device__ bool in_sequence() const { return key_start < sequence.seqlen_k; }
+};
+
+template <int kBlockM, int kBlockN, MaskKind kKind>
+__device__ __forceinline__ KeyBlockWork<kBlockM, kBlockN, kKind> key_block_work_of_this_cta(FwdParams const& params) {
+  const KeyTile tile = key_tile_of_this_cta<kBlockN>(params);
+  const Sequence sequence = sequence_of(params, tile.batch);
+  const KeyMask<kKind> mask = key_mask_of<kKind>(params, sequence.seqlen_q, sequence.seqlen_k);
+  const int key_start = tile.n_block * kBlockN;
+  const int2 m_blocks = query_block_range<kBlockM>(mask, key_start, kBlockN);
+  return {tile, sequence, mask, key_start, m_blocks.x, m_blocks.y};
+}
+
 }  // namespace flash_cutlass

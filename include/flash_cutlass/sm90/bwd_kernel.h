@@ -197,23 +197,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-  const KeyTile tile = key_tile_of_this_cta<kBlockN>(params);
-  const int n_block = tile.n_block, head = tile.head, batch = tile.batch;
+  const auto work = key_block_work_of_this_cta<kBlockM, kBlockN, kMaskKind>(params);
+  if (!work.in_sequence()) return;
+  const int n_block = work.tile.n_block, head = work.tile.head, batch = work.tile.batch;
   const int head_k = kv_head_of(head, params);
   const int tidx = threadIdx.x;
-  const Sequence sequence = sequence_of(params, batch);
-  // In a variable-length call, the key blocks past this sequence's end have nothing to do.
-  if (n_block * kBlockN >= sequence.seqlen_k) return;
-  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
+  const Sequence& sequence = work.sequence;
+  const KeyMask<kMaskKind>& mask = work.mask;
   const ScoreMods<kExtended> score_mods =
       score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
   const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
-  const int key_start = n_block * kBlockN;
+  const int key_start = work.key_start;
   const int rows_left_k = sequence.seqlen_k - key_start;
-  // The query blocks whose rows see any key of this block.
-  const int2 m_blocks = query_block_range<kBlockM>(mask, key_start, kBlockN);
-  const int m_block_begin = m_blocks.x;
-  const int m_block_end = m_blocks.y;
+  const int m_block_begin = work.m_block_begin, m_block_end = work.m_block_end;
 
   Tensor mQ = head_matrix<Element, kHeadDim>(params.q, sequence.q_offset(params.q_batch_stride, params.q_row_stride),
                                              head, params.q_head_stride, sequence.seqlen_q, params.q_row_stride);

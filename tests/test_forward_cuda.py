@@ -80,6 +80,27 @@ def test_forward_matches_oracle(cuda_gen, dtype, kernel, head_dim, causal, seqle
     assert torch.equal(out, out_again) and torch.equal(lse, lse_again), "two runs differ bitwise"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_HEAD_DIMS)
+def test_more_tiles_than_sms(cuda_gen, head_dim, causal):
+    """The Hopper path's persistent grid (one CTA per SM, used without a mask): every CTA takes
+    several tiles, ragged in both sequence lengths, under GQA; each batch entry's bits equal its
+    call alone (fewer tiles, other CTAs) and the results pass the oracle."""
+    skip_unless_runs("sm90")
+    dtype = COMPILED_DTYPES[-1]
+    batch, heads, heads_k, seqlen_q, seqlen_k = 3, 16, 4, 1100, 900
+    q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
+    tiles = batch * heads * math.ceil(seqlen_q / 128)
+    assert tiles > 3 * torch.cuda.get_device_properties(0).multi_processor_count
+    scale = 1.0 / math.sqrt(head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm90")
+    check_against_oracle(q, k, v, out, lse, scale, causal, "sm90")
+    for b in range(batch):
+        alone_out, alone_lse = flash_cutlass.flash_forward(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal,
+                                                           kernel="sm90")
+        assert torch.equal(out[b:b + 1], alone_out) and torch.equal(lse[b:b + 1], alone_lse), f"batch entry {b}"
+
+
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 136, 200, 3, 50, 100, 255])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel", KERNELS)

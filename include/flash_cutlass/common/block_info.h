@@ -9,16 +9,16 @@
 
 namespace flash_cutlass {
 
-// The forward kernels run one CTA per (query block, head, batch), flattened into blockIdx.x with
-// the query block fastest, so the CTAs that share K/V run together.
+// The forward works in tiles of one (query block, head, batch), numbered with the query block
+// fastest so that the CTAs that share K/V run together.
 template <int kBlockM>
 __host__ __device__ inline int num_query_blocks(FwdParams const& params) {
   return (params.seqlen_q + kBlockM - 1) / kBlockM;
 }
 
-// CTAs of the forward grid; the launchers refuse more than 2^31 - 1.
+// Tiles of the forward, one per (query block, head, batch); the launchers refuse more than 2^31 - 1.
 template <int kBlockM>
-inline int64_t num_query_tiles(FwdParams const& params) {
+__host__ __device__ inline int64_t num_query_tiles(FwdParams const& params) {
   return int64_t(num_query_blocks<kBlockM>(params)) * params.batch * params.heads;
 }
 
@@ -28,13 +28,19 @@ struct QueryTile {
   int batch;
 };
 
-// This CTA's tile. Query blocks run from the last to the first so that, with a causal mask, the
-// longest blocks start first.
+// Tile number `index` of the forward. Query blocks run from the last to the first so that, with a
+// causal mask, the longest blocks start first.
+template <int kBlockM>
+__device__ __forceinline__ QueryTile query_tile_at(FwdParams const& params, int index) {
+  const int num_m_blocks = num_query_blocks<kBlockM>(params);
+  const int batch_head = index / num_m_blocks;
+  return {num_m_blocks - 1 - index % num_m_blocks, batch_head % params.heads, batch_head / params.heads};
+}
+
+// The tile of a CTA in a grid of one CTA per tile.
 template <int kBlockM>
 __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& params) {
-  const int num_m_blocks = num_query_blocks<kBlockM>(params);
-  const int batch_head = int(blockIdx.x / num_m_blocks);
-  return {num_m_blocks - 1 - int(blockIdx.x % num_m_blocks), batch_head % params.heads, batch_head / params.heads};
+  return query_tile_at<kBlockM>(params, int(blockIdx.x));
 }
 
 // The backward kernels run one CTA per (key block, head, batch), flattened into blockIdx.x with

@@ -21,4 +21,12 @@ cudaError_t launch_kernel(void (*kernel)(Params), int64_t num_ctas, int threads,
   return cudaGetLastError();
 }
 
+// The current device's number of SMs: the size of a persistent grid.
+inline cudaError_t multiprocessor_count(int* count) {
+  int device = 0;
+  const cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+}
+
 }  // namespace flash_cutlass

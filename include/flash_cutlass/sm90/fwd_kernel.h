@@ -1,7 +1,10 @@
-// The Hopper-path forward kernel: one CTA computes one (query block, head, batch) tile of
-// out = softmax(scale * Q K^T) V and its log-sum-exp. A producer thread brings Q once and K/V
-// tiles through a multi-stage pipeline with TMA; each consumer warpgroup owns 64 query rows and
-// runs S = Q K^T and O += P V as wgmma, with the online softmax in registers between them.
+// The Hopper-path forward kernel: CTAs take the (query block, head, batch) tiles of
+// out = softmax(scale * Q K^T) V and its log-sum-exp, one each or (a persistent grid, one CTA per
+// SM) in turn.
+// A producer thread brings each tile's Q and its K/V blocks through a multi-stage pipeline with
+// TMA, running ahead into the next tile while the consumers finish this one; each consumer
+// warpgroup owns 64 query rows and runs S = Q K^T and O += P V as wgmma, with the online softmax
+// in registers between them.
 #pragma once
 
 #include <cmath>
@@ -28,10 +31,10 @@ struct FwdKernelParams {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
+  typename Traits::TmaO tma_o;  // over out when store_o_with_tma, else a valid descriptor left unused
+  bool store_o_with_tma;
 };
 
-// Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
-// S and O accumulators. (24 + 2 * 240) * 128 threads fill the 64K-register file.
 // The rows and batch extent of the TMA views of Q and of K, V: (seqlen, batch) per sequence, or
 // (total rows, 1) in a variable-length call.
 struct TmaExtents {
@@ -68,9 +71,41 @@ __device__ __forceinline__ void hand_over_turn(int consumer) {
   }
 }
 
+// Named barrier 3: every consumer thread, around the epilogue's shared-memory tile of O.
+template <int kConsumerThreads>
+__device__ __forceinline__ void sync_consumers() {
+  asm volatile("bar.sync 3, %0;" ::"n"(kConsumerThreads) : "memory");
+}
+
+// Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
+// S and O accumulators. (24 + 2 * 240) * 128 threads fill the 64K-register file.
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 
+// What the producer and the consumers both derive from a tile number. A tile is skipped when its
+// query block lies past its sequence's end (a variable-length call's shorter sequences have fewer
+// query blocks than the longest); it has no work but its epilogue when no row sees a key.
+template <int kBlockM, int kBlockN, MaskKind kMaskKind>
+struct TileWork {
+  QueryTile tile;
+  Sequence sequence;
+  KeyMask<kMaskKind> mask;
+  KeyBlockRange key_blocks;
+
+  __device__ bool in_sequence() const { return tile.m_block * kBlockM < sequence.seqlen_q; }
+  __device__ bool has_keys() const { return key_blocks.end > key_blocks.begin; }
+};
+
+template <int kBlockM, int kBlockN, MaskKind kMaskKind>
+__device__ __forceinline__ TileWork<kBlockM, kBlockN, kMaskKind> tile_work(FwdParams const& params, int index) {
+  const QueryTile tile = query_tile_at<kBlockM>(params, index);
+  const Sequence sequence = sequence_of(params, tile.batch);
+  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
+  return {tile, sequence, mask, key_block_range<kBlockM, kBlockN>(mask, tile.m_block)};
+}
+
+// Every CTA takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the launcher sizes the grid: one
+// CTA per SM where tiles cost the same, one CTA per tile otherwise).
 // Traits::kPingPong (per head dim, kernel_traits.h): the consumer warpgroups' ping-pong over a loop
 // that issues S of tile n with P V of tile n+1; otherwise each warpgroup runs its GEMMs and softmax
 // in turn, unsynchronized with the other.
@@ -91,14 +126,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-  const QueryTile tile = query_tile_of_this_cta<kBlockM>(params);
-  const int m_block = tile.m_block, head = tile.head, batch = tile.batch;
-  const int head_k = kv_head_of(head, params);
-  const Sequence sequence = sequence_of(params, batch);
-  // In a variable-length call, the query blocks past this sequence's end have nothing to do.
-  if (m_block * kBlockM >= sequence.seqlen_q) return;
-  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
-  const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
+  // One CTA per SM taking tiles in turn (kernel_traits.h: per head dim, and only without a mask,
+  // where every tile costs the same), or one CTA per tile.
+  constexpr bool kPersistentGrid = Traits::kPersistent && kMaskKind == MaskKind::kNone;
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;
 
@@ -107,6 +137,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     prefetch_tma_descriptor(kernel_params.tma_k.get_tma_descriptor());
     prefetch_tma_descriptor(kernel_params.tma_v.get_tma_descriptor());
     storage.q_full.init(1);
+    storage.q_empty.init(Traits::kConsumerThreads);
   }
   typename PipelineKV::Params pipeline_params;
   pipeline_params.transaction_bytes = Traits::kBytesKV;
@@ -124,7 +155,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (producer_thread && key_blocks.end > key_blocks.begin) {
+    if (producer_thread) {
       // TMA views of Q, K, V: (seqlen, head_dim, heads, batch), or (total, head_dim, heads, 1) in a
       // variable-length call, each sequence's rows from its first one on; rows and columns past the
       // tensor arrive as zeros (rows past a packed sequence are the next one's, masked like them).
@@ -135,40 +166,60 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
       Tensor mV = kernel_params.tma_v.get_tma_tensor(
           make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
-      const int tma_batch = params.cu_seqlens_q == nullptr ? batch : 0;
-      Tensor gQ = local_tile(domain_offset(make_coord(sequence.q_start, _0{}), mQ(_, _, head, tma_batch)),
-                             select<0, 2>(TileShape{}), make_coord(m_block, _0{}));
-      Tensor gK = local_tile(domain_offset(make_coord(sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
-                             select<1, 2>(TileShape{}), make_coord(_, _0{}));
-      Tensor gV = local_tile(domain_offset(make_coord(sequence.k_start, _0{}), mV(_, _, head_k, tma_batch)),
-                             select<1, 2>(TileShape{}), make_coord(_, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                        group_modes<0, 2>(gQ));
-      auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                        group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                        group_modes<0, 2>(gV));
-
-      storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
-      copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
       auto state = cutlass::make_producer_start_state<PipelineKV>();
-      for (int n_block = key_blocks.end - 1; n_block >= key_blocks.begin; --n_block) {
+      int q_loads = 0;
+      auto load_tile = [&](int index) __attribute__((always_inline)) {
+        const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, index);
+        if (!work.in_sequence() || !work.has_keys()) return;
+        const int head = work.tile.head;
+        const int head_k = kv_head_of(head, params);
+        const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
+        Tensor gQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mQ(_, _, head, tma_batch)),
+                               select<0, 2>(TileShape{}), make_coord(work.tile.m_block, _0{}));
+        Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
+                               select<1, 2>(TileShape{}), make_coord(_, _0{}));
+        Tensor gV = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mV(_, _, head_k, tma_batch)),
+                               select<1, 2>(TileShape{}), make_coord(_, _0{}));
+        auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                          group_modes<0, 2>(gQ));
+        auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                          group_modes<0, 2>(gK));
+        auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                          group_modes<0, 2>(gV));
+
+        // The tile's first K block goes before its Q: it may load while the consumers still read
+        // the previous tile's Q, which Q's load has to wait for.
+        const int last = work.key_blocks.end - 1;
         pipeline_k.producer_acquire(state);
-        copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block),
-             tKsK(_, state.index()));
+        copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, last), tKsK(_, state.index()));
+        if (q_loads > 0) storage.q_empty.wait((q_loads - 1) & 1);
+        storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
+        copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
+        ++q_loads;
         pipeline_v.producer_acquire(state);
-        copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, n_block),
-             tVsV(_, state.index()));
+        copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, last), tVsV(_, state.index()));
         ++state;
+        for (int n_block = last - 1; n_block >= work.key_blocks.begin; --n_block) {
+          pipeline_k.producer_acquire(state);
+          copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block),
+               tKsK(_, state.index()));
+          pipeline_v.producer_acquire(state);
+          copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, n_block),
+               tVsV(_, state.index()));
+          ++state;
+        }
+      };
+      if constexpr (kPersistentGrid) {
+        const int num_tiles = int(num_query_tiles<kBlockM>(params));
+        for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) load_tile(index);
+      } else {
+        load_tile(int(blockIdx.x));
       }
     }
     return;
   }
 
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-  const ScoreMods<kExtended> score_mods =
-      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
-  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
   const int consumer_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
@@ -178,181 +229,229 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrVt = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
   Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
-  clear(acc_o);
   Tensor acc_o_rc = as_rows_cols(acc_o);
   // (row, col) of every accumulator element inside its tile.
   Tensor tScS = as_rows_cols(thr_qk.partition_C(make_identity_tensor(select<0, 1>(TileShape{}))));
   Tensor tOcO = as_rows_cols(thr_pv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
   constexpr int kRowsPerThread = decltype(size<0>(acc_o_rc))::value;
-  float lse[kRowsPerThread];
+  typename PipelineKV::PipelineState state;  // the K/V stage the consumers read next
+  int q_loads = 0;
 
-  if (key_blocks.end > key_blocks.begin) {
-    OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
-    if constexpr (Traits::kPingPong) {
-      typename PipelineKV::PipelineState state;  // the K/V stage of the tile being scored
-      storage.q_full.wait(0);
-      // Intra-warpgroup overlap: the scores of tile n (S = Q K^T, then the softmax) run while the
-      // tensor cores do P V of tile n+1 (the one scored before; key blocks run from the last down).
-      // P lives in its own registers and O is rescaled only once that P V is done. (ptxas still
-      // places the wait for P V before the softmax's exponentials; the warpgroups' ping-pong below
-      // overlaps one warpgroup's softmax with the other's GEMMs regardless.)
-      Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
-      Tensor p = make_tensor<Element>(acc_s.layout());
-      Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
-      float correction[kRowsPerThread];
-      const int consumer = warpgroup - 1;
-      if (consumer == 1) hand_over_turn(consumer);  // consumer 0 issues first
-      // The wgmma of S = Q K^T for one key tile, issued (the caller waits for it).
-      auto issue_scores = [&]() __attribute__((always_inline)) {
-        issue_gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-      };
-      // Once S has landed: the score options, the mask (for `masked` tiles), the softmax but O's
-      // rescale, and dropout, in place in acc_s.
-      auto softmax_scores = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
-        warpgroup_fence_operand(acc_s);
-        pipeline_k.consumer_release(state);
-        Tensor s = as_rows_cols(acc_s);
-        prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
-        softmax.template update_scores<decltype(first_tile)::value>(s, correction);
-        if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
-        warpgroup_fence_operand(acc_s);
-      };
-      // P of the tile just scored, in the inputs' dtype.
-      auto store_probabilities = [&]() __attribute__((always_inline)) {
-        *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value>*>(p.data()) =
-            *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value> const*>(
-                convert_fragment<Element>(acc_s).data());
-      };
-      // One steady-state step: tile n_block is scored while P V of the tile before it runs.
-      auto process_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
-        typename PipelineKV::PipelineState state_v = state;  // the stage of the tile scored before
-        ++state;
+  auto compute_tile = [&](int index) __attribute__((always_inline)) {
+    const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, index);
+    if (!work.in_sequence()) return;
+    const int m_block = work.tile.m_block, head = work.tile.head, batch = work.tile.batch;
+    const Sequence& sequence = work.sequence;
+    const KeyMask<kMaskKind>& mask = work.mask;
+    const KeyBlockRange& key_blocks = work.key_blocks;
+    float lse[kRowsPerThread];
+    clear(acc_o);
+
+    if (work.has_keys()) {
+      const ScoreMods<kExtended> score_mods =
+          score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
+      const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
+      OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
+      storage.q_full.wait(q_loads & 1);
+      if constexpr (Traits::kPingPong) {
+        // `state`: the K/V stage of the key tile being scored.
+        // Intra-warpgroup overlap: the scores of tile n (S = Q K^T, then the softmax) run while the
+        // tensor cores do P V of tile n+1 (the one scored before; key blocks run from the last down).
+        // P lives in its own registers and O is rescaled only once that P V is done. (ptxas still
+        // places the wait for P V before the softmax's exponentials; the warpgroups' ping-pong below
+        // overlaps one warpgroup's softmax with the other's GEMMs regardless.)
+        Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
+        Tensor p = make_tensor<Element>(acc_s.layout());
+        Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
+        float correction[kRowsPerThread];
+        const int consumer = warpgroup - 1;
+        if (consumer == 1) hand_over_turn(consumer);  // consumer 0 issues first
+        // The wgmma of S = Q K^T for one key tile, issued (the caller waits for it).
+        auto issue_scores = [&]() __attribute__((always_inline)) {
+          issue_gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+        };
+        // Once S has landed: the score options, the mask (for `masked` tiles), the softmax but O's
+        // rescale, and dropout, in place in acc_s.
+        auto softmax_scores = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
+          warpgroup_fence_operand(acc_s);
+          pipeline_k.consumer_release(state);
+          Tensor s = as_rows_cols(acc_s);
+          prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
+          softmax.template update_scores<decltype(first_tile)::value>(s, correction);
+          if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
+          warpgroup_fence_operand(acc_s);
+        };
+        // P of the tile just scored, in the inputs' dtype.
+        auto store_probabilities = [&]() __attribute__((always_inline)) {
+          *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value>*>(p.data()) =
+              *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value> const*>(
+                  convert_fragment<Element>(acc_s).data());
+        };
+        // One steady-state step: tile n_block is scored while P V of the tile before it runs.
+        auto process_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
+          typename PipelineKV::PipelineState state_v = state;  // the stage of the tile scored before
+          ++state;
+          pipeline_k.consumer_wait(state);
+          pipeline_v.consumer_wait(state_v);
+          wait_for_turn(consumer);
+          issue_scores();
+          issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
+          hand_over_turn(consumer);
+          warpgroup_wait<1>();  // S of this tile
+          softmax_scores(n_block, cute::false_type{}, masked);
+          warpgroup_wait<0>();  // P V of the tile before
+          warpgroup_fence_operand(acc_o);
+          warpgroup_fence_operand(tOrP);
+          pipeline_v.consumer_release(state_v);
+          OnlineSoftmax<kRowsPerThread>::rescale(acc_o_rc, correction);
+          store_probabilities();
+        };
+        // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
+        // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
+        // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
+        // The producer loads the same blocks in the same order.
+        const int last = key_blocks.end - 1;
         pipeline_k.consumer_wait(state);
-        pipeline_v.consumer_wait(state_v);
         wait_for_turn(consumer);
         issue_scores();
-        issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
         hand_over_turn(consumer);
-        warpgroup_wait<1>();  // S of this tile
-        softmax_scores(n_block, cute::false_type{}, masked);
-        warpgroup_wait<0>();  // P V of the tile before
-        warpgroup_fence_operand(acc_o);
-        warpgroup_fence_operand(tOrP);
-        pipeline_v.consumer_release(state_v);
-        OnlineSoftmax<kRowsPerThread>::rescale(acc_o_rc, correction);
+        warpgroup_wait<0>();
+        softmax_scores(last, cute::true_type{}, cute::true_type{});
         store_probabilities();
-      };
-      // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-      // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
-      // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
-      // The producer loads the same blocks in the same order.
-      const int last = key_blocks.end - 1;
-      pipeline_k.consumer_wait(state);
-      wait_for_turn(consumer);
-      issue_scores();
-      hand_over_turn(consumer);
-      warpgroup_wait<0>();
-      softmax_scores(last, cute::true_type{}, cute::true_type{});
-      store_probabilities();
-      if constexpr (kMaskKind == MaskKind::kLocal) {
-        for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
-          if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
-            process_tile(n_block, cute::true_type{});
-          } else {
-            process_tile(n_block, cute::false_type{});
+        if constexpr (kMaskKind == MaskKind::kLocal) {
+          for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
+            if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
+              process_tile(n_block, cute::true_type{});
+            } else {
+              process_tile(n_block, cute::false_type{});
+            }
           }
+        } else {
+          int n_block = last - 1;
+          for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::true_type{});
+          for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{});
         }
-      } else {
-        int n_block = last - 1;
-        for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::true_type{});
-        for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{});
-      }
-      // P V of the last tile scored.
-      pipeline_v.consumer_wait(state);
-      wait_for_turn(consumer);
-      issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
-      hand_over_turn(consumer);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      pipeline_v.consumer_release(state);
-      // Consumer 1's last hand-over has no turn of consumer 0 left to meet: take it here, so that no
-      // barrier is left half-arrived.
-      if (consumer == 0) wait_for_turn(consumer);
-    } else {
-      typename PipelineKV::PipelineState state;
-      storage.q_full.wait(0);
-      // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V.
-      auto process_tile = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
-        Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
-        pipeline_k.consumer_wait(state);
-        gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-        pipeline_k.consumer_release(state);
-        Tensor s = as_rows_cols(acc_s);
-        prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
-        softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
-        if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
-        // P goes straight from the S accumulator into the A operand registers of P V.
-        Tensor p = convert_fragment<Element>(acc_s);
-        Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
+        // P V of the last tile scored.
         pipeline_v.consumer_wait(state);
-        gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+        wait_for_turn(consumer);
+        issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+        hand_over_turn(consumer);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
         pipeline_v.consumer_release(state);
+        // Consumer 1's last hand-over has no turn of consumer 0 left to meet: take it here, so that no
+        // barrier is left half-arrived. (Consumer 1 arrives again only in its next tile, after this
+        // tile's Q release below, to which consumer 0 contributes after this wait.)
+        if (consumer == 0) wait_for_turn(consumer);
         ++state;
-      };
-      // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-      // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
-      // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
-      // The producer loads the same blocks in the same order.
-      const int last = key_blocks.end - 1;
-      process_tile(last, cute::true_type{}, cute::true_type{});
-      if constexpr (kMaskKind == MaskKind::kLocal) {
-        for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
-          if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
-            process_tile(n_block, cute::false_type{}, cute::true_type{});
-          } else {
-            process_tile(n_block, cute::false_type{}, cute::false_type{});
-          }
-        }
       } else {
-        int n_block = last - 1;
-        for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
-        for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
+        // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V.
+        auto process_tile = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
+          Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
+          pipeline_k.consumer_wait(state);
+          gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+          pipeline_k.consumer_release(state);
+          Tensor s = as_rows_cols(acc_s);
+          prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
+          softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
+          if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
+          // P goes straight from the S accumulator into the A operand registers of P V.
+          Tensor p = convert_fragment<Element>(acc_s);
+          Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
+          pipeline_v.consumer_wait(state);
+          gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+          pipeline_v.consumer_release(state);
+          ++state;
+        };
+        // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
+        // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
+        // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
+        // The producer loads the same blocks in the same order.
+        const int last = key_blocks.end - 1;
+        process_tile(last, cute::true_type{}, cute::true_type{});
+        if constexpr (kMaskKind == MaskKind::kLocal) {
+          for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
+            if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
+              process_tile(n_block, cute::false_type{}, cute::true_type{});
+            } else {
+              process_tile(n_block, cute::false_type{}, cute::false_type{});
+            }
+          }
+        } else {
+          int n_block = last - 1;
+          for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
+          for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
+        }
       }
-    }
-    softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
-    if constexpr (kDropout) {
+      // Every S = Q K^T of this tile has completed: the producer may bring the next tile's Q.
+      storage.q_empty.arrive();
+      ++q_loads;
+      softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
+      if constexpr (kDropout) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
+      }
+    } else {
+      // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0.
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
+      for (int r = 0; r < kRowsPerThread; ++r) lse[r] = -INFINITY;
     }
-  } else {
-    // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0.
-    CUTE_UNROLL
-    for (int r = 0; r < kRowsPerThread; ++r) lse[r] = -INFINITY;
-  }
 
-  // Epilogue: each thread stores its pairs of neighbouring columns straight from registers.
-  const int row_start = m_block * kBlockM;
-  Element* out = static_cast<Element*>(params.out) + sequence.q_offset(params.out_batch_stride, params.out_row_stride) +
-                 int64_t(head) * params.out_head_stride;
-  float* lse_row = params.lse + query_stats_index(params, sequence, head);
-  Tensor o = convert_fragment<Element>(acc_o);
-  Tensor o_rc = as_rows_cols(o);
-  CUTE_UNROLL
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int row = row_start + get<0>(tOcO(r, 0));
-    if (row >= sequence.seqlen_q) continue;
-    if (get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
+    // Epilogue: the log-sum-exp from registers, one thread per row; O through shared memory and a
+    // TMA store (which leaves out rows and columns past the tensor), or from registers.
+    const int row_start = m_block * kBlockM;
+    float* lse_row = params.lse + query_stats_index(params, sequence, head);
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(o_rc); c += 2) {
-      const int col = get<1>(tOcO(r, c));
-      if (col < params.head_dim) {
-        cutlass::Array<Element, 2> pair;
-        pair[0] = o_rc(r, c);
-        pair[1] = o_rc(r, c + 1);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(out + int64_t(row) * params.out_row_stride + col) = pair;
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int row = row_start + get<0>(tOcO(r, 0));
+      if (row < sequence.seqlen_q && get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
+    }
+    Tensor o = convert_fragment<Element>(acc_o);
+    if (Traits::kTmaStoreO && kernel_params.store_o_with_tma) {
+      Tensor sO = make_tensor(make_smem_ptr(storage.o.data()), typename Traits::SmemLayoutQ{});
+      if (consumer_idx == 0) tma_store_wait<0>();  // the previous tile's store has read sO
+      sync_consumers<Traits::kConsumerThreads>();
+      copy(o, thr_pv.partition_C(sO));
+      tma_store_fence();  // the writes above, visible to the TMA unit
+      sync_consumers<Traits::kConsumerThreads>();
+      if (consumer_idx == 0) {
+        Tensor mO = kernel_params.tma_o.get_tma_tensor(
+            make_shape(sequence.seqlen_q, params.head_dim, params.heads, params.batch));
+        Tensor gO = local_tile(mO(_, _, head, batch), select<0, 2>(TileShape{}), make_coord(m_block, _0{}));
+        auto [tOgO, tOsO] = tma_partition(kernel_params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
+                                          group_modes<0, 2>(gO));
+        copy(kernel_params.tma_o, tOsO, tOgO);
+        tma_store_arrive();
+      }
+      return;
+    }
+    Element* out = static_cast<Element*>(params.out) + sequence.q_offset(params.out_batch_stride, params.out_row_stride) +
+                   int64_t(head) * params.out_head_stride;
+    Tensor o_rc = as_rows_cols(o);
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int row = row_start + get<0>(tOcO(r, 0));
+      if (row >= sequence.seqlen_q) continue;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); c += 2) {
+        const int col = get<1>(tOcO(r, c));
+        if (col < params.head_dim) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = o_rc(r, c);
+          pair[1] = o_rc(r, c + 1);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + int64_t(row) * params.out_row_stride + col) = pair;
+        }
       }
     }
+  };
+  if constexpr (kPersistentGrid) {
+    const int num_tiles = int(num_query_tiles<kBlockM>(params));
+    for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) compute_tile(index);
+  } else {
+    compute_tile(int(blockIdx.x));
   }
+  // The CTA's shared memory must outlive the reads of its last TMA store.
+  if (Traits::kTmaStoreO && kernel_params.store_o_with_tma && consumer_idx == 0) tma_store_wait<0>();
 #endif  // Other targets (sm_80, PTX) get an empty body: the host launches this kernel only on sm_90.
 }
 

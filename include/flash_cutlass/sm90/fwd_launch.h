@@ -4,19 +4,24 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <cstdlib>
+
 #include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm90/fwd_kernel.h"
 
 namespace flash_cutlass::sm90 {
 
-template <class Traits>
-typename Traits::GmemTensor gmem_tensor(void const* base, int seqlen, int head_dim, int heads, int batch,
-                                        int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+// (seqlen, head_dim, heads, batch) over base, head_dim contiguous: Element const* for the loads,
+// Element* for the store.
+template <class Traits, class Pointer>
+auto gmem_tensor(Pointer base, int seqlen, int head_dim, int heads, int batch, int64_t row_stride,
+                 int64_t head_stride, int64_t batch_stride) {
   using namespace cute;
-  return make_tensor(make_gmem_ptr(static_cast<typename Traits::Element const*>(base)),
-                     typename Traits::GmemLayout{make_shape(seqlen, head_dim, heads, batch),
-                                                 make_stride(row_stride, _1{}, head_stride, batch_stride)});
+  return make_tensor(make_gmem_ptr(base), typename Traits::GmemLayout{make_shape(seqlen, head_dim, heads, batch),
+                                                                      make_stride(row_stride, _1{}, head_stride,
+                                                                                  batch_stride)});
 }
 
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
@@ -27,21 +32,52 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using TileShape = typename Traits::TileShape;
 
   const TmaExtents extents = tma_extents(params);
-  const auto q = gmem_tensor<Traits>(params.q, extents.rows_q, params.head_dim, params.heads, extents.batch,
+  const auto q = gmem_tensor<Traits>(static_cast<Element const*>(params.q), extents.rows_q, params.head_dim, params.heads, extents.batch,
                                      params.q_row_stride, params.q_head_stride, params.q_batch_stride);
-  const auto k = gmem_tensor<Traits>(params.k, extents.rows_k, params.head_dim, params.heads_k, extents.batch,
+  const auto k = gmem_tensor<Traits>(static_cast<Element const*>(params.k), extents.rows_k, params.head_dim, params.heads_k, extents.batch,
                                      params.k_row_stride, params.k_head_stride, params.k_batch_stride);
-  const auto v = gmem_tensor<Traits>(params.v, extents.rows_k, params.head_dim, params.heads_k, extents.batch,
+  const auto v = gmem_tensor<Traits>(static_cast<Element const*>(params.v), extents.rows_k, params.head_dim, params.heads_k, extents.batch,
                                      params.v_row_stride, params.v_head_stride, params.v_batch_stride);
+  // O through a TMA store: not in a variable-length call (a tile's rows past its sequence belong to
+  // the next one, which a store bounded by the packed tensor would overwrite), and only where TMA
+  // can address out (16-byte aligned base and strides).
+  const int64_t element_bytes = int64_t(sizeof(Element));
+  const char* tma_store = std::getenv("FLASH_CUTLASS_SM90_TMA_STORE");  // A/B experiment
+  const bool store_o_with_tma =
+      Traits::kTmaStoreO && params.cu_seqlens_q == nullptr && !(tma_store != nullptr && tma_store[0] == '0') &&
+      reinterpret_cast<uintptr_t>(params.out) % 16 == 0 && (params.out_row_stride * element_bytes) % 16 == 0 &&
+      (params.out_head_stride * element_bytes) % 16 == 0 && (params.out_batch_stride * element_bytes) % 16 == 0;
+  // Without it the descriptor is built over q (which TMA already reads) and never used.
+  const auto out = store_o_with_tma
+                       ? gmem_tensor<Traits>(static_cast<Element*>(params.out), extents.rows_q, params.head_dim, params.heads, extents.batch,
+                                                 params.out_row_stride, params.out_head_stride, params.out_batch_stride)
+                       : gmem_tensor<Traits>(static_cast<Element*>(const_cast<void*>(params.q)), extents.rows_q, params.head_dim, params.heads, extents.batch,
+                                                 params.q_row_stride, params.q_head_stride, params.q_batch_stride);
   const FwdKernelParams<Traits> kernel_params{
       params,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
+      make_tma_copy(SM90_TMA_STORE{}, out, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
+      store_o_with_tma,
   };
 
-  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_query_tiles<Traits::kBlockM>(params),
-                       Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
+  // Without a mask every tile costs the same: a persistent grid of one CTA per SM, each CTA's
+  // producer loading its next tile while the consumers finish the current one. With a causal mask
+  // or a window, tile costs differ and one CTA per tile lets the hardware balance them.
+  const int64_t num_tiles = num_query_tiles<Traits::kBlockM>(params);
+  int64_t num_ctas = num_tiles;
+  if constexpr (Traits::kPersistent && kMaskKind == MaskKind::kNone) {
+    int sms = 0;
+    const cudaError_t status = multiprocessor_count(&sms);
+    if (status != cudaSuccess) return status;
+    const char* persistent = std::getenv("FLASH_CUTLASS_SM90_PERSISTENT");  // A/B experiment
+    if (num_tiles <= 0x7fffffff && !(persistent != nullptr && persistent[0] == '0')) {
+      num_ctas = num_tiles < sms ? num_tiles : sms;
+    }
+  }
+  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
+                       kernel_params, stream);
 }
 
 }  // namespace flash_cutlass::sm90

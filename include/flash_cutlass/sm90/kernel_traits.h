@@ -11,7 +11,7 @@
 
 namespace flash_cutlass::sm90 {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, class Element_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kPersistent_, class Element_>
 struct FwdKernelTraits {
   using Element = Element_;
   static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
@@ -22,6 +22,8 @@ struct FwdKernelTraits {
   static constexpr int kStages = kStages_;
   // The consumer warpgroups take turns at the tensor cores (see fwd_kernel.h).
   static constexpr bool kPingPong = kPingPong_;
+  // Calls without a mask run a persistent grid (see fwd_kernel.h).
+  static constexpr bool kPersistent = kPersistent_;
   // One producer warpgroup (a single thread issues the TMA loads) and one consumer warpgroup per
   // 64 query rows.
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -57,11 +59,18 @@ struct FwdKernelTraits {
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
 
+  // O leaves through shared memory and a TMA store where a tile of it fits beside Q and the K/V
+  // stages (head dims 64 and 128); at 256 the consumers store it from registers.
+  static constexpr bool kTmaStoreO =
+      (2 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + 1024 <= 227 * 1024;
+
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, kTmaStoreO ? cute::cosize_v<SmemLayoutQ> : 8> o;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
     cutlass::arch::ClusterTransactionBarrier q_full;
+    cutlass::arch::ClusterBarrier q_empty;  // the consumers are done with Q: the next tile's may load
     typename PipelineKV::SharedStorage pipeline_k;
     typename PipelineKV::SharedStorage pipeline_v;
   };
@@ -78,6 +87,9 @@ struct FwdKernelTraits {
                                                 GmemLayout{}));
   using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
                                             cute::select<0, 2>(TileShape{}), cute::_1{}));
+  using GmemTensorOut = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}));
+  using TmaO = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutQ{},
+                                            cute::select<0, 2>(TileShape{}), cute::_1{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                              cute::take<0, 2>(SmemLayoutKV{}), cute::select<1, 2>(TileShape{}),
                                              cute::_1{}));
@@ -87,12 +99,13 @@ struct FwdKernelTraits {
 // measured faster on the H200 (docs/PERFORMANCE.md): +6-13% at head dims 128 and 256, -3-5% at 64.
 template <int kHeadDim>
 struct FwdTileSizes;
-template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = false; };
-template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = true; };
-template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPingPong = true; };
+template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = false, kPersistent = true; };
+template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = true, kPersistent = true; };
+template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPingPong = true, kPersistent = false; };
 
 template <int kHeadDim, class Element>
 using FwdTraitsFor = FwdKernelTraits<kHeadDim, FwdTileSizes<kHeadDim>::kBlockM, FwdTileSizes<kHeadDim>::kBlockN,
-                                     FwdTileSizes<kHeadDim>::kStages, FwdTileSizes<kHeadDim>::kPingPong, Element>;
+                                     FwdTileSizes<kHeadDim>::kStages, FwdTileSizes<kHeadDim>::kPingPong,
+                                     FwdTileSizes<kHeadDim>::kPersistent, Element>;
 
 }  // namespace flash_cutlass::sm90

@@ -24,11 +24,11 @@ auto gmem_tensor(Pointer base, int seqlen, int head_dim, int heads, int batch, i
                                                                                   batch_stride)});
 }
 
-template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
-cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
+// The launch for one set of kernel traits (tile sizes, stages, schedule).
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
+cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   using namespace cute;
-  using Element = typename ElementOf<kDType>::type;
-  using Traits = FwdTraitsFor<kHeadDim, Element>;
+  using Element = typename Traits::Element;
   using TileShape = typename Traits::TileShape;
 
   const TmaExtents extents = tma_extents(params);
@@ -42,9 +42,8 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   // the next one, which a store bounded by the packed tensor would overwrite), and only where TMA
   // can address out (16-byte aligned base and strides).
   const int64_t element_bytes = int64_t(sizeof(Element));
-  const char* tma_store = std::getenv("FLASH_CUTLASS_SM90_TMA_STORE");  // A/B experiment
   const bool store_o_with_tma =
-      Traits::kTmaStoreO && params.cu_seqlens_q == nullptr && !(tma_store != nullptr && tma_store[0] == '0') &&
+      Traits::kTmaStoreO && params.cu_seqlens_q == nullptr &&
       reinterpret_cast<uintptr_t>(params.out) % 16 == 0 && (params.out_row_stride * element_bytes) % 16 == 0 &&
       (params.out_head_stride * element_bytes) % 16 == 0 && (params.out_batch_stride * element_bytes) % 16 == 0;
   // Without it the descriptor is built over q (which TMA already reads) and never used.
@@ -78,6 +77,12 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   }
   return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
                        kernel_params, stream);
+}
+
+// The launch for a head dim and dtype: its traits from FwdTileSizes (kernel_traits.h).
+template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
+cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
+  return run_fwd_with_traits<FwdTraitsFor<kHeadDim, typename ElementOf<kDType>::type>, kMaskKind, kExtension>(params, stream);
 }
 
 }  // namespace flash_cutlass::sm90

@@ -80,24 +80,46 @@ def test_forward_matches_oracle(cuda_gen, dtype, kernel, head_dim, causal, seqle
     assert torch.equal(out, out_again) and torch.equal(lse, lse_again), "two runs differ bitwise"
 
 
-@pytest.mark.parametrize("causal", [False, True])
+# (causal, window_size, softcap, seqlen_q, seqlen_k): each mask kind and the score-options kernel.
+# With seqlen_q > seqlen_k and a causal mask the first 200 query rows see no key, so the first query
+# block of every (head, batch) is a tile without work. 1100 rows make 9 query blocks: an odd count,
+# whose middle block is a pair of its own in the persistent grid.
+MANY_TILES_CASES = [
+    (False, (-1, -1), 0.0, 1100, 900),
+    (True, (-1, -1), 0.0, 1100, 900),
+    (True, (-1, -1), 0.0, 900, 1100),
+    (False, (200, 30), 0.0, 1100, 900),
+    (True, (-1, -1), 20.0, 1100, 900),
+]
+
+
+@pytest.mark.parametrize("causal,window_size,softcap,seqlen_q,seqlen_k", MANY_TILES_CASES)
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_HEAD_DIMS)
-def test_more_tiles_than_sms(cuda_gen, head_dim, causal):
-    """The Hopper path's persistent grid (one CTA per SM, used without a mask): every CTA takes
-    several tiles, ragged in both sequence lengths, under GQA; each batch entry's bits equal its
-    call alone (fewer tiles, other CTAs) and the results pass the oracle."""
+def test_more_tiles_than_sms(cuda_gen, head_dim, causal, window_size, softcap, seqlen_q, seqlen_k):
+    """The Hopper path's persistent grid (one CTA per SM taking pairs of tiles, at the head dims
+    that use it): every CTA takes several tiles, ragged in both sequence lengths, under GQA; each
+    batch entry's bits equal its call alone (fewer tiles, other CTAs) and the results pass the
+    oracle."""
     skip_unless_runs("sm90")
+    if window_size != (-1, -1) and not flash_cutlass.compiled_window():
+        pytest.skip("the sliding-window kernels were left out (FLASH_CUTLASS_WINDOW=0)")
+    if softcap and not flash_cutlass.compiled_softcap():
+        pytest.skip("the soft-cap kernels were left out (FLASH_CUTLASS_SOFTCAP=0)")
     dtype = COMPILED_DTYPES[-1]
-    batch, heads, heads_k, seqlen_q, seqlen_k = 3, 16, 4, 1100, 900
+    batch, heads, heads_k = 3, 16, 4
     q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
     tiles = batch * heads * math.ceil(seqlen_q / 128)
     assert tiles > 3 * torch.cuda.get_device_properties(0).multi_processor_count
     scale = 1.0 / math.sqrt(head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm90")
-    check_against_oracle(q, k, v, out, lse, scale, causal, "sm90")
+    options = dict(window_size=window_size, softcap=softcap)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm90", **options)
+    oracle_out, oracle_lse = naive_attention(q, k, v, scale, causal, compute_dtype=torch.float32, **options)
+    same_out, same_lse = naive_attention(q, k, v, scale, causal, **options)
+    fa2_check(out, oracle_out, same_out, "sm90 out")
+    fa2_check(lse, oracle_lse, same_lse, "sm90 lse")
     for b in range(batch):
         alone_out, alone_lse = flash_cutlass.flash_forward(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal,
-                                                           kernel="sm90")
+                                                           kernel="sm90", **options)
         assert torch.equal(out[b:b + 1], alone_out) and torch.equal(lse[b:b + 1], alone_lse), f"batch entry {b}"
 
 

@@ -37,6 +37,38 @@ __device__ __forceinline__ QueryTile query_tile_at(FwdParams const& params, int 
   return {num_m_blocks - 1 - index % num_m_blocks, batch_head % params.heads, batch_head / params.heads};
 }
 
+// A persistent grid takes the tiles in pairs: query blocks m and num_m_blocks - 1 - m of one
+// (head, batch), the later (longer, with a causal mask) first. A causal tile's cost grows linearly
+// with its query block, so every pair costs about the same and a CTA that takes pairs
+// blockIdx.x, blockIdx.x + gridDim.x, ... gets an even share; without a mask it is just an order.
+// A pair's two blocks are one when num_m_blocks is odd and m is the middle one.
+template <int kBlockM>
+__host__ __device__ inline int64_t num_query_tile_pairs(FwdParams const& params) {
+  return int64_t((num_query_blocks<kBlockM>(params) + 1) / 2) * params.batch * params.heads;
+}
+
+// Step `step` of a CTA that takes every gridDim-th pair from blockIdx.x on: the first or second tile
+// of pair blockIdx.x + (step / 2) * gridDim.x. `valid` is false past the last pair and for the
+// missing second tile of a middle block.
+struct PairedTile {
+  QueryTile tile;
+  bool valid;
+  bool past_end;
+};
+
+template <int kBlockM>
+__device__ __forceinline__ PairedTile paired_tile_at_step(FwdParams const& params, int step) {
+  const int num_m_blocks = num_query_blocks<kBlockM>(params);
+  const int pairs_per_head = (num_m_blocks + 1) / 2;
+  const int64_t pair = int64_t(blockIdx.x) + int64_t(step / 2) * gridDim.x;
+  if (pair >= int64_t(pairs_per_head) * params.batch * params.heads) return {{0, 0, 0}, false, true};
+  const int batch_head = int(pair / pairs_per_head);
+  const int low = int(pair % pairs_per_head);
+  const int high = num_m_blocks - 1 - low;
+  const bool second = (step & 1) != 0;
+  return {{second ? low : high, batch_head % params.heads, batch_head / params.heads}, !(second && low == high), false};
+}
+
 // The tile of a CTA in a grid of one CTA per tile.
 template <int kBlockM>
 __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& params) {

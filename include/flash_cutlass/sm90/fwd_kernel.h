@@ -78,8 +78,8 @@ __device__ __forceinline__ void sync_consumers() {
 }
 
 // Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
-// S and O accumulators. (24 + 2 * 240) * 128 threads fill the 64K-register file.
-constexpr int kProducerRegisters = 24;
+// S and O accumulators. (32 + 2 * 240) * 128 threads fill the 64K-register file.
+constexpr int kProducerRegisters = 32;
 constexpr int kConsumerRegisters = 240;
 
 // What the producer and the consumers both derive from a tile number. A tile is skipped when its
@@ -97,15 +97,28 @@ struct TileWork {
 };
 
 template <int kBlockM, int kBlockN, MaskKind kMaskKind>
-__device__ __forceinline__ TileWork<kBlockM, kBlockN, kMaskKind> tile_work(FwdParams const& params, int index) {
-  const QueryTile tile = query_tile_at<kBlockM>(params, index);
+__device__ __forceinline__ TileWork<kBlockM, kBlockN, kMaskKind> tile_work(FwdParams const& params, QueryTile tile) {
   const Sequence sequence = sequence_of(params, tile.batch);
   const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
   return {tile, sequence, mask, key_block_range<kBlockM, kBlockN>(mask, tile.m_block)};
 }
 
-// Every CTA takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the launcher sizes the grid: one
-// CTA per SM where tiles cost the same, one CTA per tile otherwise).
+// Calls work(tile) for every query tile of this CTA: in a persistent grid, the tiles of pairs
+// blockIdx.x, blockIdx.x + gridDim.x, ... (paired_tile_at_step; the launcher sizes the grid), else
+// the CTA's one tile.
+template <int kBlockM, bool kPersistentGrid, class Work>
+__device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& params, Work&& work) {
+  if constexpr (kPersistentGrid) {
+    for (int step = 0;; ++step) {
+      const PairedTile next = paired_tile_at_step<kBlockM>(params, step);
+      if (next.past_end) break;
+      if (next.valid) work(next.tile);
+    }
+  } else {
+    work(query_tile_of_this_cta<kBlockM>(params));
+  }
+}
+
 // Traits::kPingPong (per head dim, kernel_traits.h): the consumer warpgroups' ping-pong over a loop
 // that issues S of tile n with P V of tile n+1; otherwise each warpgroup runs its GEMMs and softmax
 // in turn, unsynchronized with the other.
@@ -126,9 +139,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-  // One CTA per SM taking tiles in turn (kernel_traits.h: per head dim, and only without a mask,
-  // where every tile costs the same), or one CTA per tile.
-  constexpr bool kPersistentGrid = Traits::kPersistent && kMaskKind == MaskKind::kNone;
+  // CTAs taking pairs of tiles in turn (kernel_traits.h: per head dim), or one CTA per tile.
+  constexpr bool kPersistentGrid = Traits::kPersistent;
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;
 
@@ -168,8 +180,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
       auto state = cutlass::make_producer_start_state<PipelineKV>();
       int q_loads = 0;
-      auto load_tile = [&](int index) __attribute__((always_inline)) {
-        const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, index);
+      auto load_tile = [&](QueryTile tile) __attribute__((always_inline)) {
+        const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
         if (!work.in_sequence() || !work.has_keys()) return;
         const int head = work.tile.head;
         const int head_k = kv_head_of(head, params);
@@ -209,12 +221,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           ++state;
         }
       };
-      if constexpr (kPersistentGrid) {
-        const int num_tiles = int(num_query_tiles<kBlockM>(params));
-        for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) load_tile(index);
-      } else {
-        load_tile(int(blockIdx.x));
-      }
+      for_each_tile_of_this_cta<kBlockM, kPersistentGrid>(params, load_tile);
     }
     return;
   }
@@ -237,8 +244,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   typename PipelineKV::PipelineState state;  // the K/V stage the consumers read next
   int q_loads = 0;
 
-  auto compute_tile = [&](int index) __attribute__((always_inline)) {
-    const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, index);
+  auto compute_tile = [&](QueryTile tile) __attribute__((always_inline)) {
+    const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
     if (!work.in_sequence()) return;
     const int m_block = work.tile.m_block, head = work.tile.head, batch = work.tile.batch;
     const Sequence& sequence = work.sequence;
@@ -444,12 +451,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
   };
-  if constexpr (kPersistentGrid) {
-    const int num_tiles = int(num_query_tiles<kBlockM>(params));
-    for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) compute_tile(index);
-  } else {
-    compute_tile(int(blockIdx.x));
-  }
+  for_each_tile_of_this_cta<kBlockM, kPersistentGrid>(params, compute_tile);
   // The CTA's shared memory must outlive the reads of its last TMA store.
   if (Traits::kTmaStoreO && kernel_params.store_o_with_tma && consumer_idx == 0) tma_store_wait<0>();
 #endif  // Other targets (sm_80, PTX) get an empty body: the host launches this kernel only on sm_90.

@@ -61,19 +61,18 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       store_o_with_tma,
   };
 
-  // Without a mask every tile costs the same: a persistent grid of one CTA per SM, each CTA's
-  // producer loading its next tile while the consumers finish the current one. With a causal mask
-  // or a window, tile costs differ and one CTA per tile lets the hardware balance them.
-  const int64_t num_tiles = num_query_tiles<Traits::kBlockM>(params);
-  int64_t num_ctas = num_tiles;
-  if constexpr (Traits::kPersistent && kMaskKind == MaskKind::kNone) {
+  // A persistent grid (kernel_traits.h, per head dim): CTAs take pairs of tiles whose costs add up
+  // to about the same (block_info.h), one CTA per SM, each CTA's producer loading its next tile
+  // while the consumers finish the current one. In a variable-length call the pairs' costs differ
+  // with their sequences: one CTA per pair, balanced by the hardware. Otherwise one CTA per tile.
+  int64_t num_ctas = num_query_tiles<Traits::kBlockM>(params);
+  if constexpr (Traits::kPersistent) {
+    num_ctas = num_query_tile_pairs<Traits::kBlockM>(params);
     int sms = 0;
     const cudaError_t status = multiprocessor_count(&sms);
     if (status != cudaSuccess) return status;
     const char* persistent = std::getenv("FLASH_CUTLASS_SM90_PERSISTENT");  // A/B experiment
-    if (num_tiles <= 0x7fffffff && !(persistent != nullptr && persistent[0] == '0')) {
-      num_ctas = num_tiles < sms ? num_tiles : sms;
-    }
+    if (params.cu_seqlens_q == nullptr && num_ctas > sms && !(persistent != nullptr && persistent[0] == '0')) num_ctas = sms;
   }
   return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
                        kernel_params, stream);

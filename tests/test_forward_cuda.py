@@ -106,7 +106,7 @@ def test_more_tiles_than_sms(cuda_gen, head_dim, causal, window_size, softcap, s
     if softcap and not flash_cutlass.compiled_softcap():
         pytest.skip("the soft-cap kernels were left out (FLASH_CUTLASS_SOFTCAP=0)")
     dtype = COMPILED_DTYPES[-1]
-    batch, heads, heads_k = 3, 16, 4
+    batch, heads, heads_k = 4, 16, 4
     q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
     tiles = batch * heads * math.ceil(seqlen_q / 128)
     assert tiles > 3 * torch.cuda.get_device_properties(0).multi_processor_count

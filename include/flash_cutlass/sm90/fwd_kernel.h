@@ -78,8 +78,9 @@ __device__ __forceinline__ void sync_consumers() {
 }
 
 // Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
-// S and O accumulators. (32 + 2 * 240) * 128 threads fill the 64K-register file.
-constexpr int kProducerRegisters = 32;
+// S and O accumulators. 168 registers a thread at launch (384 threads) and (24 + 2 * 240) * 128
+// after: setmaxnreg only moves registers within the CTA, so the consumers get what the producer frees.
+constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
 
 // What the producer and the consumers both derive from a tile number. A tile is skipped when its

@@ -5,7 +5,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/fwd_api.h"
@@ -71,8 +70,7 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
     int sms = 0;
     const cudaError_t status = multiprocessor_count(&sms);
     if (status != cudaSuccess) return status;
-    const char* persistent = std::getenv("FLASH_CUTLASS_SM90_PERSISTENT");  // A/B experiment
-    if (params.cu_seqlens_q == nullptr && num_ctas > sms && !(persistent != nullptr && persistent[0] == '0')) num_ctas = sms;
+    if (params.cu_seqlens_q == nullptr && num_ctas > sms) num_ctas = sms;
   }
   return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
                        kernel_params, stream);

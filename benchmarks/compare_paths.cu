@@ -21,6 +21,7 @@
 namespace {
 
 using flash_cutlass::DType;
+using flash_cutlass::Extension;
 using flash_cutlass::FwdParams;
 using flash_cutlass::MaskKind;
 using Element = __nv_bfloat16;
@@ -53,8 +54,8 @@ struct Shape {
 
 template <MaskKind kMaskKind>
 cudaError_t launch(bool hopper, FwdParams const& params) {
-  return hopper ? flash_cutlass::sm90::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind, false>(params, nullptr)
-                : flash_cutlass::sm80::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind, false>(params, nullptr);
+  return hopper ? flash_cutlass::sm90::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind, Extension::kNone>(params, nullptr)
+                : flash_cutlass::sm80::run_fwd<HEAD_DIM, DType::kBFloat16, kMaskKind, Extension::kNone>(params, nullptr);
 }
 
 cudaError_t launch(bool hopper, FwdParams const& params) {

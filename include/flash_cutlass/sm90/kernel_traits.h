@@ -95,11 +95,12 @@ struct FwdKernelTraits {
                                              cute::_1{}));
 };
 
-// Tile sizes per head dim: two consumer warpgroups of 64 query rows each, with the ping-pong. Each
-// choice was measured against its alternatives in one build on the H200 (docs/PERFORMANCE.md):
-// at head dim 64, 4 K/V stages with the ping-pong beat 2 stages without it (+0-10%) and key tiles
-// of 192 (those were 3-5% faster at 16k only, 10-12% slower at 1k); at 128, key tiles of 160 or 176 gained up to 3% at 16k
-// and lost 6-20% at 1k; at 256, the persistent grid lost 5-10% without a mask.
+// Tile sizes per head dim: two consumer warpgroups of 64 query rows each, with the ping-pong.
+// Each choice was measured against its alternatives in one build on the H200
+// (docs/PERFORMANCE.md): at head dim 64, 4 K/V stages with the ping-pong beat 2 stages without it
+// (+0-10%) and key tiles of 192 (3-5% faster at 16k only, 10-12% slower at 1k); at 128, key tiles
+// of 160 or 176 gained up to 3% at 16k and lost 6-20% at 1k; at 256, the persistent grid lost
+// 5-10% without a mask.
 template <int kHeadDim>
 struct FwdTileSizes;
 template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 4; static constexpr bool kPingPong = true, kPersistent = true; };

@@ -28,15 +28,6 @@ struct QueryTile {
   int batch;
 };
 
-// Tile number `index` of the forward. Query blocks run from the last to the first so that, with a
-// causal mask, the longest blocks start first.
-template <int kBlockM>
-__device__ __forceinline__ QueryTile query_tile_at(FwdParams const& params, int index) {
-  const int num_m_blocks = num_query_blocks<kBlockM>(params);
-  const int batch_head = index / num_m_blocks;
-  return {num_m_blocks - 1 - index % num_m_blocks, batch_head % params.heads, batch_head / params.heads};
-}
-
 // A persistent grid takes the tiles in pairs: query blocks m and num_m_blocks - 1 - m of one
 // (head, batch), the later (longer, with a causal mask) first. A causal tile's cost grows linearly
 // with its query block, so every pair costs about the same and a CTA that takes pairs
@@ -69,10 +60,13 @@ __device__ __forceinline__ PairedTile paired_tile_at_step(FwdParams const& param
   return {{second ? low : high, batch_head % params.heads, batch_head / params.heads}, !(second && low == high), false};
 }
 
-// The tile of a CTA in a grid of one CTA per tile.
+// The tile of a CTA in a grid of one CTA per tile. Query blocks run from the last to the first so
+// that, with a causal mask, the longest blocks start first.
 template <int kBlockM>
 __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& params) {
-  return query_tile_at<kBlockM>(params, int(blockIdx.x));
+  const int num_m_blocks = num_query_blocks<kBlockM>(params);
+  const int batch_head = int(blockIdx.x / num_m_blocks);
+  return {num_m_blocks - 1 - int(blockIdx.x % num_m_blocks), batch_head % params.heads, batch_head / params.heads};
 }
 
 // The backward kernels run one CTA per (key block, head, batch), flattened into blockIdx.x with

@@ -120,9 +120,7 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
   }
 }
 
-// Traits::kPingPong (per head dim, kernel_traits.h): the consumer warpgroups' ping-pong over a loop
-// that issues S of tile n with P V of tile n+1; otherwise each warpgroup runs its GEMMs and softmax
-// in turn, unsynchronized with the other.
+// The consumer warpgroups ping-pong over a loop that issues S of tile n with P V of tile n+1.
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
@@ -261,136 +259,96 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
       OnlineSoftmax<kRowsPerThread> softmax(params.softmax_scale_log2);
       storage.q_full.wait(q_loads & 1);
-      if constexpr (Traits::kPingPong) {
-        // `state`: the K/V stage of the key tile being scored.
-        // Intra-warpgroup overlap: the scores of tile n (S = Q K^T, then the softmax) run while the
-        // tensor cores do P V of tile n+1 (the one scored before; key blocks run from the last down).
-        // P lives in its own registers and O is rescaled only once that P V is done. (ptxas still
-        // places the wait for P V before the softmax's exponentials; the warpgroups' ping-pong below
-        // overlaps one warpgroup's softmax with the other's GEMMs regardless.)
-        Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
-        Tensor p = make_tensor<Element>(acc_s.layout());
-        Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
-        float correction[kRowsPerThread];
-        const int consumer = warpgroup - 1;
-        if (consumer == 1) hand_over_turn(consumer);  // consumer 0 issues first
-        // The wgmma of S = Q K^T for one key tile, issued (the caller waits for it).
-        auto issue_scores = [&]() __attribute__((always_inline)) {
-          issue_gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-        };
-        // Once S has landed: the score options, the mask (for `masked` tiles), the softmax but O's
-        // rescale, and dropout, in place in acc_s.
-        auto softmax_scores = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
-          warpgroup_fence_operand(acc_s);
-          pipeline_k.consumer_release(state);
-          Tensor s = as_rows_cols(acc_s);
-          prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
-          softmax.template update_scores<decltype(first_tile)::value>(s, correction);
-          if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
-          warpgroup_fence_operand(acc_s);
-        };
-        // P of the tile just scored, in the inputs' dtype.
-        auto store_probabilities = [&]() __attribute__((always_inline)) {
-          *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value>*>(p.data()) =
-              *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value> const*>(
-                  convert_fragment<Element>(acc_s).data());
-        };
-        // One steady-state step: tile n_block is scored while P V of the tile before it runs.
-        auto process_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
-          typename PipelineKV::PipelineState state_v = state;  // the stage of the tile scored before
-          ++state;
-          pipeline_k.consumer_wait(state);
-          pipeline_v.consumer_wait(state_v);
-          wait_for_turn(consumer);
-          issue_scores();
-          issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
-          hand_over_turn(consumer);
-          warpgroup_wait<1>();  // S of this tile
-          softmax_scores(n_block, cute::false_type{}, masked);
-          warpgroup_wait<0>();  // P V of the tile before
-          warpgroup_fence_operand(acc_o);
-          warpgroup_fence_operand(tOrP);
-          pipeline_v.consumer_release(state_v);
-          OnlineSoftmax<kRowsPerThread>::rescale(acc_o_rc, correction);
-          store_probabilities();
-        };
-        // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-        // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
-        // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
-        // The producer loads the same blocks in the same order.
-        const int last = key_blocks.end - 1;
+      // `state`: the K/V stage of the key tile being scored.
+      // Intra-warpgroup overlap: the scores of tile n (S = Q K^T, then the softmax) run while the
+      // tensor cores do P V of tile n+1 (the one scored before; key blocks run from the last down).
+      // P lives in its own registers and O is rescaled only once that P V is done. (ptxas still
+      // places the wait for P V before the softmax's exponentials; the warpgroups' ping-pong below
+      // overlaps one warpgroup's softmax with the other's GEMMs regardless.)
+      Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
+      Tensor p = make_tensor<Element>(acc_s.layout());
+      Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
+      float correction[kRowsPerThread];
+      const int consumer = warpgroup - 1;
+      if (consumer == 1) hand_over_turn(consumer);  // consumer 0 issues first
+      // The wgmma of S = Q K^T for one key tile, issued (the caller waits for it).
+      auto issue_scores = [&]() __attribute__((always_inline)) {
+        issue_gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+      };
+      // Once S has landed: the score options, the mask (for `masked` tiles), the softmax but O's
+      // rescale, and dropout, in place in acc_s.
+      auto softmax_scores = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
+        warpgroup_fence_operand(acc_s);
+        pipeline_k.consumer_release(state);
+        Tensor s = as_rows_cols(acc_s);
+        prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
+        softmax.template update_scores<decltype(first_tile)::value>(s, correction);
+        if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
+        warpgroup_fence_operand(acc_s);
+      };
+      // P of the tile just scored, in the inputs' dtype.
+      auto store_probabilities = [&]() __attribute__((always_inline)) {
+        *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value>*>(p.data()) =
+            *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value> const*>(
+                convert_fragment<Element>(acc_s).data());
+      };
+      // One steady-state step: tile n_block is scored while P V of the tile before it runs.
+      auto process_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
+        typename PipelineKV::PipelineState state_v = state;  // the stage of the tile scored before
+        ++state;
         pipeline_k.consumer_wait(state);
+        pipeline_v.consumer_wait(state_v);
         wait_for_turn(consumer);
         issue_scores();
+        issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
         hand_over_turn(consumer);
-        warpgroup_wait<0>();
-        softmax_scores(last, cute::true_type{}, cute::true_type{});
-        store_probabilities();
-        if constexpr (kMaskKind == MaskKind::kLocal) {
-          for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
-            if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
-              process_tile(n_block, cute::true_type{});
-            } else {
-              process_tile(n_block, cute::false_type{});
-            }
-          }
-        } else {
-          int n_block = last - 1;
-          for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::true_type{});
-          for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{});
-        }
-        // P V of the last tile scored.
-        pipeline_v.consumer_wait(state);
-        wait_for_turn(consumer);
-        issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
-        hand_over_turn(consumer);
-        warpgroup_wait<0>();
+        warpgroup_wait<1>();  // S of this tile
+        softmax_scores(n_block, cute::false_type{}, masked);
+        warpgroup_wait<0>();  // P V of the tile before
         warpgroup_fence_operand(acc_o);
-        pipeline_v.consumer_release(state);
-        // Consumer 1's last hand-over has no turn of consumer 0 left to meet: take it here, so that no
-        // barrier is left half-arrived. (Consumer 1 arrives again only in its next tile, after this
-        // tile's Q release below, to which consumer 0 contributes after this wait.)
-        if (consumer == 0) wait_for_turn(consumer);
-        ++state;
-      } else {
-        // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V.
-        auto process_tile = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
-          Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
-          pipeline_k.consumer_wait(state);
-          gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-          pipeline_k.consumer_release(state);
-          Tensor s = as_rows_cols(acc_s);
-          prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
-          softmax.template update<decltype(first_tile)::value>(s, acc_o_rc);
-          if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
-          // P goes straight from the S accumulator into the A operand registers of P V.
-          Tensor p = convert_fragment<Element>(acc_s);
-          Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
-          pipeline_v.consumer_wait(state);
-          gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
-          pipeline_v.consumer_release(state);
-          ++state;
-        };
-        // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-        // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
-        // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
-        // The producer loads the same blocks in the same order.
-        const int last = key_blocks.end - 1;
-        process_tile(last, cute::true_type{}, cute::true_type{});
-        if constexpr (kMaskKind == MaskKind::kLocal) {
-          for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
-            if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
-              process_tile(n_block, cute::false_type{}, cute::true_type{});
-            } else {
-              process_tile(n_block, cute::false_type{}, cute::false_type{});
-            }
+        warpgroup_fence_operand(tOrP);
+        pipeline_v.consumer_release(state_v);
+        OnlineSoftmax<kRowsPerThread>::rescale(acc_o_rc, correction);
+        store_probabilities();
+      };
+      // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
+      // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
+      // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
+      // The producer loads the same blocks in the same order.
+      const int last = key_blocks.end - 1;
+      pipeline_k.consumer_wait(state);
+      wait_for_turn(consumer);
+      issue_scores();
+      hand_over_turn(consumer);
+      warpgroup_wait<0>();
+      softmax_scores(last, cute::true_type{}, cute::true_type{});
+      store_probabilities();
+      if constexpr (kMaskKind == MaskKind::kLocal) {
+        for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
+          if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
+            process_tile(n_block, cute::true_type{});
+          } else {
+            process_tile(n_block, cute::false_type{});
           }
-        } else {
-          int n_block = last - 1;
-          for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::false_type{}, cute::true_type{});
-          for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{}, cute::false_type{});
         }
+      } else {
+        int n_block = last - 1;
+        for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::true_type{});
+        for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{});
       }
+      // P V of the last tile scored.
+      pipeline_v.consumer_wait(state);
+      wait_for_turn(consumer);
+      issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+      hand_over_turn(consumer);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      pipeline_v.consumer_release(state);
+      // Consumer 1's last hand-over has no turn of consumer 0 left to meet: take it here, so that no
+      // barrier is left half-arrived. (Consumer 1 arrives again only in its next tile, after this
+      // tile's Q release below, to which consumer 0 contributes after this wait.)
+      if (consumer == 0) wait_for_turn(consumer);
+      ++state;
       // Every S = Q K^T of this tile has completed: the producer may bring the next tile's Q.
       storage.q_empty.arrive();
       ++q_loads;

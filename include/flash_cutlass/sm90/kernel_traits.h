@@ -11,7 +11,7 @@
 
 namespace flash_cutlass::sm90 {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kPersistent_, class Element_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPersistent_, class Element_>
 struct FwdKernelTraits {
   using Element = Element_;
   static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
@@ -20,9 +20,7 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  // The consumer warpgroups take turns at the tensor cores (see fwd_kernel.h).
-  static constexpr bool kPingPong = kPingPong_;
-  // Calls without a mask run a persistent grid (see fwd_kernel.h).
+  // A persistent grid taking pairs of tiles, or one CTA per tile (fwd_launch.h, block_info.h).
   static constexpr bool kPersistent = kPersistent_;
   // One producer warpgroup (a single thread issues the TMA loads) and one consumer warpgroup per
   // 64 query rows.
@@ -95,21 +93,21 @@ struct FwdKernelTraits {
                                              cute::_1{}));
 };
 
-// Tile sizes per head dim: two consumer warpgroups of 64 query rows each, with the ping-pong.
-// Each choice was measured against its alternatives in one build on the H200
+// Tile sizes per head dim: two consumer warpgroups of 64 query rows each, which ping-pong
+// (fwd_kernel.h; the schedule without it was slower at every head dim once head dim 64 had 4
+// stages, and is gone). Each choice was measured against its alternatives in one build on the H200
 // (docs/PERFORMANCE.md): at head dim 64, 4 K/V stages with the ping-pong beat 2 stages without it
 // (+0-10%) and key tiles of 192 (3-5% faster at 16k only, 10-12% slower at 1k); at 128, key tiles
 // of 160 or 176 gained up to 3% at 16k and lost 6-20% at 1k; at 256, the persistent grid lost
 // 5-10% without a mask.
 template <int kHeadDim>
 struct FwdTileSizes;
-template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 4; static constexpr bool kPingPong = true, kPersistent = true; };
-template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = true, kPersistent = true; };
-template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPingPong = true, kPersistent = false; };
+template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 4; static constexpr bool kPersistent = true; };
+template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPersistent = true; };
+template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPersistent = false; };
 
 template <int kHeadDim, class Element>
 using FwdTraitsFor = FwdKernelTraits<kHeadDim, FwdTileSizes<kHeadDim>::kBlockM, FwdTileSizes<kHeadDim>::kBlockN,
-                                     FwdTileSizes<kHeadDim>::kStages, FwdTileSizes<kHeadDim>::kPingPong,
-                                     FwdTileSizes<kHeadDim>::kPersistent, Element>;
+                                     FwdTileSizes<kHeadDim>::kStages, FwdTileSizes<kHeadDim>::kPersistent, Element>;
 
 }  // namespace flash_cutlass::sm90

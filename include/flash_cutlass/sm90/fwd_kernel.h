@@ -374,7 +374,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     Tensor o = convert_fragment<Element>(acc_o);
     if (Traits::kTmaStoreO && kernel_params.store_o_with_tma) {
-      Tensor sO = make_tensor(make_smem_ptr(storage.o.data()), typename Traits::SmemLayoutQ{});
+      Tensor sO = make_tensor(make_smem_ptr(Traits::kOwnBufferO ? storage.o.data() : storage.q.data()),
+                              typename Traits::SmemLayoutQ{});
       if (consumer_idx == 0) tma_store_wait<0>();  // the previous tile's store has read sO
       sync_consumers<Traits::kConsumerThreads>();
       copy(o, thr_pv.partition_C(sO));

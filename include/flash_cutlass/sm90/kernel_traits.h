@@ -57,14 +57,17 @@ struct FwdKernelTraits {
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
 
-  // O leaves through shared memory and a TMA store where a tile of it fits beside Q and the K/V
-  // stages (head dims 64 and 128); at 256 the consumers store it from registers.
-  static constexpr bool kTmaStoreO =
+  // O leaves through shared memory and a TMA store: in its own buffer where a tile of it fits beside
+  // Q and the K/V stages (head dims 64 and 128), else, with one tile per CTA, in Q's buffer (head
+  // dim 256): each consumer warpgroup writes its O rows over its own Q rows once its last S = Q K^T
+  // has completed, and no later Q comes.
+  static constexpr bool kOwnBufferO =
       (2 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + 1024 <= 227 * 1024;
+  static constexpr bool kTmaStoreO = kOwnBufferO || !kPersistent;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Element, kTmaStoreO ? cute::cosize_v<SmemLayoutQ> : 8> o;
+    alignas(1024) cute::array_aligned<Element, kOwnBufferO ? cute::cosize_v<SmemLayoutQ> : 8> o;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
     cutlass::arch::ClusterTransactionBarrier q_full;

@@ -29,7 +29,15 @@ struct FwdKernelTraits {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups <= 2);
+  static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups >= 2 && kConsumerWarpgroups <= 3);
+  // Registers per thread: what the CTA gets at launch (one CTA of kThreads per SM fills the 64K
+  // file), and the budgets setmaxnreg sets after: the producer only issues copies, the consumers
+  // hold the S and O accumulators. setmaxnreg moves registers only within the CTA, so what the
+  // producer warpgroup frees must be exactly what the consumer warpgroups take.
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+  static_assert(kLaunchRegisters - kProducerRegisters == kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "rows of 128-byte swizzle atoms");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
 
@@ -95,14 +103,15 @@ struct FwdKernelTraits {
                                              cute::_1{}));
 };
 
-// Tile sizes per head dim: two consumer warpgroups of 64 query rows each, with the ping-pong. Each
-// choice was measured against its alternatives in one build on the H200 (docs/PERFORMANCE.md):
-// at head dim 64, 4 K/V stages with the ping-pong beat 2 stages without it (+0-10%) and key tiles
-// of 192 (those were 3-5% faster at 16k only, 10-12% slower at 1k); at 128, key tiles of 160 or 176 gained up to 3% at 16k
-// and lost 6-20% at 1k; at 256, the persistent grid lost 5-10% without a mask.
+// Tile sizes per head dim: consumer warpgroups of 64 query rows each (kBlockM / 64), with the
+// ping-pong. Each choice but head dim 64's three warpgroups (192-row tiles, an experiment not yet
+// run) was measured against its alternatives in one build on the H200 (docs/PERFORMANCE.md): at
+// head dim 64, 4 K/V stages with the ping-pong beat 2 stages without it (+0-10%) and key tiles of
+// 192 (3-5% faster at 16k only, 10-12% slower at 1k); at 128, key tiles of 160 or 176 gained up to
+// 3% at 16k and lost 6-20% at 1k; at 256, the persistent grid lost 5-10% without a mask.
 template <int kHeadDim>
 struct FwdTileSizes;
-template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 4; static constexpr bool kPingPong = true, kPersistent = true; };
+template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 192, kBlockN = 128, kStages = 4; static constexpr bool kPingPong = true, kPersistent = true; };
 template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPingPong = true, kPersistent = true; };
 template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPingPong = true, kPersistent = false; };
 

@@ -48,40 +48,29 @@ __host__ __device__ inline TmaExtents tma_extents(FwdParams const& params) {
   return {int(params.total_q), int(params.total_k), 1};
 }
 
-// The consumer warpgroups' ping-pong (FlashAttention-3's): named barriers 1 and 2 (0 is
-// __syncthreads), one per consumer warpgroup, each completed by its own 128 threads syncing and the
-// other warpgroup's 128 arriving. A warpgroup issues its GEMMs only on its turn and hands the turn
-// over right after issuing, so the tensor cores run one warpgroup's GEMMs while the other computes
-// its softmax.
+// The consumer warpgroups' ping-pong (FlashAttention-3's), round robin: named barrier 1 + c for
+// consumer c (0 is __syncthreads), each completed by c's own 128 threads syncing and the previous
+// consumer's 128 arriving; consumer c hands the turn to c + 1, the last one to consumer 0. A
+// warpgroup issues its GEMMs only on its turn and hands the turn over right after issuing, so the
+// tensor cores run one warpgroup's GEMMs while the others compute their softmax.
 constexpr int kPingPongThreads = 256;
 
 __device__ __forceinline__ void wait_for_turn(int consumer) {
-  if (consumer == 0) {
-    asm volatile("bar.sync 1, %0;" ::"n"(kPingPongThreads) : "memory");
-  } else {
-    asm volatile("bar.sync 2, %0;" ::"n"(kPingPongThreads) : "memory");
-  }
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + consumer), "n"(kPingPongThreads) : "memory");
 }
 
+template <int kConsumers>
 __device__ __forceinline__ void hand_over_turn(int consumer) {
-  if (consumer == 0) {
-    asm volatile("bar.arrive 2, %0;" ::"n"(kPingPongThreads) : "memory");
-  } else {
-    asm volatile("bar.arrive 1, %0;" ::"n"(kPingPongThreads) : "memory");
-  }
+  const int next = consumer + 1 == kConsumers ? 0 : consumer + 1;
+  asm volatile("bar.arrive %0, %1;" ::"r"(1 + next), "n"(kPingPongThreads) : "memory");
 }
 
-// Named barrier 3: every consumer thread, around the epilogue's shared-memory tile of O.
+// Named barrier 4, after the ping-pong's (1 to 3): every consumer thread, around the epilogue's
+// shared-memory tile of O.
 template <int kConsumerThreads>
 __device__ __forceinline__ void sync_consumers() {
-  asm volatile("bar.sync 3, %0;" ::"n"(kConsumerThreads) : "memory");
+  asm volatile("bar.sync 4, %0;" ::"n"(kConsumerThreads) : "memory");
 }
-
-// Register budgets per thread: the producer warpgroup only issues copies; the consumers hold the
-// S and O accumulators. 168 registers a thread at launch (384 threads) and (24 + 2 * 240) * 128
-// after: setmaxnreg only moves registers within the CTA, so the consumers get what the producer frees.
-constexpr int kProducerRegisters = 24;
-constexpr int kConsumerRegisters = 240;
 
 // What the producer and the consumers both derive from a tile number. A tile is skipped when its
 // query block lies past its sequence's end (a variable-length call's shorter sequences have fewer
@@ -165,7 +154,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sVt = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutVt{});
 
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     if (producer_thread) {
       // TMA views of Q, K, V: (seqlen, head_dim, heads, batch), or (total, head_dim, heads, 1) in a
       // variable-length call, each sequence's rows from its first one on; rows and columns past the
@@ -225,7 +214,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
   const int consumer_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
@@ -270,7 +259,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
       float correction[kRowsPerThread];
       const int consumer = warpgroup - 1;
-      if (consumer == 1) hand_over_turn(consumer);  // consumer 0 issues first
+      constexpr int kConsumers = Traits::kConsumerWarpgroups;
+      if (consumer == kConsumers - 1) hand_over_turn<kConsumers>(consumer);  // consumer 0 issues first
       // The wgmma of S = Q K^T for one key tile, issued (the caller waits for it).
       auto issue_scores = [&]() __attribute__((always_inline)) {
         issue_gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
@@ -301,7 +291,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wait_for_turn(consumer);
         issue_scores();
         issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
-        hand_over_turn(consumer);
+        hand_over_turn<kConsumers>(consumer);
         warpgroup_wait<1>();  // S of this tile
         softmax_scores(n_block, cute::false_type{}, masked);
         warpgroup_wait<0>();  // P V of the tile before
@@ -319,7 +309,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       pipeline_k.consumer_wait(state);
       wait_for_turn(consumer);
       issue_scores();
-      hand_over_turn(consumer);
+      hand_over_turn<kConsumers>(consumer);
       warpgroup_wait<0>();
       softmax_scores(last, cute::true_type{}, cute::true_type{});
       store_probabilities();
@@ -340,13 +330,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       pipeline_v.consumer_wait(state);
       wait_for_turn(consumer);
       issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
-      hand_over_turn(consumer);
+      hand_over_turn<kConsumers>(consumer);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       pipeline_v.consumer_release(state);
-      // Consumer 1's last hand-over has no turn of consumer 0 left to meet: take it here, so that no
-      // barrier is left half-arrived. (Consumer 1 arrives again only in its next tile, after this
-      // tile's Q release below, to which consumer 0 contributes after this wait.)
+      // The last consumer's last hand-over has no turn of consumer 0 left to meet: take it here, so
+      // that no barrier is left half-arrived. (The last consumer arrives again only in its next tile,
+      // after this tile's Q release below, to which consumer 0 contributes after this wait.)
       if (consumer == 0) wait_for_turn(consumer);
       ++state;
       // Every S = Q K^T of this tile has completed: the producer may bring the next tile's Q.

@@ -76,10 +76,29 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
                        kernel_params, stream);
 }
 
-// The launch for a head dim and dtype: its traits from FwdTileSizes (kernel_traits.h).
+// Causal calls of up to this many query rows keep the narrow tiles (kernel_traits.h): at 2k the
+// wide ones compute 11% more of the masked diagonal and measured 12% slower, at 3k 7-10% faster
+// (docs/PERFORMANCE.md).
+constexpr int kCausalNarrowTilesMaxSeqlenQ = 2048;
+
+// The launch for a head dim and dtype: its traits from FwdTileSizes, or FwdWideTileSizes where the
+// head dim has them, for the kernels without runtime options: every call without a mask, and causal
+// calls of more than kCausalNarrowTilesMaxSeqlenQ query rows (the longest sequence in a
+// variable-length call). Window and option kernels keep FwdTileSizes.
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
-  return run_fwd_with_traits<FwdTraitsFor<kHeadDim, typename ElementOf<kDType>::type>, kMaskKind, kExtension>(params, stream);
+  using Element = typename ElementOf<kDType>::type;
+  using Narrow = FwdTraitsFor<kHeadDim, Element>;
+  using Wide = FwdTraitsFor<kHeadDim, Element, FwdWideTileSizes<kHeadDim>>;
+  constexpr bool kWideTiles = FwdWideTileSizes<kHeadDim>::kAvailable && kExtension == Extension::kNone;
+  if constexpr (kWideTiles && kMaskKind == MaskKind::kNone) {
+    return run_fwd_with_traits<Wide, kMaskKind, kExtension>(params, stream);
+  } else if constexpr (kWideTiles && kMaskKind == MaskKind::kCausal) {
+    if (params.seqlen_q > kCausalNarrowTilesMaxSeqlenQ) return run_fwd_with_traits<Wide, kMaskKind, kExtension>(params, stream);
+    return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
+  } else {
+    return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
+  }
 }
 
 }  // namespace flash_cutlass::sm90

@@ -27,7 +27,16 @@ struct FwdKernelTraits {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups <= 2);
+  static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups >= 2 && kConsumerWarpgroups <= 3);
+  // Registers per thread: what the CTA gets at launch (one CTA of kThreads per SM fills the 64K
+  // file), and the budgets setmaxnreg sets after: the producer only issues copies, the consumers
+  // hold the S and O accumulators. setmaxnreg moves registers only within the CTA, so what the
+  // producer warpgroup frees must be exactly what the consumer warpgroups take.
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+  static_assert(kLaunchRegisters - kProducerRegisters ==
+                kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "rows of 128-byte swizzle atoms");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
 
@@ -96,21 +105,27 @@ struct FwdKernelTraits {
                                              cute::_1{}));
 };
 
-// Tile sizes per head dim: two consumer warpgroups of 64 query rows each, which ping-pong
-// (fwd_kernel.h; the schedule without it was slower at every head dim once head dim 64 had 4
-// stages, and is gone). Each choice was measured against its alternatives in one build on the H200
-// (docs/PERFORMANCE.md): at head dim 64, 4 K/V stages with the ping-pong beat 2 stages without it
-// (+0-10%) and key tiles of 192 (3-5% faster at 16k only, 10-12% slower at 1k); at 128, key tiles
-// of 160 or 176 gained up to 3% at 16k and lost 6-20% at 1k; at 256, the persistent grid lost
-// 5-10% without a mask.
+// Tile sizes per head dim: consumer warpgroups of 64 query rows each, which ping-pong
+// (fwd_kernel.h). Each choice was measured against its alternatives in one build on the H200
+// (docs/PERFORMANCE.md). FwdTileSizes: two consumer warpgroups (128 query rows). At head dim 64, 4
+// K/V stages with the ping-pong beat 2 stages without it (+0-10%) and key tiles of 192 (3-5% faster
+// at 16k only, 10-12% slower at 1k); at 128, key tiles of 160 or 176 gained up to 3% at 16k and
+// lost 6-20% at 1k; at 256, the persistent grid lost 5-10% without a mask.
 template <int kHeadDim>
 struct FwdTileSizes;
 template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 4; static constexpr bool kPersistent = true; };
 template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPersistent = true; };
 template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPersistent = false; };
 
-template <int kHeadDim, class Element>
-using FwdTraitsFor = FwdKernelTraits<kHeadDim, FwdTileSizes<kHeadDim>::kBlockM, FwdTileSizes<kHeadDim>::kBlockN,
-                                     FwdTileSizes<kHeadDim>::kStages, FwdTileSizes<kHeadDim>::kPersistent, Element>;
+// Wide tiles: three consumer warpgroups (192 query rows) on 160 registers a thread, where S, P and
+// O fit in them (head dim 64): 10-18% faster than FwdTileSizes from 1.5k keys without a mask and
+// from 3k causal, but a causal tile of 192 rows straddles two or three key tiles of the diagonal,
+// so short causal calls keep FwdTileSizes (fwd_launch.h). kAvailable: this head dim has them.
+template <int kHeadDim>
+struct FwdWideTileSizes { static constexpr bool kAvailable = false; };
+template <> struct FwdWideTileSizes<64> { static constexpr bool kAvailable = true; static constexpr int kBlockM = 192, kBlockN = 128, kStages = 4; static constexpr bool kPersistent = true; };
+
+template <int kHeadDim, class Element, class Sizes = FwdTileSizes<kHeadDim>>
+using FwdTraitsFor = FwdKernelTraits<kHeadDim, Sizes::kBlockM, Sizes::kBlockN, Sizes::kStages, Sizes::kPersistent, Element>;
 
 }  // namespace flash_cutlass::sm90

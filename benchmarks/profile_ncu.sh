@@ -23,7 +23,8 @@
 #   details.txt         sections and metrics as ncu prints them
 #   details.csv         the same as CSV
 #   raw.csv             every collected metric, in base units
-#   summary.txt         the METRICS values, and shared-memory bank conflicts / wavefronts
+#   summary.txt         the METRICS values, shared-memory bank conflicts / wavefronts, tensor-pipe
+#                       utilization, achieved occupancy and the top stall reasons
 set -euo pipefail
 
 SECTIONS=(SpeedOfLight Occupancy LaunchStats SchedulerStats WarpStateStats)
@@ -114,6 +115,24 @@ for launch in launches:
         except (AttributeError, ValueError, ZeroDivisionError):
             continue
         print(f"  shared {op}: bank conflicts / wavefronts = {share:.3f}")
+    # From the sections: how busy the tensor cores were, how full the SM, and where warps waited.
+    for label, metric in (
+            ("tensor pipe active, % of elapsed cycles", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"),
+            ("achieved occupancy, % of the SM's warps", "sm__warps_active.avg.pct_of_peak_sustained_active"),
+            ("active warps per SM", "sm__warps_active.avg.per_cycle_active"),
+            ("instructions issued per scheduler per cycle", "smsp__issue_active.avg.per_cycle_active")):
+        print(f"  {label:<60} {values.get(metric, 'not collected')}")
+    prefix, suffix = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+    stalls = []
+    for metric, value in values.items():
+        if metric.startswith(prefix) and metric.endswith(suffix):
+            try:
+                stalls.append((float(value.replace(",", "")), metric[len(prefix):-len(suffix)]))
+            except ValueError:
+                continue
+    stalls.sort(reverse=True)
+    print("  stall reasons, warps stalled per issued instruction: " +
+          ", ".join(f"{reason} {ratio:.2f}" for ratio, reason in stalls[:8] if ratio >= 0.01))
 EOF
 cat "$out_dir/summary.txt"
 echo "profile_ncu.sh: report and summaries in $out_dir"

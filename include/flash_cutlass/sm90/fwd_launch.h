@@ -89,13 +89,14 @@ template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
   using Narrow = FwdTraitsFor<kHeadDim, Element>;
-  using Wide = FwdTraitsFor<kHeadDim, Element, FwdWideTileSizes<kHeadDim>>;
-  constexpr bool kWideTiles = FwdWideTileSizes<kHeadDim>::kAvailable && kExtension == Extension::kNone;
-  if constexpr (kWideTiles && kMaskKind == MaskKind::kNone) {
+  constexpr bool kWideTiles = FwdWideTileSizes<kHeadDim>::kAvailable && kExtension == Extension::kNone &&
+                              kMaskKind != MaskKind::kLocal;
+  if constexpr (kWideTiles) {
+    using Wide = FwdTraitsFor<kHeadDim, Element, FwdWideTileSizes<kHeadDim>>;
+    if constexpr (kMaskKind == MaskKind::kCausal) {
+      if (params.seqlen_q <= kCausalNarrowTilesMaxSeqlenQ) return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
+    }
     return run_fwd_with_traits<Wide, kMaskKind, kExtension>(params, stream);
-  } else if constexpr (kWideTiles && kMaskKind == MaskKind::kCausal) {
-    if (params.seqlen_q > kCausalNarrowTilesMaxSeqlenQ) return run_fwd_with_traits<Wide, kMaskKind, kExtension>(params, stream);
-    return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
   } else {
     return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
   }

@@ -55,14 +55,36 @@ __host__ __device__ inline TmaExtents tma_extents(FwdParams const& params) {
 // tensor cores run one warpgroup's GEMMs while the others compute their softmax.
 constexpr int kPingPongThreads = 256;
 
+// Two consumers: the barrier ids as immediates (a computed id costs the head-dim-256 kernel
+// registers and spills). Three: computed ids (immediates behind branches spill more in the
+// head-dim-64 causal kernel: 40 B instead of 8).
+template <int kConsumers>
 __device__ __forceinline__ void wait_for_turn(int consumer) {
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + consumer), "n"(kPingPongThreads) : "memory");
+  static_assert(kConsumers == 2 || kConsumers == 3);
+  if constexpr (kConsumers == 2) {
+    if (consumer == 0) {
+      asm volatile("bar.sync 1, %0;" ::"n"(kPingPongThreads) : "memory");
+    } else {
+      asm volatile("bar.sync 2, %0;" ::"n"(kPingPongThreads) : "memory");
+    }
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + consumer), "n"(kPingPongThreads) : "memory");
+  }
 }
 
 template <int kConsumers>
 __device__ __forceinline__ void hand_over_turn(int consumer) {
-  const int next = consumer + 1 == kConsumers ? 0 : consumer + 1;
-  asm volatile("bar.arrive %0, %1;" ::"r"(1 + next), "n"(kPingPongThreads) : "memory");
+  static_assert(kConsumers == 2 || kConsumers == 3);
+  if constexpr (kConsumers == 2) {
+    if (consumer == 0) {
+      asm volatile("bar.arrive 2, %0;" ::"n"(kPingPongThreads) : "memory");
+    } else {
+      asm volatile("bar.arrive 1, %0;" ::"n"(kPingPongThreads) : "memory");
+    }
+  } else {
+    const int next = consumer + 1 == kConsumers ? 0 : consumer + 1;
+    asm volatile("bar.arrive %0, %1;" ::"r"(1 + next), "n"(kPingPongThreads) : "memory");
+  }
 }
 
 // Named barrier 4, after the ping-pong's (1 to 3): every consumer thread, around the epilogue's
@@ -288,7 +310,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         ++state;
         pipeline_k.consumer_wait(state);
         pipeline_v.consumer_wait(state_v);
-        wait_for_turn(consumer);
+        wait_for_turn<kConsumers>(consumer);
         issue_scores();
         issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
         hand_over_turn<kConsumers>(consumer);
@@ -307,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // The producer loads the same blocks in the same order.
       const int last = key_blocks.end - 1;
       pipeline_k.consumer_wait(state);
-      wait_for_turn(consumer);
+      wait_for_turn<kConsumers>(consumer);
       issue_scores();
       hand_over_turn<kConsumers>(consumer);
       warpgroup_wait<0>();
@@ -328,7 +350,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       // P V of the last tile scored.
       pipeline_v.consumer_wait(state);
-      wait_for_turn(consumer);
+      wait_for_turn<kConsumers>(consumer);
       issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
       hand_over_turn<kConsumers>(consumer);
       warpgroup_wait<0>();
@@ -337,7 +359,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // The last consumer's last hand-over has no turn of consumer 0 left to meet: take it here, so
       // that no barrier is left half-arrived. (The last consumer arrives again only in its next tile,
       // after this tile's Q release below, to which consumer 0 contributes after this wait.)
-      if (consumer == 0) wait_for_turn(consumer);
+      if (consumer == 0) wait_for_turn<kConsumers>(consumer);
       ++state;
       // Every S = Q K^T of this tile has completed: the producer may bring the next tile's Q.
       storage.q_empty.arrive();

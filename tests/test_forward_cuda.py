@@ -49,9 +49,9 @@ def make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtyp
             rand(batch, seqlen_k, heads_k, head_dim))
 
 
-def check_against_oracle(q, k, v, out, lse, scale, causal, name):
-    oracle_out, oracle_lse = naive_attention(q, k, v, scale, causal, compute_dtype=torch.float32)
-    same_out, same_lse = naive_attention(q, k, v, scale, causal)
+def check_against_oracle(q, k, v, out, lse, scale, causal, name, **options):
+    oracle_out, oracle_lse = naive_attention(q, k, v, scale, causal, compute_dtype=torch.float32, **options)
+    same_out, same_lse = naive_attention(q, k, v, scale, causal, **options)
     fa2_check(out, oracle_out, same_out, f"{name} out")
     fa2_check(lse, oracle_lse, same_lse, f"{name} lse")
 
@@ -115,10 +115,7 @@ def test_more_tiles_than_sms(cuda_gen, head_dim, causal, window_size, softcap, s
     scale = 1.0 / math.sqrt(head_dim)
     options = dict(window_size=window_size, softcap=softcap)
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm90", **options)
-    oracle_out, oracle_lse = naive_attention(q, k, v, scale, causal, compute_dtype=torch.float32, **options)
-    same_out, same_lse = naive_attention(q, k, v, scale, causal, **options)
-    fa2_check(out, oracle_out, same_out, "sm90 out")
-    fa2_check(lse, oracle_lse, same_lse, "sm90 lse")
+    check_against_oracle(q, k, v, out, lse, scale, causal, "sm90", **options)
     for b in range(batch):
         alone_out, alone_lse = flash_cutlass.flash_forward(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal,
                                                            kernel="sm90", **options)

@@ -1,5 +1,5 @@
 // Warpgroup MMA helpers of the Hopper path: one call issues a whole tile GEMM as wgmma
-// instructions and waits for it, and the accumulator re-layouts the softmax needs.
+// instructions (the caller waits), and the accumulator re-layouts the softmax needs.
 #pragma once
 
 #include <type_traits>
@@ -29,18 +29,6 @@ __device__ __forceinline__ void issue_gemm_wgmma(TiledMma& tiled_mma, FragA cons
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-}
-
-// issue_gemm_wgmma, then the wait: returns once the warpgroup's MMAs are complete.
-template <bool kZeroInit, class TiledMma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void gemm_wgmma(TiledMma& tiled_mma, FragA const& frag_a, FragB const& frag_b, Acc& acc) {
-  using namespace cute;
-  issue_gemm_wgmma<kZeroInit>(tiled_mma, frag_a, frag_b, acc);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-  if constexpr (!std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>) {
-    warpgroup_fence_operand(const_cast<FragA&>(frag_a));
-  }
 }
 
 // A wgmma accumulator is laid out ((2 cols, 2 rows, N/8 col groups), MMA_M, MMA_N). Softmax wants

@@ -273,9 +273,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // `state`: the K/V stage of the key tile being scored.
       // Intra-warpgroup overlap: the scores of tile n (S = Q K^T, then the softmax) run while the
       // tensor cores do P V of tile n+1 (the one scored before; key blocks run from the last down).
-      // P lives in its own registers and O is rescaled only once that P V is done. (ptxas still
-      // places the wait for P V before the softmax's exponentials; the warpgroups' ping-pong below
-      // overlaps one warpgroup's softmax with the other's GEMMs regardless.)
+      // P lives in its own registers and O is rescaled only once that P V is done. ptxas would
+      // place a plain wait for P V before the softmax's exponentials (a wait has no inputs, so it
+      // fills the first latency gap); warpgroup_wait_after keeps it after them where the registers
+      // allow (Traits::kSoftmaxOverlapsPV). The warpgroups' ping-pong below overlaps one
+      // warpgroup's softmax with the others' GEMMs regardless.
       Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
       Tensor p = make_tensor<Element>(acc_s.layout());
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
@@ -316,7 +318,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         hand_over_turn<kConsumers>(consumer);
         warpgroup_wait<1>();  // S of this tile
         softmax_scores(n_block, cute::false_type{}, masked);
-        warpgroup_wait<0>();  // P V of the tile before
+        // P V of the tile before
+        if constexpr (Traits::kSoftmaxOverlapsPV) {
+          warpgroup_wait_after<0>(softmax.row_sum[0], softmax.row_sum[kRowsPerThread - 1]);
+        } else {
+          warpgroup_wait<0>();
+        }
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
         pipeline_v.consumer_release(state_v);

@@ -38,6 +38,10 @@ struct FwdKernelTraits {
   static_assert(kLaunchRegisters - kProducerRegisters ==
                 kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "rows of 128-byte swizzle atoms");
+  // The softmax of one key tile runs while P V of the tile before is in flight, its wait kept after
+  // the exponentials (fwd_kernel.h). At head dim 256 the O accumulator's 128 registers a thread
+  // leave no room for S and P to live that long: ptxas spilled 650-1800 B a kernel.
+  static constexpr bool kSoftmaxOverlapsPV = kHeadDim <= 128;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
 
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;    // S = Q K^T

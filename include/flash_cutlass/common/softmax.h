@@ -47,12 +47,7 @@ struct OnlineSoftmax {
       // its P is exactly 0 instead of exp(-inf + inf) = NaN.
       const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
       correction[r] = kFirstTile || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
-      float tile_sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
-        tile_sum += s(r, c);
-      }
+      const float tile_sum = exponentiate_row(s, r, max_scaled);
       row_sum[r] = kFirstTile ? tile_sum : row_sum[r] * correction[r] + tile_sum;
     }
   }
@@ -88,15 +83,22 @@ struct OnlineSoftmax {
       row_max[r] = new_max;
       const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
       correction[r] = !rescale_o || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
-      float tile_sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
-        tile_sum += s(r, c);
-      }
+      const float tile_sum = exponentiate_row(s, r, max_scaled);
       row_sum[r] = rescale_o ? row_sum[r] * correction[r] + tile_sum : row_sum[r] + tile_sum;
     }
     return rescale_o;
+  }
+
+  // Row r of s replaced by exp2(scale * s - max_scaled); returns the row's sum (this thread's part).
+  template <class TensorS>
+  __device__ __forceinline__ float exponentiate_row(TensorS& s, int r, float max_scaled) const {
+    float tile_sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(s); ++c) {
+      s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
+      tile_sum += s(r, c);
+    }
+    return tile_sum;
   }
 
   template <class TensorO>

@@ -282,6 +282,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor p = make_tensor<Element>(acc_s.layout());
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
       float correction[kRowsPerThread];
+      bool rescale_o = false;  // whether the tile just scored moved a row maximum of this warp
       const int consumer = warpgroup - 1;
       constexpr int kConsumers = Traits::kConsumerWarpgroups;
       if (consumer == kConsumers - 1) hand_over_turn<kConsumers>(consumer);  // consumer 0 issues first
@@ -296,7 +297,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         pipeline_k.consumer_release(state);
         Tensor s = as_rows_cols(acc_s);
         prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
-        softmax.template update_scores<decltype(first_tile)::value>(s, correction);
+        if constexpr (decltype(first_tile)::value) {
+          softmax.template update_scores<true>(s, correction);
+        } else {
+          rescale_o = softmax.update_scores_lazily(s, correction);
+        }
         if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
         warpgroup_fence_operand(acc_s);
       };
@@ -327,7 +332,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
         pipeline_v.consumer_release(state_v);
-        OnlineSoftmax<kRowsPerThread>::rescale(acc_o_rc, correction);
+        if (rescale_o) OnlineSoftmax<kRowsPerThread>::rescale(acc_o_rc, correction);
         store_probabilities();
       };
       // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,

@@ -122,6 +122,28 @@ def test_more_tiles_than_sms(cuda_gen, head_dim, causal, window_size, softcap, s
         assert torch.equal(out[b:b + 1], alone_out) and torch.equal(lse[b:b + 1], alone_lse), f"batch entry {b}"
 
 
+@pytest.mark.parametrize("growth_log2", [0.5, 7.5, 8.5, 40.0])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_row_maximum_growing_tile_by_tile(cuda_gen, kernel, causal, growth_log2):
+    """Scores that rise toward the first keys, which the kernels visit last: every key tile raises
+    each row's maximum by about growth_log2 (in log2 units of the scaled score per 128 keys), below
+    and above the threshold up to which the Hopper path keeps a stale maximum (P up to 2^8; head
+    dims 128 and 256), at every compiled head dim."""
+    skip_unless_runs(kernel)
+    dtype = COMPILED_DTYPES[-1]
+    batch, seqlen, heads = 2, 1000, 4
+    for head_dim in COMPILED_SM90_HEAD_DIMS if kernel == "sm90" else COMPILED_HEAD_DIMS:
+        q, k, v = make_qkv(cuda_gen, batch, seqlen, seqlen, heads, heads, head_dim, dtype)
+        scale = 1.0 / math.sqrt(head_dim)
+        # score(i, j) = scale * q_i . k_j ~ slope * (seqlen - j) + noise, with q_i[0] = 1.
+        slope = growth_log2 / (128 * math.log2(math.e)) / scale
+        q[..., 0] = 1.0
+        k[..., 0] = (slope * (seqlen - torch.arange(seqlen, device="cuda"))).to(dtype)[None, :, None]
+        out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel=kernel)
+        check_against_oracle(q, k, v, out, lse, scale, causal, f"{kernel} head dim {head_dim} growth {growth_log2}")
+
+
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 136, 200, 3, 50, 100, 255])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -47,14 +47,58 @@ struct OnlineSoftmax {
       // its P is exactly 0 instead of exp(-inf + inf) = NaN.
       const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
       correction[r] = kFirstTile || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
-      float tile_sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
-        tile_sum += s(r, c);
-      }
+      const float tile_sum = exponentiate_row(s, r, max_scaled);
       row_sum[r] = kFirstTile ? tile_sum : row_sum[r] * correction[r] + tile_sum;
     }
+  }
+
+  // update_scores for a tile after the first that keeps each row's maximum while no score of the
+  // tile exceeds it by more than kMaxGrowthLog2 after scaling (FlashAttention-4's conditional
+  // rescaling): P then stays <= 2^kMaxGrowthLog2, and neither l nor o needs a rescale. Once a row
+  // of the warp grows past that, every row of the warp takes its new maximum as in update_scores.
+  // Returns whether o must be rescaled with `correction`; the same for the whole warp, so the
+  // caller's branch around rescale() does not diverge.
+  static constexpr float kMaxGrowthLog2 = 8.f;
+
+  template <class TensorS>
+  __device__ __forceinline__ bool update_scores_lazily(TensorS& s, float (&correction)[kRows]) {
+    using namespace cute;
+    static_assert(decltype(size<0>(s))::value == kRows);
+    float tile_max[kRows];
+    bool grows = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = -INFINITY;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      tile_max[r] = quad_max(m);
+      // False for -inf - -inf (NaN): a row that has seen no key yet and sees none here stays at -inf.
+      grows |= (tile_max[r] - row_max[r]) * scale_log2 > kMaxGrowthLog2;
+    }
+    const bool rescale_o = __any_sync(0xffffffffu, grows);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float prev_max = row_max[r];
+      const float new_max = rescale_o ? fmaxf(prev_max, tile_max[r]) : prev_max;
+      row_max[r] = new_max;
+      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+      correction[r] = !rescale_o || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
+      const float tile_sum = exponentiate_row(s, r, max_scaled);
+      row_sum[r] = rescale_o ? row_sum[r] * correction[r] + tile_sum : row_sum[r] + tile_sum;
+    }
+    return rescale_o;
+  }
+
+  // Row r of s replaced by exp2(scale * s - max_scaled); returns the row's sum (this thread's part).
+  template <class TensorS>
+  __device__ __forceinline__ float exponentiate_row(TensorS& s, int r, float max_scaled) const {
+    float tile_sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(s); ++c) {
+      s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
+      tile_sum += s(r, c);
+    }
+    return tile_sum;
   }
 
   template <class TensorO>

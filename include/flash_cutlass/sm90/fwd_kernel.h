@@ -273,13 +273,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // `state`: the K/V stage of the key tile being scored.
       // Intra-warpgroup overlap: the scores of tile n (S = Q K^T, then the softmax) run while the
       // tensor cores do P V of tile n+1 (the one scored before; key blocks run from the last down).
-      // P lives in its own registers and O is rescaled only once that P V is done. (ptxas still
-      // places the wait for P V before the softmax's exponentials; the warpgroups' ping-pong below
-      // overlaps one warpgroup's softmax with the other's GEMMs regardless.)
+      // P lives in its own registers and O is rescaled only once that P V is done. ptxas would
+      // place a plain wait for P V before the softmax's exponentials (a wait has no inputs, so it
+      // fills the first latency gap); warpgroup_wait_after keeps it after them where the registers
+      // allow (Traits::kSoftmaxOverlapsPV). The warpgroups' ping-pong below overlaps one
+      // warpgroup's softmax with the others' GEMMs regardless.
       Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
       Tensor p = make_tensor<Element>(acc_s.layout());
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
       float correction[kRowsPerThread];
+      bool rescale_o = false;  // lazily rescaling: whether the tile just scored moved a row maximum of this warp
       const int consumer = warpgroup - 1;
       constexpr int kConsumers = Traits::kConsumerWarpgroups;
       if (consumer == kConsumers - 1) hand_over_turn<kConsumers>(consumer);  // consumer 0 issues first
@@ -294,7 +297,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         pipeline_k.consumer_release(state);
         Tensor s = as_rows_cols(acc_s);
         prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
-        softmax.template update_scores<decltype(first_tile)::value>(s, correction);
+        if constexpr (decltype(first_tile)::value || !Traits::kRescalesLazily) {
+          softmax.template update_scores<decltype(first_tile)::value>(s, correction);
+        } else {
+          rescale_o = softmax.update_scores_lazily(s, correction);
+        }
         if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
         warpgroup_fence_operand(acc_s);
       };
@@ -316,11 +323,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         hand_over_turn<kConsumers>(consumer);
         warpgroup_wait<1>();  // S of this tile
         softmax_scores(n_block, cute::false_type{}, masked);
-        warpgroup_wait<0>();  // P V of the tile before
+        // P V of the tile before
+        if constexpr (Traits::kSoftmaxOverlapsPV) {
+          warpgroup_wait_after<0>(softmax.row_sum[0], softmax.row_sum[kRowsPerThread - 1]);
+        } else {
+          warpgroup_wait<0>();
+        }
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
         pipeline_v.consumer_release(state_v);
-        OnlineSoftmax<kRowsPerThread>::rescale(acc_o_rc, correction);
+        if (!Traits::kRescalesLazily || rescale_o) OnlineSoftmax<kRowsPerThread>::rescale(acc_o_rc, correction);
         store_probabilities();
       };
       // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,

@@ -31,6 +31,21 @@ __device__ __forceinline__ void issue_gemm_wgmma(TiledMma& tiled_mma, FragA cons
   warpgroup_commit_batch();
 }
 
+// wgmma.wait_group N after the instructions that compute `after_a` and `after_b` (sums of
+// exponentials: +0, positive, +inf or the GPU's canonical NaN, never with the sign bit set). ptxas
+// schedules a wait as early as a latency gap allows (it has no inputs), which made a warpgroup wait
+// for its P V before the softmax's exponentials instead of after them. A branch on the two values
+// that is never taken (it would trap) ends the basic block before the wait, so the wait cannot rise
+// above them; the wait itself stays unconditional, as ptxas needs to keep the wgmma pipelined.
+template <int N>
+__device__ __forceinline__ void warpgroup_wait_after(float after_a, float after_b) {
+  unsigned bits;
+  // Opaque to the compiler, so that it cannot fold the test from what it knows of the values.
+  asm("or.b32 %0, %1, %2;" : "=r"(bits) : "r"(__float_as_uint(after_a)), "r"(__float_as_uint(after_b)));
+  if (__any_sync(0xffffffffu, bits >> 31)) __trap();
+  cute::warpgroup_wait<N>();
+}
+
 // A wgmma accumulator is laid out ((2 cols, 2 rows, N/8 col groups), MMA_M, MMA_N). Softmax wants
 // (rows, cols) = ((2, MMA_M), (2, N/8, MMA_N)), so that a row is one index.
 template <class Layout>

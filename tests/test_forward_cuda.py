@@ -144,6 +144,25 @@ def test_row_maximum_growing_tile_by_tile(cuda_gen, kernel, causal, growth_log2)
         check_against_oracle(q, k, v, out, lse, scale, causal, f"{kernel} head dim {head_dim} growth {growth_log2}")
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_in_a_key_reaches_its_rows(cuda_gen, kernel):
+    """Batch entry j has a NaN in key j of the first head: every output row and lse of that head is
+    NaN (no maximum, sum or skipped rescale hides it), none of the second head's. Keys 0..127 take
+    every column position of a key tile."""
+    skip_unless_runs(kernel)
+    dtype = COMPILED_DTYPES[-1]
+    batch, seqlen_q, seqlen_k, heads = 128, 64, 300, 2
+    for head_dim in COMPILED_SM90_HEAD_DIMS if kernel == "sm90" else COMPILED_HEAD_DIMS:
+        q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads, head_dim, dtype)
+        keys = torch.arange(batch, device="cuda")
+        k[keys, keys, 0] = math.nan
+        for causal in (False, True):
+            out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel=kernel)
+            name = f"{kernel} head dim {head_dim} causal {causal}"
+            assert out[:, :, 0].isnan().all() and lse[:, 0].isnan().all(), name
+            assert not out[:, :, 1].isnan().any() and not lse[:, 1].isnan().any(), name
+
+
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 136, 200, 3, 50, 100, 255])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel", KERNELS)

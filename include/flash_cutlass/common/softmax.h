@@ -56,12 +56,13 @@ struct OnlineSoftmax {
   // tile exceeds it by more than kMaxGrowthLog2 after scaling (FlashAttention-4's conditional
   // rescaling): P then stays <= 2^kMaxGrowthLog2, and neither l nor o needs a rescale. Once a row
   // of the warp grows past that, every row of the warp takes its new maximum as in update_scores.
+  // Only the rows with `votes` set take part (the others' maxima still move when the warp's do).
   // Returns whether o must be rescaled with `correction`; the same for the whole warp, so the
   // caller's branch around rescale() does not diverge.
   static constexpr float kMaxGrowthLog2 = 8.f;
 
   template <class TensorS>
-  __device__ __forceinline__ bool update_scores_lazily(TensorS& s, float (&correction)[kRows]) {
+  __device__ __forceinline__ bool update_scores_lazily(TensorS& s, float (&correction)[kRows], bool const (&votes)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
     float tile_max[kRows];
@@ -73,7 +74,7 @@ struct OnlineSoftmax {
       for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
       tile_max[r] = quad_max(m);
       // False for -inf - -inf (NaN): a row that has seen no key yet and sees none here stays at -inf.
-      grows |= (tile_max[r] - row_max[r]) * scale_log2 > kMaxGrowthLog2;
+      grows |= votes[r] && (tile_max[r] - row_max[r]) * scale_log2 > kMaxGrowthLog2;
     }
     const bool rescale_o = __any_sync(0xffffffffu, grows);
     CUTE_UNROLL

@@ -283,6 +283,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
       float correction[kRowsPerThread];
       bool rescale_o = false;  // lazily rescaling: whether the tile just scored moved a row maximum of this warp
+      // Rows past the sequence (zeros from TMA, or the next packed sequence's queries) do not vote
+      // on the warp's rescale, so that a sequence's bits do not depend on what follows it.
+      bool row_in_sequence[kRowsPerThread];
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerThread; ++r) {
+        row_in_sequence[r] = m_block * kBlockM + get<0>(tScS(r, 0)) < sequence.seqlen_q;
+      }
       const int consumer = warpgroup - 1;
       constexpr int kConsumers = Traits::kConsumerWarpgroups;
       if (consumer == kConsumers - 1) hand_over_turn<kConsumers>(consumer);  // consumer 0 issues first
@@ -300,7 +307,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if constexpr (decltype(first_tile)::value || !Traits::kRescalesLazily) {
           softmax.template update_scores<decltype(first_tile)::value>(s, correction);
         } else {
-          rescale_o = softmax.update_scores_lazily(s, correction);
+          rescale_o = softmax.update_scores_lazily(s, correction, row_in_sequence);
         }
         if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
         warpgroup_fence_operand(acc_s);

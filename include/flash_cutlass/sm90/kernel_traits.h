@@ -41,11 +41,12 @@ struct FwdKernelTraits {
   // The softmax of one key tile runs while P V of the tile before is in flight, its wait kept after
   // the exponentials (fwd_kernel.h). At head dim 256 the O accumulator's 128 registers a thread
   // leave no room for S and P to live that long: ptxas spilled 650-1800 B a kernel. At head dim 64
-  // (issue-bound, three consumer warpgroups) it measured 2-5% slower on the H200, so it is off there.
+  // (issue-bound, three consumer warpgroups) it measured 1-5% slower on the H200, so it is off there.
   static constexpr bool kSoftmaxOverlapsPV = kHeadDim == 128;
   // A row keeps a stale maximum while no key tile raises it by more than 2^8 (OnlineSoftmax::
-  // update_scores_lazily), so most tiles skip O's rescale. +4-13% at head dims 128/256 on the
-  // H200 (more O registers a thread to rescale); at 64 it measured 1-3% slower, so it is off there.
+  // update_scores_lazily), so most tiles skip O's rescale: +11-16% at head dim 256 from 4k keys on
+  // the H200 (128 O registers a thread to rescale), 0-5% at 128 beside the late wait; at 64 it
+  // measured 1-3% slower, so it is off there.
   static constexpr bool kRescalesLazily = kHeadDim >= 128;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
 

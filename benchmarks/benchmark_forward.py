@@ -233,6 +233,18 @@ def median_ms(fn: Callable[[], object], warmup: int, min_reps: int, min_time_ms:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
+def interleaved_rounds(measures: dict[str, Callable[[int], float]], rounds: int) -> dict[str, list[float]]:
+    """Calls every measure once per round, in the given order, round after round (A B C A B C ...),
+    so that a drift of the GPU's clocks during a shape's measurements falls on every implementation
+    alike instead of on whichever runs last. measure(round_index) returns a time; the result holds
+    each one's times in round order."""
+    times: dict[str, list[float]] = {name: [] for name in measures}
+    for round_index in range(rounds):
+        for name, measure in measures.items():
+            times[name].append(measure(round_index))
+    return times
+
+
 def peer_ms(make_peer: Callable[[], Callable[[], object] | None], name: str, min_time_ms: float) -> float | None:
     """median_ms of a peer's runner, None when make_peer() has none for this case or the peer fails
     (its first error line goes to stderr: a peer that fails must not stop the run)."""
@@ -471,6 +483,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-time-ms", type=float, default=200.0, metavar="MS",
                         help="time more calls until about this much GPU time is covered "
                              "(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="measure the implementations of a shape in N alternating rounds (A B C "
+                             "A B C ...), each a full measurement (warm-up, --reps, --min-time-ms), "
+                             "and report the median of the rounds' medians: a drift of the clocks "
+                             "then falls on every implementation alike (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random inputs (default: %(default)s)")
     parser.add_argument("--json", type=Path, metavar="PATH",
@@ -493,8 +510,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.check and SUBJECT not in args.impls:
         parser.error(f"--check verifies {SUBJECT}; include it in --impls")
-    if args.warmup < 0 or args.reps < 1 or args.min_time_ms < 0:
-        parser.error("--warmup must be >= 0, --reps >= 1 and --min-time-ms >= 0")
+    if args.warmup < 0 or args.reps < 1 or args.min_time_ms < 0 or args.rounds < 1:
+        parser.error("--warmup must be >= 0, --reps >= 1, --min-time-ms >= 0 and --rounds >= 1")
     if args.memory_seqlen < 1 or args.memory_head_dim < 1:
         parser.error("--memory-seqlen and --memory-head-dim must be positive")
     args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
@@ -558,15 +575,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             subject_wrong = not result["passed"]
             print(f"check {label}: {'ok' if result['passed'] else 'FAILED'}: {result['detail']}",
                   flush=True)
+        errors: dict[str, str | None] = {}
+        measures: dict[str, Callable[[int], float]] = {}
         for impl in args.impls:
             fn = make_runner(impl, inputs, case.causal, subject, args.direction)
-            error = "failed --check" if impl == SUBJECT and subject_wrong else first_call_error(fn)
-            ms = None if error else median_ms(fn, args.warmup, args.reps, args.min_time_ms)
+            errors[impl] = "failed --check" if impl == SUBJECT and subject_wrong else first_call_error(fn)
+            if errors[impl] is None:
+                # Each round: warm-up (the full count in the first), then the median of its calls.
+                measures[impl] = (lambda round_index, fn=fn: median_ms(
+                    fn, args.warmup if round_index == 0 else min(args.warmup, 3), args.reps, args.min_time_ms))
+        round_times = interleaved_rounds(measures, args.rounds)
+        for impl in args.impls:
+            error = errors[impl]
+            ms = None if error else statistics.median(round_times[impl])
             speed = None if ms is None else tflops(case_flops(case, args.direction), ms)
             rows.append({"head_dim": case.head_dim, "seqlen": case.seqlen, "batch": case.batch,
                          "heads": case.heads, "causal": case.causal, "dtype": args.dtype,
                          "direction": args.direction, "impl": impl, "ms": ms, "tflops": speed,
-                         "error": error})
+                         "ms_rounds": round_times.get(impl, []), "error": error})
             result_text = f"not run: {error}" if error else f"{ms:8.3f} ms {speed:7.1f} TFLOPS"
             print(f"{label} {impl:<18} {result_text}", flush=True)
         del inputs

@@ -114,8 +114,26 @@ def test_parse_args_defaults_and_lists():
                                                           ["flash_cutlass", "sdpa_cudnn"])
 
 
+def test_interleaved_rounds_alternate_the_implementations():
+    calls = []
+
+    def measure(name, time):
+        def run(round_index):
+            calls.append((name, round_index))
+            return time + round_index
+        return run
+
+    times = bench.interleaved_rounds({"a": measure("a", 1.0), "b": measure("b", 10.0)}, rounds=3)
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert times == {"a": [1.0, 2.0, 3.0], "b": [10.0, 11.0, 12.0]}
+    assert bench.interleaved_rounds({}, rounds=2) == {}
+    assert bench.parse_args([]).rounds == 1
+    assert bench.parse_args(["--rounds", "3"]).rounds == 3
+
+
 @pytest.mark.parametrize("argv", [["--impls", "triton"], ["--seqlens", "1,x"],
-                                  ["--head-dims", "0"], ["--check", "--impls", "sdpa_flash"]])
+                                  ["--head-dims", "0"], ["--check", "--impls", "sdpa_flash"],
+                                  ["--rounds", "0"]])
 def test_parse_args_rejects_bad_input(argv, capsys):
     with pytest.raises(SystemExit) as excinfo:
         bench.parse_args(argv)

@@ -42,13 +42,7 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) new_max = fmaxf(new_max, s(r, c));
       new_max = quad_max(new_max);
-      row_max[r] = new_max;
-      // A row with every key masked so far keeps m = -inf; exponentiate against 0 so that
-      // its P is exactly 0 instead of exp(-inf + inf) = NaN.
-      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      correction[r] = kFirstTile || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
-      const float tile_sum = exponentiate_row(s, r, max_scaled);
-      row_sum[r] = kFirstTile ? tile_sum : row_sum[r] * correction[r] + tile_sum;
+      move_row<kFirstTile>(s, r, prev_max, new_max, true, correction);
     }
   }
 
@@ -80,14 +74,24 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float prev_max = row_max[r];
-      const float new_max = rescale_o ? fmaxf(prev_max, tile_max[r]) : prev_max;
-      row_max[r] = new_max;
-      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      correction[r] = !rescale_o || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
-      const float tile_sum = exponentiate_row(s, r, max_scaled);
-      row_sum[r] = rescale_o ? row_sum[r] * correction[r] + tile_sum : row_sum[r] + tile_sum;
+      move_row<false>(s, r, prev_max, rescale_o ? fmaxf(prev_max, tile_max[r]) : prev_max, rescale_o, correction);
     }
     return rescale_o;
+  }
+
+  // Row r's maximum set to new_max (from prev_max), the row exponentiated against it and added to
+  // l, which is first rescaled by correction[r]: 1 for the first tile or when the maximum stays
+  // (`moved` false, known without an exponential).
+  template <bool kFirstTile, class TensorS>
+  __device__ __forceinline__ void move_row(TensorS& s, int r, float prev_max, float new_max, bool moved,
+                                           float (&correction)[kRows]) {
+    row_max[r] = new_max;
+    // A row with every key masked so far keeps m = -inf; exponentiate against 0 so that
+    // its P is exactly 0 instead of exp(-inf + inf) = NaN.
+    const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+    correction[r] = kFirstTile || !moved || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
+    const float tile_sum = exponentiate_row(s, r, max_scaled);
+    row_sum[r] = kFirstTile ? tile_sum : moved ? row_sum[r] * correction[r] + tile_sum : row_sum[r] + tile_sum;
   }
 
   // Row r of s replaced by exp2(scale * s - max_scaled); returns the row's sum (this thread's part).

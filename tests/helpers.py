@@ -39,6 +39,17 @@ def kernel_unavailable(kernel: str, head_dim: int, direction: str) -> str:
     return ""
 
 
+def options_left_out(window_size=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0) -> str:
+    """Why this build cannot run a GPU call with these options (the build flags that left their
+    kernels out), or '' when it can."""
+    needed = (("FLASH_CUTLASS_WINDOW", tuple(window_size) != (-1, -1), flash_cutlass.compiled_window),
+              ("FLASH_CUTLASS_SOFTCAP", softcap > 0, flash_cutlass.compiled_softcap),
+              ("FLASH_CUTLASS_ALIBI", alibi, flash_cutlass.compiled_alibi),
+              ("FLASH_CUTLASS_DROPOUT", dropout_p > 0, flash_cutlass.compiled_dropout))
+    missing = [flag for flag, wanted, compiled in needed if wanted and not compiled()]
+    return f"this build left their kernels out ({', '.join(f + '=0' for f in missing)})" if missing else ""
+
+
 def worse_baseline(oracle: torch.Tensor, *candidates: torch.Tensor) -> torch.Tensor:
     """The candidate baseline for :func:`fa2_check` farthest from ``oracle`` (max abs difference)."""
     return max(candidates, key=lambda c: (c.detach().float().to(oracle.device) - oracle.float()).abs().max().item())

@@ -11,7 +11,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.interface import forward_into
 from flash_cutlass.reference import naive_attention
-from helpers import COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, requires_cuda
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, options_left_out,
+                     requires_cuda)
 
 pytestmark = requires_cuda
 
@@ -103,10 +104,9 @@ def test_more_tiles_than_sms(cuda_gen, head_dim, causal, window_size, softcap, s
     batch entry's bits equal its call alone (fewer tiles, other CTAs) and the results pass the
     oracle."""
     skip_unless_runs("sm90")
-    if window_size != (-1, -1) and not flash_cutlass.compiled_window():
-        pytest.skip("the sliding-window kernels were left out (FLASH_CUTLASS_WINDOW=0)")
-    if softcap and not flash_cutlass.compiled_softcap():
-        pytest.skip("the soft-cap kernels were left out (FLASH_CUTLASS_SOFTCAP=0)")
+    left_out = options_left_out(window_size, softcap)
+    if left_out:
+        pytest.skip(left_out)
     dtype = COMPILED_DTYPES[-1]
     batch, heads, heads_k = 4, 16, 4
     q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <utility>
 #include <cute/tensor.hpp>
 
 #include "flash_cutlass/common/utils.h"
@@ -11,7 +12,10 @@ namespace flash_cutlass {
 // Keeps, for each of the kRows rows a thread owns, the running maximum m of the raw scores
 // and this thread's part of the running sum l of exp(scale * (s - m)). The quad's parts of l
 // are added only once, in finalize(): rescaling is per row, so the parts stay consistent.
-template <int kRows>
+// kMaxChains: a row's maximum and sum run as up to this many interleaved chains of FMNMX / FADD
+// (thread_row_max, exponentiate_row); ptxas keeps the single chain the source writes, in which each
+// instruction waits out the one before.
+template <int kRows, int kMaxChains = 1>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
@@ -38,10 +42,7 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float prev_max = kFirstTile ? -INFINITY : row_max[r];
-      float new_max = prev_max;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) new_max = fmaxf(new_max, s(r, c));
-      new_max = quad_max(new_max);
+      const float new_max = quad_max(fmaxf(prev_max, thread_row_max(s, r)));
       move_row<kFirstTile>(s, r, prev_max, new_max, true, correction);
     }
   }
@@ -63,10 +64,7 @@ struct OnlineSoftmax {
     bool grows = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = -INFINITY;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
-      tile_max[r] = quad_max(m);
+      tile_max[r] = quad_max(thread_row_max(s, r));
       // False for -inf - -inf (NaN): a row that has seen no key yet and sees none here stays at -inf.
       grows |= votes[r] && (tile_max[r] - row_max[r]) * scale_log2 > kMaxGrowthLog2;
     }
@@ -94,16 +92,48 @@ struct OnlineSoftmax {
     row_sum[r] = kFirstTile ? tile_sum : moved ? row_sum[r] * correction[r] + tile_sum : row_sum[r] + tile_sum;
   }
 
+  // The number of chains for a row of TensorS: the largest power of 2 up to kMaxChains that
+  // divides the row's length, so that the chains combine as a tree.
+  template <class TensorS>
+  static constexpr int kChains = [] {
+    constexpr int kCols = decltype(cute::size<1>(std::declval<TensorS&>()))::value;
+    int chains = 1;
+    while (chains * 2 <= kMaxChains && kCols % (chains * 2) == 0) chains *= 2;
+    return chains;
+  }();
+
+  // The parts of a row combined as a tree.
+  template <int kParts, class Op>
+  __device__ __forceinline__ static float combine(float (&part)[kParts], Op op) {
+    CUTE_UNROLL
+    for (int stride = kParts / 2; stride > 0; stride /= 2) {
+      CUTE_UNROLL
+      for (int i = 0; i < stride; ++i) part[i] = op(part[i], part[i + stride]);
+    }
+    return part[0];
+  }
+
+  // This thread's part of row r of s: its maximum.
+  template <class TensorS>
+  __device__ __forceinline__ static float thread_row_max(TensorS const& s, int r) {
+    constexpr int kParts = kChains<TensorS>;
+    float part[kParts];
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(s); ++c) part[c % kParts] = c < kParts ? s(r, c) : fmaxf(part[c % kParts], s(r, c));
+    return combine(part, [](float a, float b) { return fmaxf(a, b); });
+  }
+
   // Row r of s replaced by exp2(scale * s - max_scaled); returns the row's sum (this thread's part).
   template <class TensorS>
   __device__ __forceinline__ float exponentiate_row(TensorS& s, int r, float max_scaled) const {
-    float tile_sum = 0.f;
+    constexpr int kParts = kChains<TensorS>;
+    float part[kParts];
     CUTE_UNROLL
     for (int c = 0; c < cute::size<1>(s); ++c) {
       s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
-      tile_sum += s(r, c);
+      part[c % kParts] = c < kParts ? s(r, c) : part[c % kParts] + s(r, c);
     }
-    return tile_sum;
+    return combine(part, [](float a, float b) { return a + b; });
   }
 
   template <class TensorO>

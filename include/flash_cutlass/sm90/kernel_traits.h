@@ -48,6 +48,8 @@ struct FwdKernelTraits {
   // the H200 (128 O registers a thread to rescale), 0-5% at 128 beside the late wait; at 64 it
   // measured 1-3% slower, so it is off there.
   static constexpr bool kRescalesLazily = kHeadDim >= 128;
+  // A row's max and sum as four interleaved chains (OnlineSoftmax's kMaxChains) at head dim 128.
+  static constexpr int kSoftmaxChains = kHeadDim == 128 ? 4 : 1;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
 
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;    // S = Q K^T

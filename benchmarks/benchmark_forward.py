@@ -208,9 +208,10 @@ def plot_tflops(rows: Sequence[dict], impls: Sequence[str], path: Path, title: s
     plt.close(fig)
 
 
-def median_ms(fn: Callable[[], object], warmup: int, min_reps: int, min_time_ms: float) -> float:
-    """Median of per-call CUDA-event timings, after warm-up; at least min_reps calls and about
-    min_time_ms of GPU time."""
+def median_ms(fn: Callable[[], object], warmup: int, min_reps: int, min_time_ms: float,
+              warmup_ms: float = 0.0) -> float:
+    """Median of per-call CUDA-event timings, after warm-up (warmup calls, then about warmup_ms of
+    GPU time); at least min_reps calls and about min_time_ms of GPU time."""
     for _ in range(warmup):
         fn()
     probe_start = torch.cuda.Event(enable_timing=True)
@@ -222,6 +223,10 @@ def median_ms(fn: Callable[[], object], warmup: int, min_reps: int, min_time_ms:
     probe_end.record()
     torch.cuda.synchronize()
     per_call = max(probe_start.elapsed_time(probe_end) / probe_calls, 1e-3)
+    # The GPU's clocks follow its power draw over tens of milliseconds: a time-based warm-up lets
+    # them settle under this implementation's own load instead of the one measured before it.
+    for _ in range(math.ceil(warmup_ms / per_call)):
+        fn()
     reps = max(min_reps, math.ceil(min_time_ms / per_call))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -478,6 +483,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "print the max abs diff and skip timing flash_cutlass where it fails")
     parser.add_argument("--warmup", type=int, default=25, metavar="N",
                         help="untimed calls before timing (default: %(default)s)")
+    parser.add_argument("--warmup-ms", type=float, default=100.0, metavar="MS",
+                        help="then untimed calls for about this much GPU time before each timing, so "
+                             "that the clocks settle under the implementation's own load rather than "
+                             "the previous one's (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=50, metavar="N",
                         help="minimum number of timed calls (default: %(default)s)")
     parser.add_argument("--min-time-ms", type=float, default=200.0, metavar="MS",
@@ -510,8 +519,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.check and SUBJECT not in args.impls:
         parser.error(f"--check verifies {SUBJECT}; include it in --impls")
-    if args.warmup < 0 or args.reps < 1 or args.min_time_ms < 0 or args.rounds < 1:
-        parser.error("--warmup must be >= 0, --reps >= 1, --min-time-ms >= 0 and --rounds >= 1")
+    if args.warmup < 0 or args.warmup_ms < 0 or args.reps < 1 or args.min_time_ms < 0 or args.rounds < 1:
+        parser.error("--warmup and --warmup-ms must be >= 0, --reps >= 1, --min-time-ms >= 0 and --rounds >= 1")
     if args.memory_seqlen < 1 or args.memory_head_dim < 1:
         parser.error("--memory-seqlen and --memory-head-dim must be positive")
     args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
@@ -583,7 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if errors[impl] is None:
                 # Each round: warm-up (the full count in the first), then the median of its calls.
                 measures[impl] = (lambda round_index, fn=fn: median_ms(
-                    fn, args.warmup if round_index == 0 else min(args.warmup, 3), args.reps, args.min_time_ms))
+                    fn, args.warmup if round_index == 0 else min(args.warmup, 3), args.reps, args.min_time_ms,
+                    args.warmup_ms))
         round_times = interleaved_rounds(measures, args.rounds)
         for impl in args.impls:
             error = errors[impl]

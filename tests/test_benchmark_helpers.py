@@ -129,11 +129,13 @@ def test_interleaved_rounds_alternate_the_implementations():
     assert bench.interleaved_rounds({}, rounds=2) == {}
     assert bench.parse_args([]).rounds == 1
     assert bench.parse_args(["--rounds", "3"]).rounds == 3
+    assert bench.parse_args([]).warmup_ms == 100.0
+    assert bench.parse_args(["--warmup-ms", "0"]).warmup_ms == 0.0
 
 
 @pytest.mark.parametrize("argv", [["--impls", "triton"], ["--seqlens", "1,x"],
                                   ["--head-dims", "0"], ["--check", "--impls", "sdpa_flash"],
-                                  ["--rounds", "0"]])
+                                  ["--rounds", "0"], ["--warmup-ms", "-1"]])
 def test_parse_args_rejects_bad_input(argv, capsys):
     with pytest.raises(SystemExit) as excinfo:
         bench.parse_args(argv)

@@ -16,6 +16,9 @@ Build options (environment variables; see README.md):
                             (built when either flag is 1), dropout in another (which takes the
                             other two as well). A call with an option whose flag is 0 raises,
                             naming the flag.
+  FLASH_CUTLASS_BACKWARD    1 (default) builds the backward kernels; 0 leaves them out for
+                            inference (8 of the 17 instantiation files, the slowest ones; the
+                            backward of a CUDA call then raises, naming this flag).
   CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
                             about 3 GB of memory per concurrent nvcc.
@@ -169,14 +172,15 @@ def main():
     nvcc_threads = os.environ.get("NVCC_THREADS", "1")
 
     sm90 = sm90_enabled(archs)
+    backward = feature_enabled("FLASH_CUTLASS_BACKWARD")
 
     sources = ["csrc/flash_api.cpp", "csrc/sm80_kernel_info.cu"]
     # One file per (direction, path, head dim); the dtype defines below select what it instantiates.
     for path in sorted((ROOT / "csrc" / "instantiations").glob("*_sm*.cu")):
-        match = re.fullmatch(r"(?:fwd|bwd)_(sm80|sm90)_hdim(\d+)\.cu", path.name)
-        if not match or int(match.group(2)) not in head_dims:
+        match = re.fullmatch(r"(fwd|bwd)_(sm80|sm90)_hdim(\d+)\.cu", path.name)
+        if not match or int(match.group(3)) not in head_dims or (match.group(1) == "bwd" and not backward):
             continue
-        if match.group(1) == "sm80" or sm90:
+        if match.group(2) == "sm80" or sm90:
             sources.append(str(path.relative_to(ROOT)))
 
     defines = [f"-DFLASH_CUTLASS_HDIM_{d}" for d in head_dims]
@@ -184,7 +188,7 @@ def main():
     if sm90:
         defines.append("-DFLASH_CUTLASS_SM90")
     extended_options = ("FLASH_CUTLASS_SOFTCAP", "FLASH_CUTLASS_ALIBI", "FLASH_CUTLASS_DROPOUT")
-    for feature in ("FLASH_CUTLASS_WINDOW",) + extended_options:
+    for feature in ("FLASH_CUTLASS_WINDOW", "FLASH_CUTLASS_BACKWARD") + extended_options:
         if feature_enabled(feature):
             defines.append(f"-D{feature}")
     # The score-options instantiation; the dropout one (FLASH_CUTLASS_DROPOUT) carries them too.

@@ -336,6 +336,9 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
               const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& cu_seqlens_q,
               const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
               bool deterministic, int64_t kernel_choice) {
+  TORCH_CHECK(kCompiledBackward,
+              "the backward needs its kernels, which this build left out (FLASH_CUTLASS_BACKWARD=0); rebuild with "
+              "FLASH_CUTLASS_BACKWARD=1");
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   check_operand(dout, "dout", 4);
@@ -478,6 +481,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
   m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);
   m.attr("compiled_window") = flash_cutlass::kCompiledWindow;
+  m.attr("compiled_backward") = flash_cutlass::kCompiledBackward;
   m.attr("compiled_softcap") = flash_cutlass::kCompiledSoftcap;
   m.attr("compiled_alibi") = flash_cutlass::kCompiledAlibi;
   m.attr("compiled_dropout") = flash_cutlass::kCompiledDropout;

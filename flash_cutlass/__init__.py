@@ -11,6 +11,7 @@ from flash_cutlass._version import __version__
 from flash_cutlass.interface import (
     compiled_alibi,
     compiled_archs,
+    compiled_backward,
     compiled_dropout,
     compiled_dtypes,
     compiled_head_dims,
@@ -28,6 +29,7 @@ __all__ = [
     "__version__",
     "compiled_alibi",
     "compiled_archs",
+    "compiled_backward",
     "compiled_dropout",
     "compiled_dtypes",
     "compiled_head_dims",

@@ -57,6 +57,13 @@ def compiled_sm90_head_dims() -> Tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_backward() -> bool:
+    """Whether this build has the backward kernels (flash_backward on CUDA tensors and the gradient
+    of flash_attention; FLASH_CUTLASS_BACKWARD)."""
+    return bool(_extension().compiled_backward)
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_window() -> bool:
     """Whether this build has the sliding-window kernels (window_size=; FLASH_CUTLASS_WINDOW)."""
     return bool(_extension().compiled_window)

@@ -24,9 +24,24 @@ except RuntimeError:
     COMPILED_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def backward_left_out() -> str:
+    """Why this build has no backward kernels (FLASH_CUTLASS_BACKWARD=0), or '' when it has them."""
+    try:
+        compiled = flash_cutlass.compiled_backward()
+    except RuntimeError:  # no extension: the GPU tests skip anyway
+        return ""
+    return "" if compiled else "this build left the backward kernels out (FLASH_CUTLASS_BACKWARD=0)"
+
+
+# GPU tests that run a backward kernel.
+requires_backward = pytest.mark.skipif(bool(backward_left_out()), reason=backward_left_out() or "the backward is built")
+
+
 def kernel_unavailable(kernel: str, head_dim: int, direction: str) -> str:
     """Why `kernel` ('sm80' or 'sm90') cannot run the `direction` ('forward' or 'backward') of a
     head dim on this GPU and build, or '' when it can. The Hopper backward stops at head dim 128."""
+    if direction == "backward" and backward_left_out():
+        return backward_left_out()
     if kernel == "sm80":
         return ""
     if not COMPILED_SM90_HEAD_DIMS:

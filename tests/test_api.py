@@ -33,6 +33,7 @@ def test_extension_reports_what_was_compiled():
     # The Hopper path is built exactly when the sm_90a target is.
     assert bool(sm90_head_dims) == ("sm_90a" in archs)
     assert isinstance(flash_cutlass.compiled_window(), bool)
+    assert isinstance(flash_cutlass.compiled_backward(), bool)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -11,9 +11,9 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, kernel_unavailable,
-                     requires_cuda)
+                     requires_backward, requires_cuda)
 
-pytestmark = requires_cuda
+pytestmark = [requires_cuda, requires_backward]
 
 BACKWARD_KERNELS = ("sm80", "sm90")
 

@@ -19,7 +19,7 @@ import flash_cutlass
 from flash_cutlass.reference import attention_forward, dropout_keep_mask, naive_attention, philox4x32_10
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
                      check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, kernel_unavailable,
-                     make_qkv_fp64, requires_cuda)
+                     make_qkv_fp64, requires_backward, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -162,6 +162,7 @@ requires_dropout = pytest.mark.skipif(not dropout_compiled(),
 
 
 @requires_cuda
+@requires_backward
 @requires_dropout
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kernel", ("sm80", "sm90"))
@@ -231,6 +232,7 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, ca
 
 
 @requires_cuda
+@requires_backward
 @requires_dropout
 def test_same_generator_state_reproduces_bitwise(cuda_gen):
     dtype = COMPILED_DTYPES[-1]

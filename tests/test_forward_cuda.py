@@ -11,8 +11,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.interface import forward_into
 from flash_cutlass.reference import naive_attention
-from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, options_left_out,
-                     requires_cuda)
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, backward_left_out, fa2_check,
+                     options_left_out, requires_cuda)
 
 pytestmark = requires_cuda
 
@@ -241,6 +241,22 @@ def test_forced_hopper_path_where_it_cannot_run_raises(cuda_gen):
     q, k, v = make_qkv(cuda_gen, 1, 16, 16, 2, 2, COMPILED_HEAD_DIMS[0], COMPILED_DTYPES[-1])
     with pytest.raises(RuntimeError, match="kernel='sm90' cannot run this call"):
         flash_cutlass.flash_forward(q, k, v, kernel="sm90")
+
+
+@pytest.mark.skipif(not backward_left_out(), reason="this build has the backward kernels")
+def test_forward_only_build_runs_the_forward_and_refuses_the_backward(cuda_gen):
+    """FLASH_CUTLASS_BACKWARD=0: the forward and its autograd op run; the backward raises before
+    any launch, naming the flag, whichever entry point asks for it."""
+    q, k, v = make_qkv(cuda_gen, 1, 64, 64, 2, 2, COMPILED_HEAD_DIMS[0], COMPILED_DTYPES[-1])
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    check_against_oracle(q, k, v, out, lse, q.shape[-1] ** -0.5, True, "forward-only build")
+    with pytest.raises(RuntimeError, match="FLASH_CUTLASS_BACKWARD=0"):
+        flash_cutlass.flash_backward(out, q, k, v, out, lse, causal=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    attended = flash_cutlass.flash_attention(*leaves, causal=True)
+    assert torch.equal(attended, out)
+    with pytest.raises(RuntimeError, match="FLASH_CUTLASS_BACKWARD=0"):
+        attended.sum().backward()
 
 
 def test_empty_inputs_return_empty_results():

@@ -6,9 +6,10 @@ import torch
 
 import flash_cutlass
 from flash_cutlass import ops
-from helpers import options_left_out, requires_cuda
+from helpers import options_left_out, requires_backward, requires_cuda
 
-DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+# The GPU cases differentiate through the ops: they need the backward kernels.
+DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, requires_backward])]
 
 
 def inputs(device, gen_seed=0, causal=True, batch=2, seqlen_q=40, seqlen_k=56, heads=4, heads_k=2, head_dim=32):

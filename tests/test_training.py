@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import flash_cutlass
-from helpers import requires_cuda
+from helpers import requires_backward, requires_cuda
 
-DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, requires_backward])]
 
 
 class Block(torch.nn.Module):

@@ -19,7 +19,7 @@ import flash_cutlass
 from flash_cutlass.reference import (attention_backward, attention_backward_varlen, attention_forward_varlen,
                                      dropout_keep_mask, naive_attention)
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, fa2_check, kernel_unavailable, options_left_out,
-                     requires_cuda, worse_baseline)
+                     requires_backward, requires_cuda, worse_baseline)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -223,6 +223,7 @@ HEADS = 4
 
 
 @requires_cuda
+@requires_backward
 @pytest.mark.parametrize("lengths", range(len(GPU_LENGTHS)))
 @pytest.mark.parametrize("case", range(len(GPU_CASES)))
 @pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)

@@ -13,7 +13,7 @@ import flash_cutlass
 from flash_cutlass.reference import attention_forward, naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
                      check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, make_qkv_fp64,
-                     requires_cuda)
+                     requires_backward, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 # (left, right); -1 is unbounded. (0, 0) keeps only the diagonal.
@@ -106,6 +106,7 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, ca
 
 
 @requires_cuda
+@requires_backward
 @requires_window_kernels
 def test_deterministic_backward_with_window_is_bitwise_reproducible(cuda_gen):
     dtype = COMPILED_DTYPES[-1]

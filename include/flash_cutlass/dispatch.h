@@ -56,6 +56,14 @@ inline constexpr bool kCompiledWindow =
     false;
 #endif
 
+// The backward kernels, built unless FLASH_CUTLASS_BACKWARD=0 (a forward-only build for inference).
+inline constexpr bool kCompiledBackward =
+#ifdef FLASH_CUTLASS_BACKWARD
+    true;
+#else
+    false;
+#endif
+
 // The options of the extended instantiations (Extension) this build accepts: the soft cap unless
 // FLASH_CUTLASS_SOFTCAP=0, ALiBi unless FLASH_CUTLASS_ALIBI=0, dropout unless
 // FLASH_CUTLASS_DROPOUT=0. setup.py compiles the score-options instantiation
@@ -154,10 +162,10 @@ cudaError_t run_fwd_sm90_dtype(FwdParams const& params, DType dtype, cudaStream_
 
 template <int kHeadDim, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
-#ifdef FLASH_CUTLASS_DTYPE_FP16
+#if defined(FLASH_CUTLASS_BACKWARD) && defined(FLASH_CUTLASS_DTYPE_FP16)
   if (dtype == DType::kFloat16) return sm80::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kExtension>(params, stream);
 #endif
-#ifdef FLASH_CUTLASS_DTYPE_BF16
+#if defined(FLASH_CUTLASS_BACKWARD) && defined(FLASH_CUTLASS_DTYPE_BF16)
   if (dtype == DType::kBFloat16) return sm80::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtension>(params, stream);
 #endif
   return cudaErrorNotSupported;
@@ -165,10 +173,10 @@ cudaError_t run_bwd_sm80_dtype(BwdParams const& params, DType dtype, cudaStream_
 
 template <int kHeadDim, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd_sm90_dtype(BwdParams const& params, DType dtype, cudaStream_t stream) {
-#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
+#if defined(FLASH_CUTLASS_BACKWARD) && defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_FP16)
   if (dtype == DType::kFloat16) return sm90::run_bwd<kHeadDim, DType::kFloat16, kMaskKind, kExtension>(params, stream);
 #endif
-#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
+#if defined(FLASH_CUTLASS_BACKWARD) && defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_DTYPE_BF16)
   if (dtype == DType::kBFloat16) return sm90::run_bwd<kHeadDim, DType::kBFloat16, kMaskKind, kExtension>(params, stream);
 #endif
   return cudaErrorNotSupported;

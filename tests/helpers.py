@@ -40,8 +40,10 @@ requires_backward = pytest.mark.skipif(bool(backward_left_out()), reason=backwar
 def kernel_unavailable(kernel: str, head_dim: int, direction: str) -> str:
     """Why `kernel` ('sm80' or 'sm90') cannot run the `direction` ('forward' or 'backward') of a
     head dim on this GPU and build, or '' when it can. The Hopper backward stops at head dim 128."""
-    if direction == "backward" and backward_left_out():
-        return backward_left_out()
+    if direction == "backward":
+        left_out = backward_left_out()
+        if left_out:
+            return left_out
     if kernel == "sm80":
         return ""
     if not COMPILED_SM90_HEAD_DIMS:

@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
         pipeline_v.consumer_release(state_v);
-        if (!Traits::kRescalesLazily || rescale_o) OnlineSoftmax<kRowsPerThread>::rescale(acc_o_rc, correction);
+        if (!Traits::kRescalesLazily || rescale_o) softmax.rescale(acc_o_rc, correction);
         store_probabilities();
       };
       // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,

@@ -84,7 +84,7 @@ def test_forward_matches_oracle(cuda_gen, dtype, kernel, head_dim, causal, seqle
 # (causal, window_size, softcap, seqlen_q, seqlen_k): each mask kind and the score-options kernel.
 # With seqlen_q > seqlen_k and a causal mask the first seqlen_q - seqlen_k query rows see no key, so
 # the first query block of every (head, batch) is a tile without work. 1100 rows make 9 query blocks
-# of 128 (an odd count, whose middle block is a pair of its own in the persistent grid), 2400 rows
+# of 128 (an odd count, whose middle block is a causal pair of its own in the persistent grid), 2400 rows
 # 13 of 192: a causal call long enough for head dim 64's wide tiles (fwd_launch.h).
 MANY_TILES_CASES = [
     (False, (-1, -1), 0.0, 1100, 900),
@@ -99,8 +99,8 @@ MANY_TILES_CASES = [
 @pytest.mark.parametrize("causal,window_size,softcap,seqlen_q,seqlen_k", MANY_TILES_CASES)
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_HEAD_DIMS)
 def test_more_tiles_than_sms(cuda_gen, head_dim, causal, window_size, softcap, seqlen_q, seqlen_k):
-    """The Hopper path's persistent grid (one CTA per SM taking pairs of tiles, at the head dims
-    that use it): every CTA takes several tiles, ragged in both sequence lengths, under GQA; each
+    """The Hopper path's persistent grid (one CTA per SM taking tiles in turn, causal ones in pairs,
+    at the head dims that use it): every CTA takes several tiles, ragged in both sequence lengths, under GQA; each
     batch entry's bits equal its call alone (fewer tiles, other CTAs) and the results pass the
     oracle."""
     skip_unless_runs("sm90")

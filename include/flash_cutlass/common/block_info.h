@@ -28,28 +28,49 @@ struct QueryTile {
   int batch;
 };
 
-// A persistent grid takes the tiles in pairs: query blocks m and num_m_blocks - 1 - m of one
-// (head, batch), the later (longer, with a causal mask) first. A causal tile's cost grows linearly
-// with its query block, so every pair costs about the same and a CTA that takes pairs
-// blockIdx.x, blockIdx.x + gridDim.x, ... gets an even share; without a mask it is just an order.
-// A pair's two blocks are one when num_m_blocks is odd and m is the middle one.
+// Tile `index` of the forward, the query blocks of one (head, batch) from the last to the first.
+template <int kBlockM>
+__device__ __forceinline__ QueryTile query_tile_at(FwdParams const& params, int index) {
+  const int num_m_blocks = num_query_blocks<kBlockM>(params);
+  const int batch_head = int(index / num_m_blocks);
+  return {num_m_blocks - 1 - int(index % num_m_blocks), batch_head % params.heads, batch_head / params.heads};
+}
+
+// A persistent grid takes causal tiles in pairs: query blocks m and num_m_blocks - 1 - m of one
+// (head, batch), the later (longer) first. A causal tile's cost grows linearly with its query
+// block, so every pair costs about the same and a CTA that takes pairs blockIdx.x,
+// blockIdx.x + gridDim.x, ... gets an even share. A pair's two blocks are one when num_m_blocks is
+// odd and m is the middle one, so tiles of one cost (no mask, a window) go singly instead: with
+// pairs, the CTAs whose pairs were all middles took half the tiles of the others (at 11 query
+// blocks, 89% of the SMs' time busy instead of 97%).
+template <MaskKind kKind>
+constexpr bool persistent_tiles_in_pairs() {
+  return kKind == MaskKind::kCausal;
+}
+
 template <int kBlockM>
 __host__ __device__ inline int64_t num_query_tile_pairs(FwdParams const& params) {
   return int64_t((num_query_blocks<kBlockM>(params) + 1) / 2) * params.batch * params.heads;
 }
 
-// Step `step` of a CTA that takes every gridDim-th pair from blockIdx.x on: the first or second tile
-// of pair blockIdx.x + (step / 2) * gridDim.x. `valid` is false past the last pair and for the
-// missing second tile of a middle block.
-struct PairedTile {
+// Step `step` of a CTA that takes every gridDim-th pair (or tile) from blockIdx.x on: with pairs,
+// the first or second tile of pair blockIdx.x + (step / 2) * gridDim.x, else tile
+// blockIdx.x + step * gridDim.x. `valid` is false past the end and for the missing second tile of
+// a middle block.
+struct TileAtStep {
   QueryTile tile;
   bool valid;
   bool past_end;
 };
 
-template <int kBlockM>
-__device__ __forceinline__ PairedTile paired_tile_at_step(FwdParams const& params, int step) {
+template <int kBlockM, bool kInPairs>
+__device__ __forceinline__ TileAtStep persistent_tile_at_step(FwdParams const& params, int step) {
   const int num_m_blocks = num_query_blocks<kBlockM>(params);
+  if constexpr (!kInPairs) {
+    const int64_t index = int64_t(blockIdx.x) + int64_t(step) * gridDim.x;
+    if (index >= int64_t(num_m_blocks) * params.batch * params.heads) return {{0, 0, 0}, false, true};
+    return {query_tile_at<kBlockM>(params, int(index)), true, false};  // the launcher refuses 2^31 tiles
+  }
   const int pairs_per_head = (num_m_blocks + 1) / 2;
   const int64_t pair = int64_t(blockIdx.x) + int64_t(step / 2) * gridDim.x;
   if (pair >= int64_t(pairs_per_head) * params.batch * params.heads) return {{0, 0, 0}, false, true};
@@ -64,9 +85,7 @@ __device__ __forceinline__ PairedTile paired_tile_at_step(FwdParams const& param
 // that, with a causal mask, the longest blocks start first.
 template <int kBlockM>
 __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& params) {
-  const int num_m_blocks = num_query_blocks<kBlockM>(params);
-  const int batch_head = int(blockIdx.x / num_m_blocks);
-  return {num_m_blocks - 1 - int(blockIdx.x % num_m_blocks), batch_head % params.heads, batch_head / params.heads};
+  return query_tile_at<kBlockM>(params, int(blockIdx.x));
 }
 
 // The backward kernels run one CTA per (key block, head, batch), flattened into blockIdx.x with

@@ -115,14 +115,14 @@ __device__ __forceinline__ TileWork<kBlockM, kBlockN, kMaskKind> tile_work(FwdPa
   return {tile, sequence, mask, key_block_range<kBlockM, kBlockN>(mask, tile.m_block)};
 }
 
-// Calls work(tile) for every query tile of this CTA: in a persistent grid, the tiles of pairs
-// blockIdx.x, blockIdx.x + gridDim.x, ... (paired_tile_at_step; the launcher sizes the grid), else
-// the CTA's one tile.
-template <int kBlockM, bool kPersistentGrid, class Work>
+// Calls work(tile) for every query tile of this CTA: in a persistent grid (the launcher sizes it),
+// the tiles of persistent_tile_at_step (causal ones in pairs: persistent_tiles_in_pairs), else the
+// CTA's one tile.
+template <int kBlockM, bool kPersistentGrid, MaskKind kMaskKind, class Work>
 __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& params, Work&& work) {
   if constexpr (kPersistentGrid) {
     for (int step = 0;; ++step) {
-      const PairedTile next = paired_tile_at_step<kBlockM>(params, step);
+      const TileAtStep next = persistent_tile_at_step<kBlockM, persistent_tiles_in_pairs<kMaskKind>()>(params, step);
       if (next.past_end) break;
       if (next.valid) work(next.tile);
     }
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           ++state;
         }
       };
-      for_each_tile_of_this_cta<kBlockM, kPersistentGrid>(params, load_tile);
+      for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(params, load_tile);
     }
     return;
   }
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
   };
-  for_each_tile_of_this_cta<kBlockM, kPersistentGrid>(params, compute_tile);
+  for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(params, compute_tile);
   // The CTA's shared memory must outlive the reads of its last TMA store.
   if (Traits::kTmaStoreO && kernel_params.store_o_with_tma && consumer_idx == 0) tma_store_wait<0>();
 #endif  // Other targets (sm_80, PTX) get an empty body: the host launches this kernel only on sm_90.

@@ -60,13 +60,15 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       store_o_with_tma,
   };
 
-  // A persistent grid (kernel_traits.h, per head dim): CTAs take pairs of tiles whose costs add up
-  // to about the same (block_info.h), one CTA per SM, each CTA's producer loading its next tile
-  // while the consumers finish the current one. In a variable-length call the pairs' costs differ
-  // with their sequences: one CTA per pair, balanced by the hardware. Otherwise one CTA per tile.
+  // A persistent grid (kernel_traits.h, per head dim): CTAs take tiles in turn, causal ones in pairs
+  // whose costs add up to about the same (block_info.h), one CTA per SM, each CTA's producer loading
+  // its next tile while the consumers finish the current one. In a variable-length call the tiles'
+  // costs differ with their sequences: one CTA per pair (or tile), balanced by the hardware.
+  // Otherwise one CTA per tile.
   int64_t num_ctas = num_query_tiles<Traits::kBlockM>(params);
+  if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
   if constexpr (Traits::kPersistent) {
-    num_ctas = num_query_tile_pairs<Traits::kBlockM>(params);
+    if constexpr (persistent_tiles_in_pairs<kMaskKind>()) num_ctas = num_query_tile_pairs<Traits::kBlockM>(params);
     int sms = 0;
     const cudaError_t status = multiprocessor_count(&sms);
     if (status != cudaSuccess) return status;

@@ -20,7 +20,8 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  // A persistent grid taking pairs of tiles, or one CTA per tile (fwd_launch.h, block_info.h).
+  // A persistent grid taking tiles in turn (causal ones in pairs), or one CTA per tile (fwd_launch.h,
+  // block_info.h).
   static constexpr bool kPersistent = kPersistent_;
   // One producer warpgroup (a single thread issues the TMA loads) and one consumer warpgroup per
   // 64 query rows.

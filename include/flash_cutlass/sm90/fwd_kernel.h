@@ -117,7 +117,7 @@ __device__ __forceinline__ TileWork<kBlockM, kBlockN, kMaskKind> tile_work(FwdPa
 
 // Calls work(tile) for every query tile of this CTA: in a persistent grid (the launcher sizes it),
 // the tiles of persistent_tile_at_step (causal ones in pairs: persistent_tiles_in_pairs), else the
-// CTA's one tile.
+// CTA's one tile (causal ones longest first).
 template <int kBlockM, bool kPersistentGrid, MaskKind kMaskKind, class Work>
 __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& params, Work&& work) {
   if constexpr (kPersistentGrid) {
@@ -126,6 +126,8 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
       if (next.past_end) break;
       if (next.valid) work(next.tile);
     }
+  } else if constexpr (kMaskKind == MaskKind::kCausal) {
+    work(longest_first_query_tile_of_this_cta<kBlockM>(params));
   } else {
     work(query_tile_of_this_cta<kBlockM>(params));
   }

@@ -1,7 +1,10 @@
 """Shared test utilities: the CUDA skip marker, what the build compiled, and the FlashAttention-2
 pass rule."""
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,16 @@ except RuntimeError:
     COMPILED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
     COMPILED_SM90_HEAD_DIMS = (64, 128, 256)
     COMPILED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def load_benchmark_script(name: str):
+    """benchmarks/<name>.py imported as the module `name` (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def backward_left_out() -> str:

@@ -1,8 +1,6 @@
 """CPU tests of benchmarks/benchmark_forward.py's pure helpers and its --check logic."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,21 +8,13 @@ import pytest
 import torch
 
 from flash_cutlass.reference import attention_forward
+from helpers import load_benchmark_script
 
 REPO = Path(__file__).resolve().parents[1]
 ANCHORS = REPO.parent / "shared" / "anchors" / "sdpa_h200_bf16_2026-11-29.json"
 
 
-def _load_benchmark():
-    path = REPO / "benchmarks" / "benchmark_forward.py"
-    spec = importlib.util.spec_from_file_location("benchmark_forward", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark_script("benchmark_forward")
 
 
 def test_forward_flops_counts_two_matmuls_and_halves_for_causal():

@@ -1,25 +1,11 @@
 """CPU tests of benchmarks/schedule_model.py, the model of how the Hopper forward's grid spreads
 its tiles over the SMs."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_benchmark_script
 
-
-def _load_model():
-    path = REPO / "benchmarks" / "schedule_model.py"
-    spec = importlib.util.spec_from_file_location("schedule_model", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-model = _load_model()
+model = load_benchmark_script("schedule_model")
 
 
 @pytest.mark.parametrize("num_m_blocks,batch_heads,seqlen_k,head_dim", [

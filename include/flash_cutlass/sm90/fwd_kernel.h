@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-  // CTAs taking pairs of tiles in turn (kernel_traits.h: per head dim), or one CTA per tile.
+  // CTAs taking tiles in turn, causal ones in pairs (kernel_traits.h: per head dim), or one CTA per tile.
   constexpr bool kPersistentGrid = Traits::kPersistent;
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;

@@ -75,9 +75,14 @@ def test_main_prints_one_row_per_shape(capsys):
     assert all(line.count("*") == 1 for line in rows)
 
 
-@pytest.mark.parametrize("argv", [["--head-dims", "96"], ["--seqlens", "0"], ["--sms", "0"],
-                                  ["--tile-overhead", "-1"], ["--seqlens", "x"]])
-def test_parse_args_rejects_bad_input(argv, capsys):
+@pytest.mark.parametrize("argv,message", [
+    (["--head-dims", "96"], "--head-dims: 64, 128 or 256, got 96"),
+    (["--seqlens", "0"], "--seqlens: expected positive integers, got '0'"),
+    (["--seqlens", "x"], "--seqlens: expected comma-separated integers, got 'x'"),
+    (["--sms", "0"], "--sms must be positive, got 0"),
+    (["--tile-overhead", "-1"], "--tile-overhead must be >= 0, got -1.0"),
+])
+def test_parse_args_rejects_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit):
         model.parse_args(argv)
-    assert "error" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

@@ -32,8 +32,8 @@ struct QueryTile {
 template <int kBlockM>
 __device__ __forceinline__ QueryTile query_tile_at(FwdParams const& params, int index) {
   const int num_m_blocks = num_query_blocks<kBlockM>(params);
-  const int batch_head = int(index / num_m_blocks);
-  return {num_m_blocks - 1 - int(index % num_m_blocks), batch_head % params.heads, batch_head / params.heads};
+  const int batch_head = index / num_m_blocks;
+  return {num_m_blocks - 1 - index % num_m_blocks, batch_head % params.heads, batch_head / params.heads};
 }
 
 // A persistent grid takes causal tiles in pairs: query blocks m and num_m_blocks - 1 - m of one
@@ -81,8 +81,8 @@ __device__ __forceinline__ TileAtStep persistent_tile_at_step(FwdParams const& p
   return {{second ? low : high, batch_head % params.heads, batch_head / params.heads}, !(second && low == high), false};
 }
 
-// The tile of a CTA in a grid of one CTA per tile. Query blocks run from the last to the first so
-// that, with a causal mask, the longest blocks start first.
+// The tile of a CTA in a grid of one CTA per tile: query_tile_at's order (the sm80 path's grid, and
+// the Hopper path's without a causal mask).
 template <int kBlockM>
 __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& params) {
   return query_tile_at<kBlockM>(params, int(blockIdx.x));
@@ -92,10 +92,10 @@ __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& par
 // (head, batch) pairs. The hardware starts CTAs in blockIdx order as SMs free up; in the order of
 // query_tile_of_this_cta each (head, batch)'s longest tile comes after the previous one's shortest,
 // so CTAs started late can be long and leave SMs idle at the end (at 8 tiles an SM, about 12% of
-// the SMs' time in benchmarks/schedule_model.py; +3-9% measured at head dim 256, 1k-8k). Here a band's query blocks run from the last to the
-// first with the band's (head, batch) pairs inner: the last tiles to start are the shortest. A band
-// holds as many pairs as keep their K and V (two 16-bit operands) within 16 MiB, so that the CTAs
-// running together read them from L2.
+// the SMs' time in benchmarks/schedule_model.py; +3-9% measured at head dim 256, 1k-8k). Here a
+// band's query blocks run from the last to the first with the band's (head, batch) pairs inner:
+// the last tiles to start are the shortest. A band holds as many pairs as keep their K and V (two
+// 16-bit operands) within 16 MiB, so that the CTAs running together read them from L2.
 template <int kBlockM>
 __device__ __forceinline__ QueryTile longest_first_query_tile_of_this_cta(FwdParams const& params) {
   const int num_m_blocks = num_query_blocks<kBlockM>(params);

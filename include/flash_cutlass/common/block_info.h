@@ -81,14 +81,14 @@ __device__ __forceinline__ TileAtStep persistent_tile_at_step(FwdParams const& p
   return {{second ? low : high, batch_head % params.heads, batch_head / params.heads}, !(second && low == high), false};
 }
 
-// The tile of a CTA in a grid of one CTA per tile: query_tile_at's order (the sm80 path's grid, and
-// the Hopper path's without a causal mask).
+// The tile of a CTA in a grid of one CTA per tile without a causal mask: query_tile_at's order.
 template <int kBlockM>
 __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& params) {
   return query_tile_at<kBlockM>(params, int(blockIdx.x));
 }
 
-// The tile of a CTA in a causal grid of one CTA per tile, longest first across bands of
+// The tile of a CTA in a causal grid of one CTA per tile (the sm80 path's, and the Hopper path's
+// at head dim 256), longest first across bands of
 // (head, batch) pairs. The hardware starts CTAs in blockIdx order as SMs free up; in the order of
 // query_tile_of_this_cta each (head, batch)'s longest tile comes after the previous one's shortest,
 // so CTAs started late can be long and leave SMs idle at the end (at 8 tiles an SM, about 12% of

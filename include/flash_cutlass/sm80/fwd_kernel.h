@@ -221,14 +221,17 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   store_tile(gmem_tiled_copy_o, tOrO, tOgO, tQcQ, col_ok, rows_left_q);
 }
 
-// Grid: one CTA per (query block, head, batch), flattened into x. Query blocks run from the last
-// to the first so that, with a causal mask, the longest blocks start first.
+// Grid: one CTA per (query block, head, batch), flattened into x: each (head, batch)'s query blocks
+// from the last to the first, and with a causal mask longest first across bands of (head, batch)
+// pairs (block_info.h), so that the CTAs the hardware starts last are the shortest (+1-5% at head
+// dims 64 and 128, 2k-8k, on the H200).
 template <int kHeadDim, class Element, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(FwdTraitsFor<kHeadDim, Element>::kThreads, 1)
     flash_fwd_sm80(__grid_constant__ const FwdParams params) {
   using Traits = FwdTraitsFor<kHeadDim, Element>;
   extern __shared__ __align__(128) char smem[];
-  const QueryTile tile = query_tile_of_this_cta<Traits::kBlockM>(params);
+  const QueryTile tile = kMaskKind == MaskKind::kCausal ? longest_first_query_tile_of_this_cta<Traits::kBlockM>(params)
+                                                       : query_tile_of_this_cta<Traits::kBlockM>(params);
   fwd_query_block<Traits, kMaskKind, kExtension>(params, smem, tile.m_block, tile.batch, tile.head);
 }
 

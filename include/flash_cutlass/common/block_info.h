@@ -87,9 +87,9 @@ __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& par
   return query_tile_at<kBlockM>(params, int(blockIdx.x));
 }
 
-// The tile of a CTA in a causal grid of one CTA per tile (the sm80 path's, and the Hopper path's
-// at head dim 256), longest first across bands of
-// (head, batch) pairs. The hardware starts CTAs in blockIdx order as SMs free up; in the order of
+// The tile of a CTA in a causal grid of one CTA per tile (the sm80 path's, and the Hopper path's at
+// head dim 256), longest first across bands of (head, batch) pairs. The hardware starts CTAs in
+// blockIdx order as SMs free up; in the order of
 // query_tile_of_this_cta each (head, batch)'s longest tile comes after the previous one's shortest,
 // so CTAs started late can be long and leave SMs idle at the end (at 8 tiles an SM, about 12% of
 // the SMs' time in benchmarks/schedule_model.py; +3-9% measured at head dim 256, 1k-8k). Here a

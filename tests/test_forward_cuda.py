@@ -85,12 +85,14 @@ def test_forward_matches_oracle(cuda_gen, dtype, kernel, head_dim, causal, seqle
 # With seqlen_q > seqlen_k and a causal mask the first seqlen_q - seqlen_k query rows see no key, so
 # the first query block of every (head, batch) is a tile without work. 1100 rows make 9 query blocks
 # of 128 (an odd count, whose middle block is a causal pair of its own in the persistent grid), 2400 rows
-# 13 of 192: a causal call long enough for head dim 64's wide tiles (fwd_launch.h).
+# 13 of 192: a causal call long enough for head dim 64's wide tiles (fwd_launch.h), whose warpgroups
+# skip the key blocks past their rows' diagonal, with the diagonal shifted either way.
 MANY_TILES_CASES = [
     (False, (-1, -1), 0.0, 1100, 900),
     (True, (-1, -1), 0.0, 1100, 900),
     (True, (-1, -1), 0.0, 900, 1100),
     (True, (-1, -1), 0.0, 2400, 2100),
+    (True, (-1, -1), 0.0, 2200, 2500),
     (False, (200, 30), 0.0, 1100, 900),
     (True, (-1, -1), 20.0, 1100, 900),
 ]
@@ -120,6 +122,22 @@ def test_more_tiles_than_sms(cuda_gen, head_dim, causal, window_size, softcap, s
         alone_out, alone_lse = flash_cutlass.flash_forward(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal,
                                                            kernel="sm90", **options)
         assert torch.equal(out[b:b + 1], alone_out) and torch.equal(lse[b:b + 1], alone_lse), f"batch entry {b}"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_causal_tiles_longest_first_across_bands(cuda_gen, kernel):
+    """Causal grids of one CTA per tile (the sm80 path; the Hopper path at head dim 256) number
+    their tiles longest first across bands of (head, batch) pairs whose K and V fit 16 MiB: with
+    4096 keys, 21 pairs make one band at head dim 32 and up to six, the last partial, at 256. Every
+    tile is computed once, whichever band it falls in."""
+    skip_unless_runs(kernel)
+    dtype = COMPILED_DTYPES[-1]
+    batch, heads, seqlen_q, seqlen_k = 3, 7, 3000, 4096
+    for head_dim in COMPILED_SM90_HEAD_DIMS if kernel == "sm90" else COMPILED_HEAD_DIMS:
+        q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads, head_dim, dtype)
+        scale = 1.0 / math.sqrt(head_dim)
+        out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, kernel=kernel)
+        check_against_oracle(q, k, v, out, lse, scale, True, f"{kernel} head dim {head_dim}")
 
 
 @pytest.mark.parametrize("growth_log2", [0.5, 7.5, 8.5, 40.0])

@@ -129,7 +129,8 @@ def test_causal_tiles_longest_first_across_bands(cuda_gen, kernel):
     """Causal grids of one CTA per tile (the sm80 path; the Hopper path at head dim 256) number
     their tiles longest first across bands of (head, batch) pairs whose K and V fit 16 MiB: with
     4096 keys, 21 pairs make one band at head dim 32 and up to six, the last partial, at 256. Every
-    tile is computed once, whichever band it falls in."""
+    tile is computed once, whichever band it falls in. (The Hopper path's persistent head dims run
+    the same shapes through their pairs.)"""
     skip_unless_runs(kernel)
     dtype = COMPILED_DTYPES[-1]
     batch, heads, seqlen_q, seqlen_k = 3, 7, 3000, 4096

@@ -89,13 +89,13 @@ __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& par
 
 // The tile of a CTA in a causal grid of one CTA per tile (the sm80 path's, and the Hopper path's at
 // head dim 256), longest first across bands of (head, batch) pairs. The hardware starts CTAs in
-// blockIdx order as SMs free up; in the order of
-// query_tile_of_this_cta each (head, batch)'s longest tile comes after the previous one's shortest,
-// so CTAs started late can be long and leave SMs idle at the end (at 8 tiles an SM, about 12% of
-// the SMs' time in benchmarks/schedule_model.py; +3-9% measured at head dim 256, 1k-8k). Here a
-// band's query blocks run from the last to the first with the band's (head, batch) pairs inner:
-// the last tiles to start are the shortest. A band holds as many pairs as keep their K and V (two
-// 16-bit operands) within 16 MiB, so that the CTAs running together read them from L2.
+// blockIdx order as SMs free up; in the order of query_tile_of_this_cta each (head, batch)'s
+// longest tile comes after the previous one's shortest, so CTAs started late can be long and leave
+// SMs idle at the end (at 8 tiles an SM, about 12% of the SMs' time in
+// benchmarks/schedule_model.py; +3-9% measured at head dim 256, 1k-8k). Here a band's query blocks
+// run from the last to the first with the band's (head, batch) pairs inner: the last tiles to start
+// are the shortest. A band holds as many pairs as keep their K and V (two 16-bit operands) within
+// 16 MiB, so that the CTAs running together read them from L2.
 template <int kBlockM>
 __device__ __forceinline__ QueryTile longest_first_query_tile_of_this_cta(FwdParams const& params) {
   const int num_m_blocks = num_query_blocks<kBlockM>(params);

@@ -55,8 +55,8 @@ struct FwdKernelTraits {
   // Causal tiles: a consumer warpgroup skips the first key blocks visited that lie past the diagonal
   // for all of its rows (fwd_kernel.h). With 192-row tiles on 128-key blocks, 1.5 of a tile's key
   // blocks on average, the masked ones: +2-4% at head dim 64 from 4k on the H200. With 128 rows on
-  // 64 keys (head dim 256) one block a tile: 3-7% slower (the steady loop gained 8 instructions);
-  // with 128 on 128 there is none (but where seqlen_q != seqlen_k).
+  // 64 keys (head dim 256) one block a tile: 3-7% slower (the steady loop gained 8 instructions).
+  // With 128 rows on 128 keys a warpgroup has such blocks only where seqlen_q != seqlen_k.
   static constexpr bool kSkipsKeyBlocksPastDiagonal = kBlockM % kBlockN != 0;
 
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;    // S = Q K^T

@@ -19,6 +19,14 @@ when SMs go idle. Schedules:
                  query blocks from the last to the first (shipped without a mask at head dim 256)
   longest first  the same with tiles numbered longest first across bands of (batch, head) pairs
                  whose K and V fit 16 MiB (shipped for causal tiles at head dim 256)
+  snake          persistent grid taking tiles longest first over the whole grid (query blocks from
+                 the last, every (batch, head) inner), a row of gridDim.x tiles a step, every other
+                 row reversed (not shipped: a step's tiles span every (batch, head), whose K and V
+                 then come from HBM)
+  banded snake   the same over the longest-first order with bands (not shipped: a band restarts at
+                 its longest tiles, so the cost along the numbering is a sawtooth and reversed rows
+                 pair long tiles with long ones; measured 24-28% slower at head dim 128 causal,
+                 docs/PERFORMANCE.md, session 12)
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import sys
 
 TOKENS_PER_BATCH = 16384
 HIDDEN_SIZE = 2048
-SCHEDULES = ("pairs", "singly", "in order", "longest first")
+SCHEDULES = ("pairs", "singly", "in order", "longest first", "snake", "banded snake")
 BAND_BYTES = 16 << 20  # longest_first_query_tile_of_this_cta's band: K and V within 16 MiB
 CAUSAL_NARROW_TILES_MAX_SEQLEN_Q = 2048  # fwd_launch.h: kCausalNarrowTilesMaxSeqlenQ
 
@@ -98,6 +106,16 @@ def busy_share(schedule: str, head_dim: int, causal: bool, seqlen: int, batch: i
         else:
             for index in range(num_m_blocks * batch_heads):
                 loads[index % sms] += cost(num_m_blocks - 1 - index % num_m_blocks)
+        return sum(loads) / (sms * max(loads))
+    if schedule in ("snake", "banded snake"):
+        if schedule == "snake":
+            order = [num_m_blocks - 1 - index // batch_heads for index in range(num_m_blocks * batch_heads)]
+        else:
+            order = [m_block for m_block, _ in longest_first_order(num_m_blocks, batch_heads, seqlen, head_dim)]
+        loads = [0.0] * sms
+        for index, m_block in enumerate(order):
+            step, position = divmod(index, sms)
+            loads[position if step % 2 == 0 else sms - 1 - position] += cost(m_block)
         return sum(loads) / (sms * max(loads))
     if schedule == "in order":
         order = [(num_m_blocks - 1 - index % num_m_blocks) for index in range(num_m_blocks * batch_heads)]

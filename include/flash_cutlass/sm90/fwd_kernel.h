@@ -349,13 +349,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
       // The producer loads the same blocks in the same order.
       // With a causal mask, the first key blocks visited (the last ones) can lie past the diagonal
-      // for all of this warpgroup's 64 rows while the tile's later rows see them: the warpgroup
+      // for all of this warpgroup's rows while the tile's later rows see them: the warpgroup
       // takes its turns for them and releases their stages without computing them
       // (Traits::kSkipsKeyBlocksPastDiagonal). It keeps at least one key block, which starts its
       // softmax.
       int skipped_blocks = 0;
       if constexpr (kMaskKind == MaskKind::kCausal && Traits::kSkipsKeyBlocksPastDiagonal) {
-        const int warpgroup_last_row = m_block * kBlockM + 64 * consumer + 63;
+        constexpr int kRowsPerWarpgroup = kBlockM / kConsumers;
+        const int warpgroup_last_row = m_block * kBlockM + kRowsPerWarpgroup * (consumer + 1) - 1;
         const int warpgroup_end = (max(0, mask.key_limit(warpgroup_last_row)) + kBlockN - 1) / kBlockN;
         skipped_blocks = max(0, min(key_blocks.end - warpgroup_end, key_blocks.end - 1 - key_blocks.begin));
       }

@@ -141,6 +141,24 @@ def test_causal_tiles_longest_first_across_bands(cuda_gen, kernel):
         check_against_oracle(q, k, v, out, lse, scale, True, f"{kernel} head dim {head_dim}")
 
 
+@pytest.mark.parametrize("diagonal", [-65, -64, -63, -1, 0, 1, 63, 64, 65])
+def test_causal_first_key_block_halved(cuda_gen, diagonal):
+    """The Hopper path's causal consumer warpgroups score only the first half of the first key block
+    they visit where their rows see none of its second half: with seqlen_k - seqlen_q = `diagonal`
+    around the half block's edge (64 keys), in 128-row tiles (1000 query rows) and, at head dim 64,
+    192-row ones (2500), at every compiled head dim."""
+    skip_unless_runs("sm90")
+    dtype = COMPILED_DTYPES[-1]
+    batch, heads = 2, 4
+    for seqlen_q in (1000, 2500):
+        seqlen_k = seqlen_q + diagonal
+        for head_dim in COMPILED_SM90_HEAD_DIMS:
+            q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads, head_dim, dtype)
+            scale = 1.0 / math.sqrt(head_dim)
+            out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, kernel="sm90")
+            check_against_oracle(q, k, v, out, lse, scale, True, f"head dim {head_dim}, {seqlen_q} x {seqlen_k}")
+
+
 @pytest.mark.parametrize("growth_log2", [0.5, 7.5, 8.5, 40.0])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel", KERNELS)

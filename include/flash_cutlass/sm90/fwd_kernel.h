@@ -299,26 +299,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto issue_scores = [&]() __attribute__((always_inline)) {
         issue_gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
       };
-      // Once S has landed: the score options, the mask (for `masked` tiles), the softmax but O's
-      // rescale, and dropout, in place in acc_s.
-      auto softmax_scores = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
-        warpgroup_fence_operand(acc_s);
+      // Once S has landed in `scores` (acc_s, or the half block's; `coords` its tScS): the score
+      // options, the mask (for `masked` tiles), the softmax but O's rescale, and dropout, in place.
+      auto softmax_scores = [&](auto& scores, auto const& coords, int n_block, auto first_tile, auto masked)
+                                __attribute__((always_inline)) {
+        warpgroup_fence_operand(scores);
         pipeline_k.consumer_release(state);
-        Tensor s = as_rows_cols(acc_s);
-        prepare_scores<decltype(masked)::value>(score_mods, mask, s, tScS, m_block * kBlockM, n_block * kBlockN);
+        Tensor s = as_rows_cols(scores);
+        prepare_scores<decltype(masked)::value>(score_mods, mask, s, coords, m_block * kBlockM, n_block * kBlockN);
         if constexpr (decltype(first_tile)::value || !Traits::kRescalesLazily) {
           softmax.template update_scores<decltype(first_tile)::value>(s, correction);
         } else {
           rescale_o = softmax.update_scores_lazily(s, correction, row_in_sequence);
         }
-        if constexpr (kDropout) dropout.apply(s, tScS, m_block * kBlockM, n_block * kBlockN);
-        warpgroup_fence_operand(acc_s);
+        if constexpr (kDropout) dropout.apply(s, coords, m_block * kBlockM, n_block * kBlockN);
+        warpgroup_fence_operand(scores);
       };
-      // P of the tile just scored, in the inputs' dtype.
-      auto store_probabilities = [&]() __attribute__((always_inline)) {
-        *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value>*>(p.data()) =
-            *reinterpret_cast<cutlass::Array<Element, decltype(size(p))::value> const*>(
-                convert_fragment<Element>(acc_s).data());
+      // P of the tile just scored, in the inputs' dtype. A half block's scores are the first half
+      // of P's registers (an accumulator's values run over its column groups last); the rest is 0.
+      auto store_probabilities = [&](auto const& scores) __attribute__((always_inline)) {
+        constexpr int kScored = decltype(size(scores))::value;
+        constexpr int kSize = decltype(size(p))::value;
+        static_assert(kSize % kScored == 0);
+        *reinterpret_cast<cutlass::Array<Element, kScored>*>(p.data()) =
+            *reinterpret_cast<cutlass::Array<Element, kScored> const*>(convert_fragment<Element>(scores).data());
+        if constexpr (kScored < kSize) {
+          reinterpret_cast<cutlass::Array<Element, kSize - kScored>*>(p.data() + kScored)->clear();
+        }
       };
       // One steady-state step: tile n_block is scored while P V of the tile before it runs.
       auto process_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
@@ -331,7 +338,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
         hand_over_turn<kConsumers>(consumer);
         warpgroup_wait<1>();  // S of this tile
-        softmax_scores(n_block, cute::false_type{}, masked);
+        softmax_scores(acc_s, tScS, n_block, cute::false_type{}, masked);
         // P V of the tile before
         if constexpr (Traits::kSoftmaxOverlapsPV) {
           warpgroup_wait_after<0>(softmax.row_sum[0], softmax.row_sum[kRowsPerThread - 1]);
@@ -342,7 +349,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_fence_operand(tOrP);
         pipeline_v.consumer_release(state_v);
         if (!Traits::kRescalesLazily || rescale_o) softmax.rescale(acc_o_rc, correction);
-        store_probabilities();
+        store_probabilities(acc_s);
       };
       // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
       // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
@@ -353,10 +360,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // takes its turns for them and releases their stages without computing them
       // (Traits::kSkipsKeyBlocksPastDiagonal). It keeps at least one key block, which starts its
       // softmax.
+      constexpr int kRowsPerWarpgroup = kBlockM / kConsumers;
+      const int warpgroup_last_row = m_block * kBlockM + kRowsPerWarpgroup * (consumer + 1) - 1;
       int skipped_blocks = 0;
       if constexpr (kMaskKind == MaskKind::kCausal && Traits::kSkipsKeyBlocksPastDiagonal) {
-        constexpr int kRowsPerWarpgroup = kBlockM / kConsumers;
-        const int warpgroup_last_row = m_block * kBlockM + kRowsPerWarpgroup * (consumer + 1) - 1;
         const int warpgroup_end = (max(0, mask.key_limit(warpgroup_last_row)) + kBlockN - 1) / kBlockN;
         skipped_blocks = max(0, min(key_blocks.end - warpgroup_end, key_blocks.end - 1 - key_blocks.begin));
       }
@@ -370,25 +377,62 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         ++state;
       }
       const int last = key_blocks.end - 1 - skipped_blocks;
+      // The first block visited starts the softmax. With Traits::kHalvesFirstKeyBlock and a causal
+      // mask it is scored on its first half of keys only where this warpgroup's rows see none of the
+      // second half (the diagonal block of the first 64 rows of a 128-row tile); its P V then
+      // multiplies the second half of the stage's V by P = 0, as a masked block would. The key
+      // blocks' whole visit is compiled once per case: with a branch around the first block alone,
+      // ptxas gave every steady loop 13-15 more instructions (2 or fewer this way).
       pipeline_k.consumer_wait(state);
-      wait_for_turn<kConsumers>(consumer);
-      issue_scores();
-      hand_over_turn<kConsumers>(consumer);
-      warpgroup_wait<0>();
-      softmax_scores(last, cute::true_type{}, cute::true_type{});
-      store_probabilities();
-      if constexpr (kMaskKind == MaskKind::kLocal) {
-        for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
-          if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
-            process_tile(n_block, cute::true_type{});
-          } else {
-            process_tile(n_block, cute::false_type{});
+      constexpr bool kHalvesFirstKeyBlock = Traits::kHalvesFirstKeyBlock && kMaskKind == MaskKind::kCausal;
+      const bool half_block = mask.key_limit(warpgroup_last_row) <= last * kBlockN + Traits::kHalfBlockN;
+      auto visit_key_blocks = [&](auto half) __attribute__((always_inline)) {
+        if constexpr (decltype(half)::value) {
+          // A shared-memory descriptor does not depend on N: the half GEMM reads the first rows of
+          // the full block's K through its descriptors.
+          typename Traits::TiledMmaQKHalf mma_qk_half;
+          auto thr_qk_half = mma_qk_half.get_thread_slice(consumer_idx);
+          Tensor tScS_half = as_rows_cols(
+              thr_qk_half.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapeHalf{}))));
+          // The half block's scores in the first half of acc_s's registers (its first column groups).
+          Tensor acc_s_half = make_tensor(
+              acc_s.data(), partition_fragment_C(mma_qk_half, select<0, 1>(typename Traits::TileShapeHalf{})).layout());
+          wait_for_turn<kConsumers>(consumer);
+          issue_gemm_wgmma<true>(mma_qk_half, tSrQ, tSrK(_, _, _, state.index()), acc_s_half);
+          hand_over_turn<kConsumers>(consumer);
+          warpgroup_wait<0>();
+          softmax_scores(acc_s_half, tScS_half, last, cute::true_type{}, cute::true_type{});
+          store_probabilities(acc_s_half);
+        } else {
+          wait_for_turn<kConsumers>(consumer);
+          issue_scores();
+          hand_over_turn<kConsumers>(consumer);
+          warpgroup_wait<0>();
+          softmax_scores(acc_s, tScS, last, cute::true_type{}, cute::true_type{});
+          store_probabilities(acc_s);
+        }
+        if constexpr (kMaskKind == MaskKind::kLocal) {
+          for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
+            if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
+              process_tile(n_block, cute::true_type{});
+            } else {
+              process_tile(n_block, cute::false_type{});
+            }
           }
+        } else {
+          int n_block = last - 1;
+          for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::true_type{});
+          for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{});
+        }
+      };
+      if constexpr (kHalvesFirstKeyBlock) {
+        if (half_block) {
+          visit_key_blocks(cute::true_type{});
+        } else {
+          visit_key_blocks(cute::false_type{});
         }
       } else {
-        int n_block = last - 1;
-        for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::true_type{});
-        for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{});
+        visit_key_blocks(cute::false_type{});
       }
       // P V of the last tile scored.
       pipeline_v.consumer_wait(state);

@@ -10,13 +10,16 @@ heads = 2048 // head_dim. benchmarks/README.md describes the output and the FLOP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import importlib.util
 import json
 import math
 import shlex
+import shutil
 import statistics
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -141,6 +144,22 @@ def memory_table(memory: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def power_table(rows: Sequence[dict]) -> str:
+    """One line per measured (shape, impl) with --power: TFLOPS, the median SM clock and board
+    power while it ran, and TFLOPS per GHz of SM clock (the work of one cycle)."""
+    header = ["hdim", "causal", "seqlen", "impl", "TFLOPS", "SM clock MHz", "board W", "TFLOPS per GHz", "samples"]
+    lines = ["| " + " | ".join(header) + " |", "|---:|---:|---:|---|" + "---:|" * (len(header) - 4)]
+    for row in rows:
+        if row.get("sm_clock_mhz") is None:
+            continue
+        per_ghz = row["tflops"] / (row["sm_clock_mhz"] / 1000) if row["tflops"] else None
+        cells = [str(row["head_dim"]), "yes" if row["causal"] else "no", str(row["seqlen"]), row["impl"],
+                 _format(row["tflops"], ".1f"), _format(row["sm_clock_mhz"], ".0f"), _format(row["power_w"], ".0f"),
+                 _format(per_ghz, ".1f"), str(row["power_samples"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def render_report(meta: dict, rows: Sequence[dict], impls: Sequence[str],
                   checks: Sequence[dict], memory: Sequence[dict]) -> str:
     direction = meta.get("direction", "forward")
@@ -165,6 +184,9 @@ def render_report(meta: dict, rows: Sequence[dict], impls: Sequence[str],
         parts += ["", f"--check: {len(checks) - len(failed)} of {len(checks)} shapes passed."]
         parts += [f"- FAILED hdim {c['head_dim']} causal {c['causal']} seqlen {c['seqlen']}: "
                   f"{c['detail']}" for c in failed]
+    if any(row.get("sm_clock_mhz") is not None for row in rows):
+        parts += ["", "SM clock and board power while each was timed (--power; nvidia-smi samples, medians):",
+                  "", power_table(rows)]
     if memory:
         parts += ["", "Peak memory allocated during one forward call, beyond the inputs:", "",
                   memory_table(memory)]
@@ -208,10 +230,70 @@ def plot_tflops(rows: Sequence[dict], impls: Sequence[str], path: Path, title: s
     plt.close(fig)
 
 
+# --power: nvidia-smi's query of the SM clock and the board power, one CSV line per sample.
+POWER_QUERY = "clocks.sm,power.draw"
+
+
+def parse_clock_power(text: str) -> list[tuple[float, float]]:
+    """nvidia-smi's `--query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits` output as
+    (SM clock in MHz, board power in W) samples; lines it could not read ("[N/A]", a last line cut
+    short when the sampler stopped) are left out."""
+    samples = []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 2:
+            continue
+        try:
+            samples.append((float(fields[0]), float(fields[1])))
+        except ValueError:
+            continue
+    return samples
+
+
+class ClockPowerSampler:
+    """Inside a `with` block, nvidia-smi samples one GPU's SM clock and board power every
+    interval_ms; afterwards `samples` holds them as (MHz, W). On a power-capped GPU the clocks
+    settle where the board's power limit holds, so two implementations at the same power compare
+    by their work per joule (docs/PERFORMANCE.md, session 13). nvidia-smi needs a few hundred
+    milliseconds to start sampling: windows of a second or more give stable medians."""
+
+    def __init__(self, gpu: str, interval_ms: int = 100, command: str = "nvidia-smi"):
+        self.argv = [command, f"--id={gpu}", f"--query-gpu={POWER_QUERY}", "--format=csv,noheader,nounits",
+                     f"--loop-ms={interval_ms}"]
+        self.samples: list[tuple[float, float]] = []
+        self._process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ClockPowerSampler:
+        self._process = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        assert self._process is not None
+        self._process.terminate()
+        out, _ = self._process.communicate(timeout=10)
+        self.samples = parse_clock_power(out)
+
+
+def median_clock_power(samplers: Sequence[ClockPowerSampler]) -> tuple[float | None, float | None, int]:
+    """The median SM clock (MHz) and board power (W) over every sample of the samplers, and how
+    many samples there were; (None, None, 0) without any."""
+    samples = [sample for sampler in samplers for sample in sampler.samples]
+    if not samples:
+        return None, None, 0
+    return (statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples), len(samples))
+
+
+def gpu_for_nvidia_smi(device: int = 0) -> str:
+    """The torch device as nvidia-smi's --id names it (its UUID, which CUDA_VISIBLE_DEVICES does
+    not renumber)."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
 def median_ms(fn: Callable[[], object], warmup: int, min_reps: int, min_time_ms: float,
-              warmup_ms: float = 0.0) -> float:
+              warmup_ms: float = 0.0, sampler: ClockPowerSampler | None = None) -> float:
     """Median of per-call CUDA-event timings, after warm-up (warmup calls, then about warmup_ms of
-    GPU time); at least min_reps calls and about min_time_ms of GPU time."""
+    GPU time); at least min_reps calls and about min_time_ms of GPU time. A sampler, if given,
+    samples the clocks and power from the time-based warm-up to the end of the timed calls."""
     for _ in range(warmup):
         fn()
     probe_start = torch.cuda.Event(enable_timing=True)
@@ -223,18 +305,20 @@ def median_ms(fn: Callable[[], object], warmup: int, min_reps: int, min_time_ms:
     probe_end.record()
     torch.cuda.synchronize()
     per_call = max(probe_start.elapsed_time(probe_end) / probe_calls, 1e-3)
-    # The GPU's clocks follow its power draw over tens of milliseconds: a time-based warm-up lets
-    # them settle under this implementation's own load instead of the one measured before it.
-    for _ in range(math.ceil(warmup_ms / per_call)):
-        fn()
     reps = max(min_reps, math.ceil(min_time_ms / per_call))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends, strict=True):
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
+    with sampler if sampler is not None else contextlib.nullcontext():
+        # The GPU's clocks follow its power draw over tens of milliseconds: a time-based warm-up
+        # lets them settle under this implementation's own load instead of the one measured
+        # before it.
+        for _ in range(math.ceil(warmup_ms / per_call)):
+            fn()
+        for start, end in zip(starts, ends, strict=True):
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
@@ -497,6 +581,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "A B C ...), each a full measurement (warm-up, --reps, --min-time-ms), "
                              "and report the median of the rounds' medians: a drift of the clocks "
                              "then falls on every implementation alike (default: %(default)s)")
+    parser.add_argument("--power", action="store_true",
+                        help="sample the GPU's SM clock and board power with nvidia-smi while "
+                             "each implementation is timed (from its time-based warm-up on) and "
+                             "report their medians and TFLOPS per GHz; nvidia-smi takes a few "
+                             "hundred ms to start sampling, so use windows of a second or more, "
+                             "e.g. --warmup-ms 1000 --min-time-ms 2000")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random inputs (default: %(default)s)")
     parser.add_argument("--json", type=Path, metavar="PATH",
@@ -523,6 +613,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--warmup and --warmup-ms must be >= 0, --reps >= 1, --min-time-ms >= 0 and --rounds >= 1")
     if args.memory_seqlen < 1 or args.memory_head_dim < 1:
         parser.error("--memory-seqlen and --memory-head-dim must be positive")
+    if args.power and shutil.which("nvidia-smi") is None:
+        parser.error("--power samples the clocks with nvidia-smi, which is not on PATH")
     args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     return args
 
@@ -569,6 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         head_dims = [d for d in head_dims if d in compiled]
 
     torch.manual_seed(args.seed)
+    nvidia_smi_gpu = gpu_for_nvidia_smi() if args.power else ""
     dtype = DTYPES[args.dtype]
     meta = {**environment(args.dtype, subject), "direction": args.direction}
     rows: list[dict] = []
@@ -586,24 +679,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                   flush=True)
         errors: dict[str, str | None] = {}
         measures: dict[str, Callable[[int], float]] = {}
+        samplers: dict[str, list[ClockPowerSampler]] = {impl: [] for impl in args.impls}
         for impl in args.impls:
             fn = make_runner(impl, inputs, case.causal, subject, args.direction)
             errors[impl] = "failed --check" if impl == SUBJECT and subject_wrong else first_call_error(fn)
             if errors[impl] is None:
                 # Each round: warm-up (the full count in the first), then the median of its calls.
-                measures[impl] = (lambda round_index, fn=fn: median_ms(
-                    fn, args.warmup if round_index == 0 else min(args.warmup, 3), args.reps, args.min_time_ms,
-                    args.warmup_ms))
+                def measure(round_index: int, fn=fn, impl=impl) -> float:
+                    sampler = ClockPowerSampler(nvidia_smi_gpu) if args.power else None
+                    if sampler is not None:
+                        samplers[impl].append(sampler)
+                    return median_ms(fn, args.warmup if round_index == 0 else min(args.warmup, 3), args.reps,
+                                     args.min_time_ms, args.warmup_ms, sampler)
+                measures[impl] = measure
         round_times = interleaved_rounds(measures, args.rounds)
         for impl in args.impls:
             error = errors[impl]
             ms = None if error else statistics.median(round_times[impl])
             speed = None if ms is None else tflops(case_flops(case, args.direction), ms)
+            clock, power, power_samples = median_clock_power(samplers[impl])
             rows.append({"head_dim": case.head_dim, "seqlen": case.seqlen, "batch": case.batch,
                          "heads": case.heads, "causal": case.causal, "dtype": args.dtype,
                          "direction": args.direction, "impl": impl, "ms": ms, "tflops": speed,
-                         "ms_rounds": round_times.get(impl, []), "error": error})
+                         "ms_rounds": round_times.get(impl, []), "error": error,
+                         "sm_clock_mhz": clock, "power_w": power, "power_samples": power_samples})
             result_text = f"not run: {error}" if error else f"{ms:8.3f} ms {speed:7.1f} TFLOPS"
+            if clock is not None:
+                result_text += f"  {clock:5.0f} MHz {power:4.0f} W ({power_samples} samples)"
+            elif args.power and not error:
+                result_text += "  (no clock samples: nvidia-smi printed none in the timed window)"
             print(f"{label} {impl:<18} {result_text}", flush=True)
         del inputs
         torch.cuda.empty_cache()

@@ -1,6 +1,7 @@
 """CPU tests of benchmarks/benchmark_forward.py's pure helpers and its --check logic."""
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -208,3 +209,62 @@ def test_report_names_the_direction():
             "direction": "backward"}
     report = bench.render_report(meta, [], [bench.SUBJECT], [], [])
     assert report.startswith("## Backward attention, bf16") and "times 2.5 for the backward pass" in report
+
+
+def test_parse_clock_power_reads_samples_and_skips_unreadable_lines():
+    text = "1680, 690.52\n1695, 689.10\n[N/A], [N/A]\n\n1650\n1830, 691."
+    assert bench.parse_clock_power(text) == [(1680.0, 690.52), (1695.0, 689.1), (1830.0, 691.0)]
+    assert bench.parse_clock_power("") == []
+
+
+def test_clock_power_sampler_runs_nvidia_smi_for_its_block(tmp_path):
+    """The sampler starts nvidia-smi (here a stand-in script that records its arguments, prints
+    three samples and keeps running as nvidia-smi --loop-ms does) when its block starts and stops
+    it when the block ends, keeping what it printed."""
+    argv_file = tmp_path / "argv.txt"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f'#!/bin/bash\necho "$@" > {argv_file}\nprintf "1680, 690.5\\n1695, 689.0\\n[N/A], [N/A]\\n"\n'
+                    "exec sleep 30\n")
+    fake.chmod(0o755)
+    sampler = bench.ClockPowerSampler("GPU-1234", interval_ms=50, command=str(fake))
+    with sampler:
+        for _ in range(200):
+            if argv_file.exists() and argv_file.read_text():
+                break
+            time.sleep(0.01)
+        time.sleep(0.2)
+    assert sampler.samples == [(1680.0, 690.5), (1695.0, 689.0)]
+    assert argv_file.read_text().split() == ["--id=GPU-1234", "--query-gpu=clocks.sm,power.draw",
+                                             "--format=csv,noheader,nounits", "--loop-ms=50"]
+
+
+def test_median_clock_power_pools_every_sampler():
+    first, second, empty = (bench.ClockPowerSampler("GPU-0") for _ in range(3))
+    first.samples = [(1600.0, 680.0), (1700.0, 700.0)]
+    second.samples = [(1800.0, 690.0)]
+    assert bench.median_clock_power([first, second, empty]) == (1700.0, 690.0, 3)
+    assert bench.median_clock_power([empty]) == (None, None, 0)
+    assert bench.median_clock_power([]) == (None, None, 0)
+
+
+def test_report_has_the_power_table_only_for_rows_with_clocks():
+    meta = {"dtype": "bf16", "gpu": "gpu", "torch": "t", "cuda": "c", "cudnn": 1, "date": "d", "command": "x"}
+    plain = _row("flash_cutlass", 600.0)
+    assert "SM clock" not in bench.render_report(meta, [plain], ["flash_cutlass"], [], [])
+    sampled = {**plain, "sm_clock_mhz": 1680.0, "power_w": 690.0, "power_samples": 25}
+    not_run = {**_row("sdpa_cudnn", None), "sm_clock_mhz": None, "power_w": None, "power_samples": 0}
+    report = bench.render_report(meta, [sampled, not_run], ["flash_cutlass", "sdpa_cudnn"], [], [])
+    lines = [line for line in report.splitlines() if line.startswith("| 128 | no | 1024 | ")]
+    assert lines[-1] == "| 128 | no | 1024 | flash_cutlass | 600.0 | 1680 | 690 | 357.1 | 25 |"
+    assert not any("sdpa_cudnn" in line for line in lines[1:])
+
+
+def test_parse_args_power_needs_nvidia_smi(monkeypatch, capsys):
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as excinfo:
+        bench.parse_args(["--power"])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "--power" in err and "nvidia-smi" in err
+    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert bench.parse_args(["--power"]).power and not bench.parse_args([]).power

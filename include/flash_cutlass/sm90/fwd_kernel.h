@@ -361,10 +361,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // (Traits::kSkipsKeyBlocksPastDiagonal). It keeps at least one key block, which starts its
       // softmax.
       constexpr int kRowsPerWarpgroup = kBlockM / kConsumers;
-      const int warpgroup_last_row = m_block * kBlockM + kRowsPerWarpgroup * (consumer + 1) - 1;
+      // One past the last key any row of this warpgroup sees.
+      const int warpgroup_key_limit = mask.key_limit(m_block * kBlockM + kRowsPerWarpgroup * (consumer + 1) - 1);
       int skipped_blocks = 0;
       if constexpr (kMaskKind == MaskKind::kCausal && Traits::kSkipsKeyBlocksPastDiagonal) {
-        const int warpgroup_end = (max(0, mask.key_limit(warpgroup_last_row)) + kBlockN - 1) / kBlockN;
+        const int warpgroup_end = (max(0, warpgroup_key_limit) + kBlockN - 1) / kBlockN;
         skipped_blocks = max(0, min(key_blocks.end - warpgroup_end, key_blocks.end - 1 - key_blocks.begin));
       }
       for (int skipped = 0; skipped < skipped_blocks; ++skipped) {
@@ -384,8 +385,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // blocks' whole visit is compiled once per case: with a branch around the first block alone,
       // ptxas gave every steady loop 13-15 more instructions (2 or fewer this way).
       pipeline_k.consumer_wait(state);
-      constexpr bool kHalvesFirstKeyBlock = Traits::kHalvesFirstKeyBlock && kMaskKind == MaskKind::kCausal;
-      const bool half_block = mask.key_limit(warpgroup_last_row) <= last * kBlockN + Traits::kHalfBlockN;
       auto visit_key_blocks = [&](auto half) __attribute__((always_inline)) {
         if constexpr (decltype(half)::value) {
           // A shared-memory descriptor does not depend on N: the half GEMM reads the first rows of
@@ -425,8 +424,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{});
         }
       };
-      if constexpr (kHalvesFirstKeyBlock) {
-        if (half_block) {
+      if constexpr (Traits::kHalvesFirstKeyBlock && kMaskKind == MaskKind::kCausal) {
+        if (warpgroup_key_limit <= last * kBlockN + Traits::kHalfBlockN) {
           visit_key_blocks(cute::true_type{});
         } else {
           visit_key_blocks(cute::false_type{});

@@ -71,18 +71,19 @@ struct FwdKernelTraits {
   // S = Q K^T: both operands in shared memory, K-major (head dim contiguous).
   using TiledMmaQK = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float, TileShape>(), WarpgroupLayout{}));
-  // S = Q K^T with Q from registers, copied once per tile from shared memory: a fifth less
-  // shared-memory traffic per key block and 8 fewer instructions in the steady loop of head dim 64's
-  // 128-row kernel (+1-2% causal at 1k-2k on the H200). At head dim 128 it measured -2% at 1k, +1%
-  // at 8k, and nothing beside the unmasked first block; the 192-row kernel (160 registers a thread)
-  // spills with it; head dim 256's O leaves no room for it.
-  static constexpr bool kQInRegisters = kConsumerWarpgroups == 2 && kHeadDim == 64;
-  using TiledMmaQKRegisterQ = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float, TileShape>(), WarpgroupLayout{}));
   // The same on the first kHalfBlockN keys of a K stage (kHalvesFirstKeyBlock).
   using TileShapeHalf = cute::Shape<cute::Int<kBlockM>, cute::Int<kHalfBlockN>, cute::Int<kHeadDim>>;
   using TiledMmaQKHalf = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float, TileShapeHalf>(), WarpgroupLayout{}));
+  // S = Q K^T with Q from registers, copied once per tile from shared memory: a fifth less
+  // shared-memory traffic per key block and 8 fewer instructions in the steady loop of head dim 64's
+  // 128-row kernel (+1-2% causal at 1k-2k on the H200). At head dim 128 it measured -2% at 1k, +1%
+  // at 8k, and nothing beside the unmasked first block; the 192-row kernel (160 registers a thread)
+  // spills with it; head dim 256's O leaves no room for it. The half block's GEMM keeps Q in shared
+  // memory.
+  static constexpr bool kQInRegisters = kConsumerWarpgroups == 2 && kHeadDim == 64;
+  using TiledMmaQKRegisterQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, TileShape>(), WarpgroupLayout{}));
   // O += P V: P from registers; V is read as V^T, whose contiguous dim (head dim) is its N.
   using TiledMmaPV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float, TileShapePV, cute::GMMA::Major::K,

@@ -33,6 +33,7 @@ struct FwdKernelParams {
   typename Traits::TmaKV tma_v;
   typename Traits::TmaO tma_o;  // over out when store_o_with_tma, else a valid descriptor left unused
   bool store_o_with_tma;
+  PersistentWork persistent_work;  // with Traits::kPersistent
 };
 
 // The rows and batch extent of the TMA views of Q and of K, V: (seqlen, batch) per sequence, or
@@ -119,10 +120,12 @@ __device__ __forceinline__ TileWork<kBlockM, kBlockN, kMaskKind> tile_work(FwdPa
 // the tiles of persistent_tile_at_step (causal ones in pairs: persistent_tiles_in_pairs), else the
 // CTA's one tile (causal ones longest first).
 template <int kBlockM, bool kPersistentGrid, MaskKind kMaskKind, class Work>
-__device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& params, Work&& work) {
+__device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& params, PersistentWork const& persistent_work,
+                                                          Work&& work) {
   if constexpr (kPersistentGrid) {
     for (int step = 0;; ++step) {
-      const TileAtStep next = persistent_tile_at_step<kBlockM, persistent_tiles_in_pairs<kMaskKind>()>(params, step);
+      const TileAtStep next =
+          persistent_tile_at_step<kBlockM, persistent_tiles_in_pairs<kMaskKind>()>(params, persistent_work, step);
       if (next.past_end) break;
       if (next.valid) work(next.tile);
     }
@@ -233,7 +236,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           ++state;
         }
       };
-      for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(params, load_tile);
+      for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(params, kernel_params.persistent_work, load_tile);
     }
     return;
   }
@@ -399,6 +402,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // blocks' whole visit is compiled once per case: with a branch around the first block alone,
       // ptxas gave every steady loop 13-15 more instructions (2 or fewer this way).
       pipeline_k.consumer_wait(state);
+      // Q's shared memory is free once its last reader has completed: the first key block's
+      // S = Q K^T with Traits::kQInRegisters (the half block's reads it there), else the last one's.
+      // The producer then brings the next tile's Q while this one finishes.
+      auto release_q = [&]() __attribute__((always_inline)) { storage.q_empty.arrive(); };
       auto visit_key_blocks = [&](auto half) __attribute__((always_inline)) {
         if constexpr (decltype(half)::value) {
           // A shared-memory descriptor does not depend on N: the half GEMM reads the first rows of
@@ -414,6 +421,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           issue_gemm_wgmma<true>(mma_qk_half, tSrQ, tSrK(_, _, _, state.index()), acc_s_half);
           hand_over_turn<kConsumers>(consumer);
           warpgroup_wait<0>();
+          if constexpr (Traits::kQInRegisters) release_q();
           softmax_scores(acc_s_half, tScS_half, last, cute::true_type{}, cute::true_type{});
           store_probabilities(acc_s_half);
         } else {
@@ -421,6 +429,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           issue_scores();
           hand_over_turn<kConsumers>(consumer);
           warpgroup_wait<0>();
+          if constexpr (Traits::kQInRegisters) release_q();
           // Without a mask only a seqlen_k tail needs one: a first block before it runs unmasked
           // (+1% at head dim 128 and 2k keys, +2% at 8k on the H200).
           if (kMaskKind == MaskKind::kNone && last < key_blocks.unmasked_end) {
@@ -453,6 +462,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       } else {
         visit_key_blocks(cute::false_type{});
       }
+      if constexpr (!Traits::kQInRegisters) release_q();
       // P V of the last tile scored.
       pipeline_v.consumer_wait(state);
       wait_for_turn<kConsumers>(consumer);
@@ -463,11 +473,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       pipeline_v.consumer_release(state);
       // The last consumer's last hand-over has no turn of consumer 0 left to meet: take it here, so
       // that no barrier is left half-arrived. (The last consumer arrives again only in its next tile,
-      // after this tile's Q release below, to which consumer 0 contributes after this wait.)
+      // after the epilogue's sync of the consumers, which consumer 0 reaches after this wait.)
       if (consumer == 0) wait_for_turn<kConsumers>(consumer);
       ++state;
-      // Every S = Q K^T of this tile has completed: the producer may bring the next tile's Q.
-      storage.q_empty.arrive();
       ++q_loads;
       softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
       if constexpr (kDropout) {
@@ -480,22 +488,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r < kRowsPerThread; ++r) lse[r] = -INFINITY;
     }
 
-    // Epilogue: the log-sum-exp from registers, one thread per row; O through shared memory and a
-    // TMA store (which leaves out rows and columns past the tensor), or from registers.
+    // Epilogue: O through shared memory and a TMA store (which leaves out rows and columns past the
+    // tensor), or from registers; the log-sum-exp from registers, one thread per row.
     const int row_start = m_block * kBlockM;
-    float* lse_row = params.lse + query_stats_index(params, sequence, head);
-    CUTE_UNROLL
-    for (int r = 0; r < kRowsPerThread; ++r) {
-      const int row = row_start + get<0>(tOcO(r, 0));
-      if (row < sequence.seqlen_q && get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
-    }
+    auto store_lse = [&]() __attribute__((always_inline)) {
+      float* lse_row = params.lse + query_stats_index(params, sequence, head);
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerThread; ++r) {
+        const int row = row_start + get<0>(tOcO(r, 0));
+        if (row < sequence.seqlen_q && get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
+      }
+    };
     Tensor o = convert_fragment<Element>(acc_o);
     if (Traits::kTmaStoreO && kernel_params.store_o_with_tma) {
       Tensor sO = make_tensor(make_smem_ptr(Traits::kOwnBufferO ? storage.o.data() : storage.q.data()),
                               typename Traits::SmemLayoutQ{});
       if (consumer_idx == 0) tma_store_wait<0>();  // the previous tile's store has read sO
       sync_consumers<Traits::kConsumerThreads>();
-      copy(o, thr_pv.partition_C(sO));
+      // stmatrix: 8x8 blocks of 16-bit values, a row of each per lane, into the swizzled tile.
+      auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+      auto thr_copy_o = copy_o.get_thread_slice(consumer_idx);
+      copy(copy_o, thr_copy_o.retile_S(o), thr_copy_o.partition_D(sO));
       tma_store_fence();  // the writes above, visible to the TMA unit
       sync_consumers<Traits::kConsumerThreads>();
       if (consumer_idx == 0) {
@@ -507,8 +520,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         copy(kernel_params.tma_o, tOsO, tOgO);
         tma_store_arrive();
       }
+      store_lse();  // after O's store: the fence before it would wait for these global stores
       return;
     }
+    // Every epilogue syncs the consumers: the ping-pong's turns across tiles rely on it (above).
+    sync_consumers<Traits::kConsumerThreads>();
+    store_lse();
     Element* out = static_cast<Element*>(params.out) + sequence.q_offset(params.out_batch_stride, params.out_row_stride) +
                    int64_t(head) * params.out_head_stride;
     Tensor o_rc = as_rows_cols(o);
@@ -528,7 +545,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
   };
-  for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(params, compute_tile);
+  for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(params, kernel_params.persistent_work, compute_tile);
   // The CTA's shared memory must outlive the reads of its last TMA store.
   if (Traits::kTmaStoreO && kernel_params.store_o_with_tma && consumer_idx == 0) tma_store_wait<0>();
 #endif  // Other targets (sm_80, PTX) get an empty body: the host launches this kernel only on sm_90.

@@ -58,6 +58,7 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
       make_tma_copy(SM90_TMA_STORE{}, out, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
       store_o_with_tma,
+      persistent_work_of<Traits::kBlockM, persistent_tiles_in_pairs<kMaskKind>()>(params),
   };
 
   // A persistent grid (kernel_traits.h, per head dim): CTAs take tiles in turn, causal ones in pairs
@@ -68,7 +69,7 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   int64_t num_ctas = num_query_tiles<Traits::kBlockM>(params);
   if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
   if constexpr (Traits::kPersistent) {
-    if constexpr (persistent_tiles_in_pairs<kMaskKind>()) num_ctas = num_query_tile_pairs<Traits::kBlockM>(params);
+    num_ctas = kernel_params.persistent_work.items;  // tiles, or pairs of causal tiles
     int sms = 0;
     const cudaError_t status = multiprocessor_count(&sms);
     if (status != cudaSuccess) return status;

@@ -124,6 +124,33 @@ def test_more_tiles_than_sms(cuda_gen, head_dim, causal, window_size, softcap, s
         assert torch.equal(out[b:b + 1], alone_out) and torch.equal(lse[b:b + 1], alone_lse), f"batch entry {b}"
 
 
+# (batch, heads, heads_k, seqlen_q, seqlen_k): the persistent grid turns a work item (a tile, or a
+# causal pair) into its (batch, head) with divisors the host computes (cutlass::FastDivmod): one
+# item per head and one head (both divisors 1), odd divisors, seqlen_q < seqlen_k; each case has
+# more items than an H200 has SMs.
+PERSISTENT_NUMBERING_CASES = [
+    (300, 1, 1, 64, 64),
+    (12, 3, 1, 1000, 1000),
+    (20, 7, 7, 333, 517),
+]
+
+
+@pytest.mark.parametrize("batch,heads,heads_k,seqlen_q,seqlen_k", PERSISTENT_NUMBERING_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_HEAD_DIMS)
+def test_persistent_work_numbering(cuda_gen, head_dim, causal, batch, heads, heads_k, seqlen_q, seqlen_k):
+    """Every tile of the Hopper path's persistent grid is computed once, whatever the divisors of
+    its numbering: outputs start as NaN and must all be written, and pass the oracle."""
+    skip_unless_runs("sm90")
+    dtype = COMPILED_DTYPES[-1]
+    q, k, v = make_qkv(cuda_gen, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((batch, heads, seqlen_q), math.nan, device="cuda")
+    forward_into(q, k, v, out, lse, scale, causal, "sm90")
+    check_against_oracle(q, k, v, out, lse, scale, causal, "sm90")
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_causal_tiles_longest_first_across_bands(cuda_gen, kernel):
     """Causal grids of one CTA per tile (the sm80 path; the Hopper path at head dim 256) number

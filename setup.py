@@ -24,6 +24,8 @@ Build options (environment variables; see README.md):
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
                             about 3 GB of memory per concurrent nvcc.
   FLASH_CUTLASS_PTXAS_VERBOSE=1  print ptxas's register and spill report for every kernel.
+  FLASH_CUTLASS_TIMELINE    0 (default); 1 records a clock64 timeline of every Hopper forward tile
+                            for developers (benchmarks/timeline.py reads it). Not for production.
 """
 
 import importlib.util
@@ -153,6 +155,14 @@ def feature_enabled(variable):
     return raw != "0"
 
 
+def developer_flag(variable):
+    """A developer's build flag: 0 (the default) or 1."""
+    raw = os.environ.get(variable, "").strip()
+    if raw not in ("", "0", "1"):
+        raise RuntimeError(f"{variable}={raw!r}: accepted values are 0 and 1")
+    return raw == "1"
+
+
 def default_jobs():
     cpus = os.cpu_count() or 1
     try:
@@ -192,6 +202,8 @@ def main():
     for feature in ("FLASH_CUTLASS_WINDOW", "FLASH_CUTLASS_BACKWARD") + extended_options:
         if feature_enabled(feature):
             defines.append(f"-D{feature}")
+    if developer_flag("FLASH_CUTLASS_TIMELINE"):
+        defines.append("-DFLASH_CUTLASS_TIMELINE")
     # The score-options instantiation; the dropout one (FLASH_CUTLASS_DROPOUT) carries them too.
     if feature_enabled("FLASH_CUTLASS_SOFTCAP") or feature_enabled("FLASH_CUTLASS_ALIBI"):
         defines.append("-DFLASH_CUTLASS_SCORE_MODS")

@@ -449,6 +449,22 @@ std::vector<int64_t> head_dims_of(const int (&compiled)[kCount]) {
 std::vector<int64_t> compiled_head_dims() { return head_dims_of(kCompiledHeadDims); }
 std::vector<int64_t> compiled_sm90_head_dims() { return head_dims_of(kCompiledSm90HeadDims); }
 
+// The Hopper forward's developer timeline of head dim `head_dim`'s kernels on the current device
+// (FLASH_CUTLASS_TIMELINE=1, sm90/timeline.h): int64 (FwdTimeline::kCtas, kSteps, kWarpgroups,
+// kEvents), the clock64 stamps the calls since the last read left (0 where none wrote); reading
+// clears it.
+at::Tensor forward_timeline(int64_t head_dim) {
+  TORCH_CHECK(kCompiledTimeline, "forward_timeline needs a build with FLASH_CUTLASS_TIMELINE=1");
+  const int kernel_hdim = head_dim > 0 && head_dim <= 256 ? sm90_kernel_head_dim(static_cast<int>(head_dim)) : 0;
+  TORCH_CHECK(kernel_hdim != 0, "head_dim ", head_dim, " has no Hopper-path forward kernel in this build");
+  at::Tensor timeline =
+      at::zeros({FwdTimeline::kCtas, FwdTimeline::kSteps, FwdTimeline::kWarpgroups, FwdTimeline::kEvents}, at::kLong);
+#ifdef FLASH_CUTLASS_TIMELINE
+  C10_CUDA_CHECK(read_fwd_sm90_timeline(kernel_hdim, reinterpret_cast<unsigned long long*>(timeline.data_ptr<int64_t>())));
+#endif
+  return timeline;
+}
+
 std::vector<std::string> compiled_dtypes() {
   std::vector<std::string> names;
   if (kCompiledFloat16) names.emplace_back("float16");
@@ -486,4 +502,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("compiled_alibi") = flash_cutlass::kCompiledAlibi;
   m.attr("compiled_dropout") = flash_cutlass::kCompiledDropout;
   m.attr("compiled_archs") = std::string(FLASH_CUTLASS_ARCHS_STRING);
+  m.def("forward_timeline", &flash_cutlass::forward_timeline,
+        "The Hopper forward's developer timeline of one head dim's kernels (FLASH_CUTLASS_TIMELINE=1)",
+        pybind11::arg("head_dim"));
+  m.attr("compiled_timeline") = flash_cutlass::kCompiledTimeline;
 }

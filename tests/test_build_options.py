@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
         ("CUTLASS_PATH", "/nonexistent/cutlass", "CUTLASS_PATH=/nonexistent/cutlass: no include/cute/tensor.hpp there"),
         ("FLASH_CUTLASS_SM90", "yes", "FLASH_CUTLASS_SM90='yes': accepted values are 0 and 1"),
         ("FLASH_CUTLASS_BACKWARD", "no", "FLASH_CUTLASS_BACKWARD='no': accepted values are 0 and 1"),
+        ("FLASH_CUTLASS_TIMELINE", "yes", "FLASH_CUTLASS_TIMELINE='yes': accepted values are 0 and 1"),
     ],
 )
 def test_setup_rejects_bad_build_option(variable, value, message):

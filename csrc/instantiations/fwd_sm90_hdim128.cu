@@ -48,3 +48,7 @@ template cudaError_t flash_cutlass::sm90::run_fwd<128, flash_cutlass::DType::kBF
     cudaStream_t);
 #endif
 #endif
+
+#ifdef FLASH_CUTLASS_TIMELINE
+template cudaError_t flash_cutlass::sm90::read_fwd_timeline<128>(unsigned long long*);
+#endif

@@ -48,3 +48,7 @@ template cudaError_t flash_cutlass::sm90::run_fwd<64, flash_cutlass::DType::kBFl
     cudaStream_t);
 #endif
 #endif
+
+#ifdef FLASH_CUTLASS_TIMELINE
+template cudaError_t flash_cutlass::sm90::read_fwd_timeline<64>(unsigned long long*);
+#endif

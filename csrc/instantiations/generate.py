@@ -43,6 +43,11 @@ def guarded(text: str, macro) -> str:
     return text if macro is None else f"#ifdef {macro}\n{text}#endif\n"
 
 
+# The Hopper forward's developer timeline (FLASH_CUTLASS_TIMELINE): each file reads its own buffer.
+TIMELINE_READER = """template cudaError_t flash_cutlass::sm90::read_fwd_timeline<{hdim}>(unsigned long long*);
+"""
+
+
 def source(direction: str, path: str, hdim: int) -> str:
     text = HEADER.format(path=path, direction=direction)
     for macro, dtype in DTYPES.items():
@@ -52,6 +57,8 @@ def source(direction: str, path: str, hdim: int) -> str:
                                        extension=extension, params=PARAMS[direction])
             block += guarded(instance, guard)
         text += "\n" + guarded(block, f"FLASH_CUTLASS_DTYPE_{macro}")
+    if (direction, path) == ("fwd", "sm90"):
+        text += "\n" + guarded(TIMELINE_READER.format(hdim=hdim), "FLASH_CUTLASS_TIMELINE")
     return text
 
 

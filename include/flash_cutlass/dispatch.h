@@ -55,6 +55,12 @@ inline constexpr bool kCompiledWindow =
 #else
     false;
 #endif
+inline constexpr bool kCompiledTimeline =
+#ifdef FLASH_CUTLASS_TIMELINE
+    true;
+#else
+    false;
+#endif
 
 // The backward kernels, built unless FLASH_CUTLASS_BACKWARD=0 (a forward-only build for inference).
 inline constexpr bool kCompiledBackward =
@@ -312,6 +318,15 @@ inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel
     return detail::run_fwd_sm90_mask<decltype(hdim)::value>(params, dtype, stream);
   });
 }
+
+#ifdef FLASH_CUTLASS_TIMELINE
+// Copies the developer timeline of the Hopper-path forward kernels compiled for `kernel_hdim` to
+// host (FwdTimeline::kEntries values), then clears it.
+inline cudaError_t read_fwd_sm90_timeline(int kernel_hdim, unsigned long long* host) {
+  return detail::with_sm90_head_dim<256>(
+      kernel_hdim, [&](auto hdim) { return sm90::read_fwd_timeline<decltype(hdim)::value>(host); });
+}
+#endif
 
 // Launches the sm80-path backward kernel compiled for `kernel_hdim` (one of kCompiledHeadDims).
 inline cudaError_t run_bwd_sm80(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {

@@ -8,9 +8,26 @@
 
 namespace flash_cutlass {
 
+// The shape of the Hopper forward's developer timeline (FLASH_CUTLASS_TIMELINE=1, sm90/timeline.h):
+// one value per (CTA, tile step, warpgroup, event), for the first kCtas CTAs and kSteps tiles.
+struct FwdTimeline {
+  static constexpr int kCtas = 256;
+  static constexpr int kSteps = 64;
+  static constexpr int kWarpgroups = 4;
+  static constexpr int kEvents = 8;
+  static constexpr int kEntries = kCtas * kSteps * kWarpgroups * kEvents;
+};
+
 namespace sm90 {
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
+
+#ifdef FLASH_CUTLASS_TIMELINE
+// Copies the timeline of head dim kHeadDim's kernels to host (FwdTimeline::kEntries values), then
+// clears it.
+template <int kHeadDim>
+cudaError_t read_fwd_timeline(unsigned long long* host);
+#endif
 
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);

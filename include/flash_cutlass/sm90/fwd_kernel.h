@@ -20,6 +20,7 @@
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/kernel_traits.h"
+#include "flash_cutlass/sm90/timeline.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
@@ -195,9 +196,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
       auto state = cutlass::make_producer_start_state<PipelineKV>();
       int q_loads = 0;
+      TimelineCursor timeline(true);
       auto load_tile = [&](QueryTile tile) __attribute__((always_inline)) {
         const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
         if (!work.in_sequence() || !work.has_keys()) return;
+        timeline.stamp(0, kLoadStart);
+        timeline.value(0, kKeyBlocks, work.key_blocks.end - work.key_blocks.begin);
+        timeline.value(0, kQueryBlock, work.tile.m_block);
         const int head = work.tile.head;
         const int head_k = kv_head_of(head, params);
         const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
@@ -218,8 +223,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // the previous tile's Q, which Q's load has to wait for.
         const int last = work.key_blocks.end - 1;
         pipeline_k.producer_acquire(state);
+        timeline.stamp(0, kFirstKStageAcquired);
         copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, last), tKsK(_, state.index()));
         if (q_loads > 0) storage.q_empty.wait((q_loads - 1) & 1);
+        timeline.stamp(0, kQBufferFree);
         storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
         copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
         ++q_loads;
@@ -235,8 +242,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                tVsV(_, state.index()));
           ++state;
         }
+        timeline.stamp(0, kLoadsIssued);
       };
-      for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(params, kernel_params.persistent_work, load_tile);
+      for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(
+          params, kernel_params.persistent_work, [&](QueryTile tile) __attribute__((always_inline)) {
+            load_tile(tile);
+            timeline.next_tile();
+          });
     }
     return;
   }
@@ -258,10 +270,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRowsPerThread = decltype(size<0>(acc_o_rc))::value;
   typename PipelineKV::PipelineState state;  // the K/V stage the consumers read next
   int q_loads = 0;
+  TimelineCursor timeline(consumer_idx % 128 == 0);
 
   auto compute_tile = [&](QueryTile tile) __attribute__((always_inline)) {
     const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
     if (!work.in_sequence()) return;
+    timeline.stamp(warpgroup, kTileStart);
     const int m_block = work.tile.m_block, head = work.tile.head, batch = work.tile.batch;
     const Sequence& sequence = work.sequence;
     const KeyMask<kMaskKind>& mask = work.mask;
@@ -275,6 +289,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
       OnlineSoftmax<kRowsPerThread, Traits::kSoftmaxChains> softmax(params.softmax_scale_log2);
       storage.q_full.wait(q_loads & 1);
+      timeline.stamp(warpgroup, kQArrived);
       // `state`: the K/V stage of the key tile being scored.
       // Intra-warpgroup overlap: the scores of tile n (S = Q K^T, then the softmax) run while the
       // tensor cores do P V of tile n+1 (the one scored before; key blocks run from the last down).
@@ -421,6 +436,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           issue_gemm_wgmma<true>(mma_qk_half, tSrQ, tSrK(_, _, _, state.index()), acc_s_half);
           hand_over_turn<kConsumers>(consumer);
           warpgroup_wait<0>();
+          timeline.stamp(warpgroup, kFirstScoresLanded);
           if constexpr (Traits::kQInRegisters) release_q();
           softmax_scores(acc_s_half, tScS_half, last, cute::true_type{}, cute::true_type{});
           store_probabilities(acc_s_half);
@@ -429,6 +445,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           issue_scores();
           hand_over_turn<kConsumers>(consumer);
           warpgroup_wait<0>();
+          timeline.stamp(warpgroup, kFirstScoresLanded);
           if constexpr (Traits::kQInRegisters) release_q();
           // Without a mask only a seqlen_k tail needs one: a first block before it runs unmasked
           // (+1% at head dim 128 and 2k keys, +2% at 8k on the H200).
@@ -439,6 +456,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
           store_probabilities(acc_s);
         }
+        timeline.stamp(warpgroup, kFirstBlockDone);
         if constexpr (kMaskKind == MaskKind::kLocal) {
           for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
             if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
@@ -470,6 +488,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       hand_over_turn<kConsumers>(consumer);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
+      timeline.stamp(warpgroup, kLastPVLanded);
       pipeline_v.consumer_release(state);
       // The last consumer's last hand-over has no turn of consumer 0 left to meet: take it here, so
       // that no barrier is left half-arrived. (The last consumer arrives again only in its next tile,
@@ -488,6 +507,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r < kRowsPerThread; ++r) lse[r] = -INFINITY;
     }
 
+    timeline.stamp(warpgroup, kFinalized);
     // Epilogue: O through shared memory and a TMA store (which leaves out rows and columns past the
     // tensor), or from registers; the log-sum-exp from registers, one thread per row.
     const int row_start = m_block * kBlockM;
@@ -511,6 +531,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       copy(copy_o, thr_copy_o.retile_S(o), thr_copy_o.partition_D(sO));
       tma_store_fence();  // the writes above, visible to the TMA unit
       sync_consumers<Traits::kConsumerThreads>();
+      timeline.stamp(warpgroup, kOStaged);
       if (consumer_idx == 0) {
         Tensor mO = kernel_params.tma_o.get_tma_tensor(
             make_shape(sequence.seqlen_q, params.head_dim, params.heads, params.batch));
@@ -520,6 +541,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         copy(kernel_params.tma_o, tOsO, tOgO);
         tma_store_arrive();
       }
+      timeline.stamp(warpgroup, kOStoreIssued);
       store_lse();  // after O's store: the fence before it would wait for these global stores
       return;
     }
@@ -545,7 +567,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
   };
-  for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(params, kernel_params.persistent_work, compute_tile);
+  for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(
+      params, kernel_params.persistent_work, [&](QueryTile tile) __attribute__((always_inline)) {
+        compute_tile(tile);
+        timeline.next_tile();
+      });
   // The CTA's shared memory must outlive the reads of its last TMA store.
   if (Traits::kTmaStoreO && kernel_params.store_o_with_tma && consumer_idx == 0) tma_store_wait<0>();
 #endif  // Other targets (sm_80, PTX) get an empty body: the host launches this kernel only on sm_90.

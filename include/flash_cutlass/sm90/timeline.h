@@ -1,0 +1,78 @@
+// The Hopper forward's developer timeline, built with FLASH_CUTLASS_TIMELINE=1 (off by default,
+// where TimelineCursor is empty and its calls compile to nothing): the first thread of the
+// producer and of each consumer warpgroup writes clock64() at fixed points of every tile into a
+// __device__ buffer of FwdTimeline's shape, which the host reads and clears after a call
+// (flash_cutlass._C.forward_timeline; benchmarks/timeline.py prints where a tile's cycles go).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "flash_cutlass/fwd_api.h"
+
+namespace flash_cutlass::sm90 {
+
+// A consumer warpgroup's events in a tile, in order, and the producer's (warpgroup 0), two of
+// which are values rather than clocks.
+enum TimelineEvent : int {
+  kTileStart = 0,          // the tile's work is known
+  kQArrived = 1,           // Q has landed in shared memory
+  kFirstScoresLanded = 2,  // S = Q K^T of the first key block visited
+  kFirstBlockDone = 3,     // its softmax and P: the other key blocks start
+  kLastPVLanded = 4,       // the tile's last P V
+  kFinalized = 5,          // O scaled by 1 / l, the log-sum-exp computed
+  kOStaged = 6,            // O in shared memory and the consumers synced (TMA-store epilogue only)
+  kOStoreIssued = 7,       // O's TMA store issued (TMA-store epilogue only)
+  kLoadStart = 0,          // producer: the tile's work is known
+  kFirstKStageAcquired = 1,
+  kQBufferFree = 2,
+  kLoadsIssued = 3,
+  kKeyBlocks = 4,          // producer, a value: the key blocks the tile visits
+  kQueryBlock = 5,         // producer, a value: the tile's query block
+};
+
+#ifdef FLASH_CUTLASS_TIMELINE
+namespace {  // one buffer per instantiation file, read by that file's read_fwd_timeline
+__device__ unsigned long long fwd_timeline_buffer[FwdTimeline::kEntries];
+}
+
+// Where a recording thread writes: its CTA, its tile step (advanced by next_tile), a warpgroup and
+// an event. CTAs and steps past FwdTimeline's shape are not recorded.
+class TimelineCursor {
+ public:
+  __device__ explicit TimelineCursor(bool recorder) : recorder_(recorder) {}
+  __device__ void stamp(int warpgroup, int event) const { record(warpgroup, event, clock64()); }
+  __device__ void value(int warpgroup, int event, long long value) const { record(warpgroup, event, value); }
+  __device__ void next_tile() { ++step_; }
+
+ private:
+  __device__ void record(int warpgroup, int event, long long value) const {
+    if (recorder_ && int(blockIdx.x) < FwdTimeline::kCtas && step_ < FwdTimeline::kSteps) {
+      const int slot = (int(blockIdx.x) * FwdTimeline::kSteps + step_) * FwdTimeline::kWarpgroups + warpgroup;
+      fwd_timeline_buffer[slot * FwdTimeline::kEvents + event] = static_cast<unsigned long long>(value);
+    }
+  }
+  bool recorder_;
+  int step_ = 0;
+};
+
+// Copies this file's buffer (the calls of its head dim since the last read) to host, then clears it.
+template <int kHeadDim>
+cudaError_t read_fwd_timeline(unsigned long long* host) {
+  cudaError_t status = cudaMemcpyFromSymbol(host, fwd_timeline_buffer, sizeof(fwd_timeline_buffer));
+  if (status != cudaSuccess) return status;
+  void* device = nullptr;
+  status = cudaGetSymbolAddress(&device, fwd_timeline_buffer);
+  if (status != cudaSuccess) return status;
+  return cudaMemset(device, 0, sizeof(fwd_timeline_buffer));
+}
+#else
+class TimelineCursor {
+ public:
+  __device__ explicit TimelineCursor(bool) {}
+  __device__ void stamp(int, int) const {}
+  __device__ void value(int, int, long long) const {}
+  __device__ void next_tile() {}
+};
+#endif
+
+}  // namespace flash_cutlass::sm90

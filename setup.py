@@ -147,20 +147,12 @@ def sm90_enabled(archs):
     return 90 in archs and raw != "0"
 
 
-def feature_enabled(variable):
-    """A feature's build flag: 1 (the default) or 0."""
+def feature_enabled(variable, default=True):
+    """A build flag: 0 or 1, `default` when unset (1 for features, 0 for developer options)."""
     raw = os.environ.get(variable, "").strip()
     if raw not in ("", "0", "1"):
         raise RuntimeError(f"{variable}={raw!r}: accepted values are 0 and 1")
-    return raw != "0"
-
-
-def developer_flag(variable):
-    """A developer's build flag: 0 (the default) or 1."""
-    raw = os.environ.get(variable, "").strip()
-    if raw not in ("", "0", "1"):
-        raise RuntimeError(f"{variable}={raw!r}: accepted values are 0 and 1")
-    return raw == "1"
+    return default if raw == "" else raw == "1"
 
 
 def default_jobs():
@@ -202,7 +194,7 @@ def main():
     for feature in ("FLASH_CUTLASS_WINDOW", "FLASH_CUTLASS_BACKWARD") + extended_options:
         if feature_enabled(feature):
             defines.append(f"-D{feature}")
-    if developer_flag("FLASH_CUTLASS_TIMELINE"):
+    if feature_enabled("FLASH_CUTLASS_TIMELINE", default=False):
         defines.append("-DFLASH_CUTLASS_TIMELINE")
     # The score-options instantiation; the dropout one (FLASH_CUTLASS_DROPOUT) carries them too.
     if feature_enabled("FLASH_CUTLASS_SOFTCAP") or feature_enabled("FLASH_CUTLASS_ALIBI"):

@@ -22,8 +22,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_forward import DTYPES, HIDDEN_SIZE, TOKENS_PER_BATCH, benchmark_cases  # noqa: E402
 
 # Consumer events (TimelineEvent in include/flash_cutlass/sm90/timeline.h) and the phases between them.
 TILE_START, Q_ARRIVED, FIRST_SCORES, FIRST_BLOCK_DONE, LAST_PV, FINALIZED, O_STAGED, O_STORE_ISSUED = range(8)
@@ -37,7 +41,6 @@ PHASES = (
     ("O into shared memory", FINALIZED, O_STAGED),
     ("O's store issued", O_STAGED, O_STORE_ISSUED),
 )
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _median(values: list[int]) -> float | None:
@@ -100,8 +103,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=2048)
-    parser.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seqlen (default 16384)")
-    parser.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head dim (default 2048)")
+    parser.add_argument("--tokens", type=int, default=TOKENS_PER_BATCH,
+                        help=f"batch = tokens / seqlen (default {TOKENS_PER_BATCH})")
+    parser.add_argument("--hidden", type=int, default=HIDDEN_SIZE,
+                        help=f"heads = hidden / head dim (default {HIDDEN_SIZE})")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--warmup", type=int, default=20, help="calls before the recorded one (default 20)")
@@ -129,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not extension.compiled_timeline:
         print("this build records no timeline: rebuild with FLASH_CUTLASS_TIMELINE=1", file=sys.stderr)
         return 1
-    batch, heads = args.tokens // args.seqlen, args.hidden // args.head_dim
+    (case,) = benchmark_cases([args.head_dim], [args.seqlen], [args.causal], args.tokens, args.hidden)
+    batch, heads = case.batch, case.heads
     q, k, v = (torch.randn(batch, args.seqlen, heads, args.head_dim, device="cuda", dtype=DTYPES[args.dtype])
                for _ in range(3))
     for _ in range(args.warmup):

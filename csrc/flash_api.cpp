@@ -454,9 +454,9 @@ std::vector<int64_t> compiled_sm90_head_dims() { return head_dims_of(kCompiledSm
 // kEvents), the clock64 stamps the calls since the last read left (0 where none wrote); reading
 // clears it.
 at::Tensor forward_timeline(int64_t head_dim) {
-  TORCH_CHECK(kCompiledTimeline, "forward_timeline needs a build with FLASH_CUTLASS_TIMELINE=1");
   const int kernel_hdim = head_dim > 0 && head_dim <= 256 ? sm90_kernel_head_dim(static_cast<int>(head_dim)) : 0;
   TORCH_CHECK(kernel_hdim != 0, "head_dim ", head_dim, " has no Hopper-path forward kernel in this build");
+  TORCH_CHECK(kCompiledTimeline, "forward_timeline needs a build with FLASH_CUTLASS_TIMELINE=1");
   at::Tensor timeline =
       at::zeros({FwdTimeline::kCtas, FwdTimeline::kSteps, FwdTimeline::kWarpgroups, FwdTimeline::kEvents}, at::kLong);
 #ifdef FLASH_CUTLASS_TIMELINE

@@ -94,3 +94,21 @@ def test_forward_timeline_names_its_build_flag():
         pytest.skip("this build has the timeline")
     with pytest.raises(RuntimeError, match="FLASH_CUTLASS_TIMELINE=1"):
         extension.forward_timeline(128)
+
+
+def test_forward_timeline_rejects_a_head_dim_without_a_hopper_kernel():
+    try:
+        extension = flash_cutlass.interface._extension()
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    if not extension.compiled_sm90_head_dims():
+        pytest.skip("this build has no Hopper path")
+    with pytest.raises(RuntimeError, match="head_dim 512 has no Hopper-path forward kernel in this build"):
+        extension.forward_timeline(512)
+
+
+def test_main_without_a_gpu_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert timeline.main([]) == 1
+    assert "timeline.py needs a CUDA GPU" in capsys.readouterr().err

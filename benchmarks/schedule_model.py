@@ -12,7 +12,10 @@ when SMs go idle. Schedules:
 
   pairs          persistent grid, one CTA per SM taking pairs (m, last - m) of one (batch, head):
                  pair blockIdx.x + k * gridDim.x at step k (shipped for causal tiles at head dims
-                 64 and 128)
+                 64 and 128 until session 16)
+  pairs, tail    the same up to the last full wave of pairs; that wave's pairs and the partial
+                 one's as single tiles, longest first, dealt to the CTAs in a snake (block_info.h's
+                 causal tail; shipped for causal tiles at head dims 64 and 128)
   singly         persistent grid taking tiles blockIdx.x + k * gridDim.x (shipped for tiles of one
                  cost at head dims 64 and 128)
   in order       one CTA per tile, started in blockIdx order as SMs free up; each (batch, head)'s
@@ -38,7 +41,7 @@ import sys
 
 TOKENS_PER_BATCH = 16384
 HIDDEN_SIZE = 2048
-SCHEDULES = ("pairs", "singly", "in order", "longest first", "snake", "banded snake")
+SCHEDULES = ("pairs", "pairs, tail", "singly", "in order", "longest first", "snake", "banded snake")
 BAND_BYTES = 16 << 20  # longest_first_query_tile_of_this_cta's band: K and V within 16 MiB
 CAUSAL_NARROW_TILES_MAX_SEQLEN_Q = 2048  # fwd_launch.h: kCausalNarrowTilesMaxSeqlenQ
 
@@ -59,7 +62,7 @@ def tile_shape(head_dim: int, causal: bool, seqlen_q: int) -> tuple[int, int, bo
 
 def shipped_schedule(persistent: bool, causal: bool) -> str:
     if persistent:
-        return "pairs" if causal else "singly"
+        return "pairs, tail" if causal else "singly"
     return "longest first" if causal else "in order"
 
 
@@ -85,6 +88,25 @@ def longest_first_order(num_m_blocks: int, batch_heads: int, seqlen_k: int, head
     return order
 
 
+def causal_tail(num_m_blocks: int, batch_heads: int, grid: int) -> tuple[int, list[tuple[int, int]]]:
+    """The pairs before the causal tail and the tail's tiles (m_block, batch_head) in the order
+    the CTAs deal them (block_info.h: persistent_work_of, causal_tail_tile_at_step): the tail
+    starts at the last full wave of pairs, unless the pairs fill their waves exactly."""
+    pairs_per_head = (num_m_blocks + 1) // 2
+    items = pairs_per_head * batch_heads
+    grid = min(grid, items)
+    if grid < 1 or items % grid == 0:
+        return items, []
+    first_item = (items // grid - 1) * grid
+    first_batch_head, first_pair = divmod(first_item, pairs_per_head)
+    tiles = []
+    for m_block in range(num_m_blocks - 1, -1, -1):
+        in_first = first_pair <= m_block <= num_m_blocks - 1 - first_pair
+        first = first_batch_head if in_first else first_batch_head + 1
+        tiles.extend((m_block, batch_head) for batch_head in range(first, batch_heads))
+    return first_item, tiles
+
+
 def busy_share(schedule: str, head_dim: int, causal: bool, seqlen: int, batch: int, heads: int, sms: int,
                tile_overhead: float) -> float:
     """Share of the SMs' time busy (work / (sms * the busiest SM's time)) under a schedule."""
@@ -95,14 +117,21 @@ def busy_share(schedule: str, head_dim: int, causal: bool, seqlen: int, batch: i
     def cost(m_block: int) -> float:
         return key_blocks(m_block, block_m, block_n, seqlen, seqlen, causal) + tile_overhead
 
-    if schedule in ("pairs", "singly"):
+    if schedule in ("pairs", "pairs, tail", "singly"):
         loads = [0.0] * sms
-        if schedule == "pairs":
+        if schedule in ("pairs", "pairs, tail"):
             pairs_per_head = (num_m_blocks + 1) // 2
-            for pair in range(pairs_per_head * batch_heads):
+            paired, tail = pairs_per_head * batch_heads, []
+            if schedule == "pairs, tail":
+                paired, tail = causal_tail(num_m_blocks, batch_heads, sms)
+            for pair in range(paired):
                 low = pair % pairs_per_head
                 high = num_m_blocks - 1 - low
                 loads[pair % sms] += cost(high) + (cost(low) if low != high else 0.0)
+            grid = min(sms, pairs_per_head * batch_heads)
+            for index, (m_block, _) in enumerate(tail):
+                step, position = divmod(index, grid)
+                loads[position if step % 2 == 0 else grid - 1 - position] += cost(m_block)
         else:
             for index in range(num_m_blocks * batch_heads):
                 loads[index % sms] += cost(num_m_blocks - 1 - index % num_m_blocks)

@@ -127,11 +127,15 @@ def test_more_tiles_than_sms(cuda_gen, head_dim, causal, window_size, softcap, s
 # (batch, heads, heads_k, seqlen_q, seqlen_k): the persistent grid turns a work item (a tile, or a
 # causal pair) into its (batch, head) with divisors the host computes (cutlass::FastDivmod): one
 # item per head and one head (both divisors 1), odd divisors, seqlen_q < seqlen_k; each case has
-# more items than an H200 has SMs.
+# more items than an H200 has SMs. Causal pairs that end in a partial wave leave their last full
+# wave and the partial one to single tiles (the causal tail): on 132 SMs the tail starts at a
+# (head, batch)'s first pair in the first three cases, with all 36 pairs of the second, and in the
+# middle of a (head, batch) in the last one (128-row tiles: 9 query blocks, the tail from pair 2).
 PERSISTENT_NUMBERING_CASES = [
     (300, 1, 1, 64, 64),
     (12, 3, 1, 1000, 1000),
     (20, 7, 7, 333, 517),
+    (12, 5, 5, 1100, 1300),
 ]
 
 

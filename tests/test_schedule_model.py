@@ -38,6 +38,34 @@ def test_pairs_leave_the_middle_blocks_cta_half_idle_with_an_odd_block_count():
     assert model.busy_share("singly", **args) == pytest.approx(2816 / 132 / 22)
 
 
+@pytest.mark.parametrize("num_m_blocks,batch_heads,grid", [
+    (16, 256, 132),  # head dim 64 causal 2k: the tail from a (batch, head)'s first pair
+    (9, 60, 132),    # the tail from the middle of a (batch, head), an odd block count
+    (1, 300, 132),   # one block a (batch, head)
+    (8, 36, 132),    # fewer than two waves: every pair in the tail
+    (16, 33, 132),   # pairs that fill their waves: no tail
+])
+def test_causal_tail_and_pairs_number_every_tile_once(num_m_blocks, batch_heads, grid):
+    paired, tail = model.causal_tail(num_m_blocks, batch_heads, grid)
+    pairs_per_head = (num_m_blocks + 1) // 2
+    tiles = []
+    for pair in range(paired):
+        batch_head, low = divmod(pair, pairs_per_head)
+        tiles += sorted({(low, batch_head), (num_m_blocks - 1 - low, batch_head)})
+    assert sorted(tiles + tail) == sorted((m, bh) for m in range(num_m_blocks) for bh in range(batch_heads))
+    assert [m for m, _ in tail] == sorted((m for m, _ in tail), reverse=True)
+    if tail:
+        assert paired % grid == 0 and grid <= pairs_per_head * batch_heads - paired < 2 * grid
+
+
+def test_causal_tail_evens_out_the_partial_wave():
+    # Head dim 64 causal 2k: 2048 pairs of 17 key blocks on 132 SMs end with 68 CTAs one pair
+    # ahead (272 blocks against a mean of 263.8); the tail brings the busiest within 1%.
+    args = dict(head_dim=64, causal=True, seqlen=2048, batch=8, heads=32, sms=132, tile_overhead=0.0)
+    assert model.busy_share("pairs", **args) == pytest.approx(2048 * 17 / 132 / 272)
+    assert model.busy_share("pairs, tail", **args) > 0.99
+
+
 def test_pairs_balance_causal_tiles_that_singly_would_not():
     args = dict(head_dim=128, causal=True, seqlen=4096, batch=4, heads=16, sms=132, tile_overhead=2.0)
     assert model.busy_share("pairs", **args) > model.busy_share("singly", **args) + 0.05
@@ -54,7 +82,7 @@ def test_tile_shapes_and_shipped_schedules_follow_the_launcher():
     assert model.tile_shape(64, True, 2049) == (192, 128, True)
     assert model.tile_shape(64, False, 1024) == (192, 128, True)
     assert model.tile_shape(256, True, 1024) == (128, 64, False)
-    assert model.shipped_schedule(True, True) == "pairs"
+    assert model.shipped_schedule(True, True) == "pairs, tail"
     assert model.shipped_schedule(True, False) == "singly"
     assert model.shipped_schedule(False, True) == "longest first"
     assert model.shipped_schedule(False, False) == "in order"

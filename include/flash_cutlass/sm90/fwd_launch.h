@@ -51,29 +51,32 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
                                                  params.out_row_stride, params.out_head_stride, params.out_batch_stride)
                        : gmem_tensor<Traits>(static_cast<Element*>(const_cast<void*>(params.q)), extents.rows_q, params.head_dim, params.heads, extents.batch,
                                                  params.q_row_stride, params.q_head_stride, params.q_batch_stride);
-  const FwdKernelParams<Traits> kernel_params{
+  FwdKernelParams<Traits> kernel_params{
       params,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
       make_tma_copy(SM90_TMA_STORE{}, out, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
       store_o_with_tma,
-      persistent_work_of<Traits::kBlockM, persistent_tiles_in_pairs<kMaskKind>()>(params),
+      PersistentWork{},
   };
 
   // A persistent grid (kernel_traits.h, per head dim): CTAs take tiles in turn, causal ones in pairs
-  // whose costs add up to about the same (block_info.h), one CTA per SM, each CTA's producer loading
+  // whose costs add up to about the same and their last waves as single tiles (block_info.h: the
+  // causal tail), one CTA per SM, each CTA's producer loading
   // its next tile while the consumers finish the current one. In a variable-length call the tiles'
   // costs differ with their sequences: one CTA per pair (or tile), balanced by the hardware.
   // Otherwise one CTA per tile.
   int64_t num_ctas = num_query_tiles<Traits::kBlockM>(params);
   if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
   if constexpr (Traits::kPersistent) {
-    num_ctas = kernel_params.persistent_work.items;  // tiles, or pairs of causal tiles
+    constexpr bool kInPairs = persistent_tiles_in_pairs<kMaskKind>();
+    num_ctas = persistent_items<Traits::kBlockM, kInPairs>(params);  // tiles, or pairs of causal tiles
     int sms = 0;
     const cudaError_t status = multiprocessor_count(&sms);
     if (status != cudaSuccess) return status;
     if (params.cu_seqlens_q == nullptr && num_ctas > sms) num_ctas = sms;
+    kernel_params.persistent_work = persistent_work_of<Traits::kBlockM, kInPairs>(params, num_ctas);
   }
   return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
                        kernel_params, stream);

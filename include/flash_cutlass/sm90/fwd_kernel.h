@@ -157,6 +157,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // CTAs taking tiles in turn, causal ones in pairs (kernel_traits.h: per head dim), or one CTA per tile.
   constexpr bool kPersistentGrid = Traits::kPersistent;
+  // S = Q K^T with Q from registers (kernel_traits.h).
+  constexpr bool kQInRegisters =
+      Traits::kQInRegisters || (kMaskKind == MaskKind::kCausal && Traits::kQInRegistersWhenCausal);
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;
 
@@ -313,19 +316,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int consumer = warpgroup - 1;
       constexpr int kConsumers = Traits::kConsumerWarpgroups;
       if (consumer == kConsumers - 1) hand_over_turn<kConsumers>(consumer);  // consumer 0 issues first
-      // Traits::kQInRegisters: this warpgroup's Q rows, copied once per tile from shared memory
+      // kQInRegisters: this warpgroup's Q rows, copied once per tile from shared memory
       // (ldmatrix) into the A fragment of the register-sourced S = Q K^T.
       typename Traits::TiledMmaQKRegisterQ mma_qk_register_q;
       auto thr_qk_register_q = mma_qk_register_q.get_thread_slice(consumer_idx);
       Tensor tSrQ_registers = thr_qk_register_q.partition_fragment_A(sQ);
-      if constexpr (Traits::kQInRegisters) {
+      if constexpr (kQInRegisters) {
         auto copy_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_qk_register_q);
         auto thr_copy_q = copy_q.get_thread_slice(consumer_idx);
         copy(copy_q, thr_copy_q.partition_S(sQ), thr_copy_q.retile_D(tSrQ_registers));
       }
       // The wgmma of S = Q K^T for one key tile, issued (the caller waits for it).
       auto issue_scores = [&]() __attribute__((always_inline)) {
-        if constexpr (Traits::kQInRegisters) {
+        if constexpr (kQInRegisters) {
           issue_gemm_wgmma<true>(mma_qk_register_q, tSrQ_registers, tSrK(_, _, _, state.index()), acc_s);
         } else {
           issue_gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
@@ -418,7 +421,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // ptxas gave every steady loop 13-15 more instructions (2 or fewer this way).
       pipeline_k.consumer_wait(state);
       // Q's shared memory is free once its last reader has completed: the first key block's
-      // S = Q K^T with Traits::kQInRegisters (the half block's reads it there), else the last one's.
+      // S = Q K^T with kQInRegisters (the half block's reads it there), else the last one's.
       // The producer then brings the next tile's Q while this one finishes.
       auto release_q = [&]() __attribute__((always_inline)) { storage.q_empty.arrive(); };
       auto visit_key_blocks = [&](auto half) __attribute__((always_inline)) {
@@ -437,7 +440,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           hand_over_turn<kConsumers>(consumer);
           warpgroup_wait<0>();
           timeline.stamp(warpgroup, kFirstScoresLanded);
-          if constexpr (Traits::kQInRegisters) release_q();
+          if constexpr (kQInRegisters) release_q();
           softmax_scores(acc_s_half, tScS_half, last, cute::true_type{}, cute::true_type{});
           store_probabilities(acc_s_half);
         } else {
@@ -446,7 +449,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           hand_over_turn<kConsumers>(consumer);
           warpgroup_wait<0>();
           timeline.stamp(warpgroup, kFirstScoresLanded);
-          if constexpr (Traits::kQInRegisters) release_q();
+          if constexpr (kQInRegisters) release_q();
           // Without a mask only a seqlen_k tail needs one: a first block before it runs unmasked
           // (+1% at head dim 128 and 2k keys, +2% at 8k on the H200).
           if (kMaskKind == MaskKind::kNone && last < key_blocks.unmasked_end) {
@@ -480,7 +483,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       } else {
         visit_key_blocks(cute::false_type{});
       }
-      if constexpr (!Traits::kQInRegisters) release_q();
+      if constexpr (!kQInRegisters) release_q();
       // P V of the last tile scored.
       pipeline_v.consumer_wait(state);
       wait_for_turn<kConsumers>(consumer);

@@ -77,11 +77,12 @@ struct FwdKernelTraits {
       cute::GMMA::ss_op_selector<Element, Element, float, TileShapeHalf>(), WarpgroupLayout{}));
   // S = Q K^T with Q from registers, copied once per tile from shared memory: a fifth less
   // shared-memory traffic per key block and 8 fewer instructions in the steady loop of head dim 64's
-  // 128-row kernel (+1-2% causal at 1k-2k on the H200). At head dim 128 it measured -2% at 1k, +1%
-  // at 8k, and nothing beside the unmasked first block; the 192-row kernel (160 registers a thread)
-  // spills with it; head dim 256's O leaves no room for it. The half block's GEMM keeps Q in shared
-  // memory.
+  // 128-row kernel (+1-2% causal at 1k-2k on the H200). At head dim 128 it measured +0.1 to +2.2%
+  // causal (1k-16k) and -1% without a mask at 2k and 8k, so it is on in the causal kernel there
+  // (kQInRegistersWhenCausal); the 192-row kernel (160 registers a thread) spills with it; head dim
+  // 256's O leaves no room for it. The half block's GEMM keeps Q in shared memory.
   static constexpr bool kQInRegisters = kConsumerWarpgroups == 2 && kHeadDim == 64;
+  static constexpr bool kQInRegistersWhenCausal = kConsumerWarpgroups == 2 && kHeadDim <= 128;
   using TiledMmaQKRegisterQ = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float, TileShape>(), WarpgroupLayout{}));
   // O += P V: P from registers; V is read as V^T, whose contiguous dim (head dim) is its N.

@@ -128,10 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("timeline.py needs a CUDA GPU (the Hopper path: compute capability 9.0)", file=sys.stderr)
         return 1
     import flash_cutlass
-    from flash_cutlass.interface import _extension
+    from flash_cutlass.interface import _extension, forward_timeline
 
-    extension = _extension()
-    if not extension.compiled_timeline:
+    if not _extension().compiled_timeline:
         print("this build records no timeline: rebuild with FLASH_CUTLASS_TIMELINE=1", file=sys.stderr)
         return 1
     (case,) = benchmark_cases([args.head_dim], [args.seqlen], [args.causal], args.tokens, args.hidden)
@@ -141,10 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.warmup):
         flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel="sm90")
     torch.cuda.synchronize()
-    extension.forward_timeline(args.head_dim)  # clears what the warm-up left
+    forward_timeline(args.head_dim)  # clears what the warm-up left
     flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel="sm90")
     torch.cuda.synchronize()
-    table = phase_table(extension.forward_timeline(args.head_dim))
+    table = phase_table(forward_timeline(args.head_dim))
     print(f"head dim {args.head_dim}, seqlen {args.seqlen}, batch {batch}, heads {heads}, "
           f"{'causal' if args.causal else 'no mask'}, {args.dtype}: median SM cycles a tile")
     print(format_table(table))

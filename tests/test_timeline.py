@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flash_cutlass
+from flash_cutlass.interface import forward_timeline
 from helpers import load_benchmark_script
 
 timeline = load_benchmark_script("timeline")
@@ -70,10 +71,10 @@ def test_gpu_call_records_ordered_stamps():
     if not extension.compiled_timeline:
         pytest.skip("needs a build with FLASH_CUTLASS_TIMELINE=1")
     q, k, v = (torch.randn(4, 1024, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    extension.forward_timeline(128)
+    forward_timeline(128)
     flash_cutlass.flash_forward(q, k, v, kernel="sm90")
     torch.cuda.synchronize()
-    recorded = extension.forward_timeline(128)
+    recorded = forward_timeline(128)
     tiles = 0
     for cta, step, warpgroup in (recorded[:, :, 1:, timeline.TILE_START] != 0).nonzero().tolist():
         stamps = recorded[cta, step, warpgroup + 1]
@@ -81,7 +82,7 @@ def test_gpu_call_records_ordered_stamps():
         assert int(recorded[cta, step, 0, timeline.KEY_BLOCKS]) == 8
         tiles += 1
     assert tiles == 2 * 4 * 16 * 8  # two consumer warpgroups on every 128-row tile
-    assert not extension.forward_timeline(128).any()
+    assert not forward_timeline(128).any()
 
 
 def test_forward_timeline_names_its_build_flag():
@@ -92,8 +93,10 @@ def test_forward_timeline_names_its_build_flag():
         pytest.skip(str(error))
     if extension.compiled_timeline:
         pytest.skip("this build has the timeline")
+    if not extension.compiled_sm90_head_dims():
+        pytest.skip("this build has no Hopper path")
     with pytest.raises(RuntimeError, match="FLASH_CUTLASS_TIMELINE=1"):
-        extension.forward_timeline(128)
+        forward_timeline(extension.compiled_sm90_head_dims()[0])
 
 
 def test_forward_timeline_rejects_a_head_dim_without_a_hopper_kernel():
@@ -103,8 +106,9 @@ def test_forward_timeline_rejects_a_head_dim_without_a_hopper_kernel():
         pytest.skip(str(error))
     if not extension.compiled_sm90_head_dims():
         pytest.skip("this build has no Hopper path")
-    with pytest.raises(RuntimeError, match="head_dim 512 has no Hopper-path forward kernel in this build"):
-        extension.forward_timeline(512)
+    for head_dim in (512, 0):
+        with pytest.raises(RuntimeError, match=f"head_dim {head_dim} has no Hopper-path forward kernel in this build"):
+            forward_timeline(head_dim)
 
 
 def test_main_without_a_gpu_says_so(capsys):

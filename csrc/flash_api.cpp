@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -29,22 +30,51 @@
 namespace flash_cutlass {
 namespace {
 
+// Error messages put together as strings before TORCH_CHECK sees them: on the H200 test machine
+// (torch 2.11.0+cu130, g++ 13.3) a TORCH_CHECK whose message streamed a number (c10::str's
+// std::ostream formatting in this extension) crashed the interpreter with a segmentation fault
+// instead of raising, while one message string went through untouched.
+std::string message_part(const char* text) { return text; }
+std::string message_part(const std::string& text) { return text; }
+std::string message_part(int value) { return std::to_string(value); }
+std::string message_part(long value) { return std::to_string(value); }
+std::string message_part(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", value);
+  return text;
+}
+std::string message_part(at::ScalarType type) { return c10::toString(type); }
+std::string message_part(const c10::Device& device) { return device.str(); }
+std::string message_part(at::IntArrayRef sizes) {
+  std::string text = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
+  return text + "]";
+}
+
+template <class... Parts>
+std::string message(const Parts&... parts) {
+  return (std::string() + ... + message_part(parts));
+}
+
+// TORCH_CHECK with a message of any of message_part's types, built only when the check fails.
+#define FLASH_CHECK(condition, ...) TORCH_CHECK(condition, ::flash_cutlass::message(__VA_ARGS__))
+
 constexpr int64_t kAlignElems = 8;  // 16 bytes of fp16/bf16: the width of every global copy
 
 void check_operand(const at::Tensor& t, const char* name, int64_t rank) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.dim() == rank, name, " must have ", rank, " dimensions, got ", t.dim());
-  TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
+  FLASH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  FLASH_CHECK(t.dim() == rank, name, " must have ", rank, " dimensions, got ", t.dim());
+  FLASH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
   for (int64_t d = 0; d + 1 < rank; ++d) {
-    TORCH_CHECK(t.stride(d) % kAlignElems == 0 || t.size(d) <= 1, name, " stride ", d, " (", t.stride(d),
-                ") must be a multiple of 8 elements");
+    FLASH_CHECK(t.stride(d) % kAlignElems == 0 || t.size(d) <= 1, name, " stride ", d, " (", t.stride(d),
+                 ") must be a multiple of 8 elements");
   }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+  FLASH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
 }
 
 DType dtype_of(const at::Tensor& t) {
   if (t.scalar_type() == at::kHalf) return DType::kFloat16;
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16, got ", t.scalar_type());
+  FLASH_CHECK(t.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16, got ", t.scalar_type());
   return DType::kBFloat16;
 }
 
@@ -55,9 +85,9 @@ enum class KernelChoice : int64_t { kAuto = 0, kSm80 = 1, kSm90 = 2 };
 void check_smem(int smem_needed, const char* direction, int64_t head_dim, int kernel_hdim, const at::Tensor& q) {
   int smem_limit = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-  TORCH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim, " ", direction,
-              " kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
-              " allows ", smem_limit / 1024, " KiB; this head dim is not supported on this GPU yet");
+  FLASH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim, " ", direction,
+               " kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
+               " allows ", smem_limit / 1024, " KiB; this head dim is not supported on this GPU yet");
 }
 
 // Returns the reason the Hopper path cannot run a call of this head dim on this device, or an
@@ -97,28 +127,28 @@ AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const a
   AttentionShape shape;
   shape.dtype = dtype_of(q);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &out}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, k, v and out must share one dtype");
-    TORCH_CHECK(t->device() == q.device(), "q, k, v and out must be on one device");
+    FLASH_CHECK(t->scalar_type() == q.scalar_type(), "q, k, v and out must share one dtype");
+    FLASH_CHECK(t->device() == q.device(), "q, k, v and out must be on one device");
   }
   const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
   const int64_t seqlen_k = k.size(1), heads_k = k.size(2);
-  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch, "k and v must have q's batch size");
-  TORCH_CHECK(v.size(1) == seqlen_k && v.size(2) == heads_k, "v must have k's seqlen and heads");
-  TORCH_CHECK(k.size(3) == head_dim && v.size(3) == head_dim, "k and v must have q's head_dim");
-  TORCH_CHECK(heads_k > 0 && heads % heads_k == 0, "heads (", heads, ") must be a multiple of heads_k (", heads_k, ")");
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
-  TORCH_CHECK(head_dim % kAlignElems == 0, "head_dim must be a multiple of 8, got ", head_dim);
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
-                  lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == heads &&
-                  lse.size(2) == seqlen_q,
-              "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
-  TORCH_CHECK(dtype_compiled(shape.dtype), "dtype ", q.scalar_type(),
-              " was not compiled in (build flag FLASH_CUTLASS_DTYPES)");
+  FLASH_CHECK(k.size(0) == batch && v.size(0) == batch, "k and v must have q's batch size");
+  FLASH_CHECK(v.size(1) == seqlen_k && v.size(2) == heads_k, "v must have k's seqlen and heads");
+  FLASH_CHECK(k.size(3) == head_dim && v.size(3) == head_dim, "k and v must have q's head_dim");
+  FLASH_CHECK(heads_k > 0 && heads % heads_k == 0, "heads (", heads, ") must be a multiple of heads_k (", heads_k, ")");
+  FLASH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  FLASH_CHECK(head_dim % kAlignElems == 0, "head_dim must be a multiple of 8, got ", head_dim);
+  FLASH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                   lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == heads &&
+                   lse.size(2) == seqlen_q,
+               "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
+  FLASH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
+  FLASH_CHECK(dtype_compiled(shape.dtype), "dtype ", q.scalar_type(),
+               " was not compiled in (build flag FLASH_CUTLASS_DTYPES)");
   shape.kernel_hdim = kernel_head_dim(static_cast<int>(head_dim));
-  TORCH_CHECK(shape.kernel_hdim != 0, "head_dim ", head_dim,
-              " exceeds every compiled head dim (build flag FLASH_CUTLASS_HEAD_DIMS)");
-  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "sequence lengths must be < 2^31");
+  FLASH_CHECK(shape.kernel_hdim != 0, "head_dim ", head_dim,
+               " exceeds every compiled head dim (build flag FLASH_CUTLASS_HEAD_DIMS)");
+  FLASH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "sequence lengths must be < 2^31");
   shape.batch = batch;
   shape.seqlen_q = seqlen_q;
   shape.heads = heads;
@@ -135,8 +165,8 @@ AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const a
 // and the rest the sliding-window kernels. The extended kernels (uses_extension: the options are
 // set before) take every mask in the window's form.
 void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_t window_right) {
-  TORCH_CHECK(window_left >= -1 && window_right >= -1, "window_size entries must be >= -1, got (", window_left, ", ",
-              window_right, ")");
+  FLASH_CHECK(window_left >= -1 && window_right >= -1, "window_size entries must be >= -1, got (", window_left, ", ",
+               window_right, ")");
   if (causal) window_right = 0;
   const int unbounded = std::max(params.seqlen_q, params.seqlen_k);
   // Row i sees keys from i + d - left to i + d + right (d = seqlen_k - seqlen_q): the left side
@@ -153,9 +183,9 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
   } else if (left_unbounded && right_unbounded) {
     params.mask = MaskKind::kNone;
   } else {
-    TORCH_CHECK(kCompiledWindow, "window_size ", "(", window_left, ", ", window_right,
-                ") needs the sliding-window kernels, which this build left out (FLASH_CUTLASS_WINDOW=0); "
-                "rebuild with FLASH_CUTLASS_WINDOW=1");
+    FLASH_CHECK(kCompiledWindow, "window_size ", "(", window_left, ", ", window_right,
+                 ") needs the sliding-window kernels, which this build left out (FLASH_CUTLASS_WINDOW=0); "
+                 "rebuild with FLASH_CUTLASS_WINDOW=1");
     params.mask = MaskKind::kLocal;
   }
 }
@@ -167,40 +197,40 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
 // an int64 CPU tensor (seed, offset) that flash_cutlass/interface.py draws from a generator).
 void set_extended_params(FwdParams& params, double softcap, const std::optional<at::Tensor>& alibi_slopes,
                          double dropout_p, const std::optional<at::Tensor>& rng_state, const at::Tensor& q) {
-  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
+  FLASH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
   if (softcap > 0) {
-    TORCH_CHECK(kCompiledSoftcap, "softcap=", softcap,
-                " needs the soft cap of the extended kernels, which this build left out (FLASH_CUTLASS_SOFTCAP=0); "
-                "rebuild with FLASH_CUTLASS_SOFTCAP=1");
+    FLASH_CHECK(kCompiledSoftcap, "softcap=", softcap,
+                 " needs the soft cap of the extended kernels, which this build left out (FLASH_CUTLASS_SOFTCAP=0); "
+                 "rebuild with FLASH_CUTLASS_SOFTCAP=1");
     params.softcap = static_cast<float>(softcap);
     params.softcap_input_scale = static_cast<float>(params.softmax_scale / softcap);
     params.softmax_scale_log2 = static_cast<float>(softcap * M_LOG2E);
   }
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {
     const at::Tensor& slopes = *alibi_slopes;
-    TORCH_CHECK(kCompiledAlibi,
-                "alibi_slopes needs ALiBi in the extended kernels, which this build left out (FLASH_CUTLASS_ALIBI=0); "
-                "rebuild with FLASH_CUTLASS_ALIBI=1");
-    TORCH_CHECK(slopes.scalar_type() == at::kFloat, "alibi_slopes must be float32, got ", slopes.scalar_type());
-    TORCH_CHECK(slopes.device() == q.device(), "alibi_slopes must be on q's device ", q.device());
+    FLASH_CHECK(kCompiledAlibi,
+                 "alibi_slopes needs ALiBi in the extended kernels, which this build left out (FLASH_CUTLASS_ALIBI=0); "
+                 "rebuild with FLASH_CUTLASS_ALIBI=1");
+    FLASH_CHECK(slopes.scalar_type() == at::kFloat, "alibi_slopes must be float32, got ", slopes.scalar_type());
+    FLASH_CHECK(slopes.device() == q.device(), "alibi_slopes must be on q's device ", q.device());
     const bool per_head = slopes.dim() == 1 && slopes.size(0) == params.heads;
     const bool per_batch_head = slopes.dim() == 2 && slopes.size(0) == params.batch && slopes.size(1) == params.heads;
-    TORCH_CHECK(per_head || per_batch_head, "alibi_slopes must have shape (heads,) = (", params.heads,
-                ",) or (batch, heads) = (", params.batch, ", ", params.heads, "), got ", slopes.sizes());
-    TORCH_CHECK(slopes.stride(-1) == 1 || params.heads == 1, "alibi_slopes must have a contiguous last dimension");
+    FLASH_CHECK(per_head || per_batch_head, "alibi_slopes must have shape (heads,) = (", params.heads,
+                 ",) or (batch, heads) = (", params.batch, ", ", params.heads, "), got ", slopes.sizes());
+    FLASH_CHECK(slopes.stride(-1) == 1 || params.heads == 1, "alibi_slopes must have a contiguous last dimension");
     params.alibi_slopes = slopes.data_ptr<float>();
     params.alibi_slopes_batch_stride = per_batch_head ? slopes.stride(0) : 0;
     params.alibi_slope_scale = static_cast<float>(1.0 / (softcap > 0 ? softcap : params.softmax_scale));
   }
-  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
+  FLASH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
   if (dropout_p > 0) {
-    TORCH_CHECK(kCompiledDropout,
-                "dropout_p needs dropout in the extended kernels, which this build left out (FLASH_CUTLASS_DROPOUT=0); "
-                "rebuild with FLASH_CUTLASS_DROPOUT=1");
-    TORCH_CHECK(rng_state.has_value() && rng_state->defined(), "dropout_p > 0 needs rng_state");
+    FLASH_CHECK(kCompiledDropout,
+                 "dropout_p needs dropout in the extended kernels, which this build left out (FLASH_CUTLASS_DROPOUT=0); "
+                 "rebuild with FLASH_CUTLASS_DROPOUT=1");
+    FLASH_CHECK(rng_state.has_value() && rng_state->defined(), "dropout_p > 0 needs rng_state");
     const at::Tensor& state = *rng_state;
-    TORCH_CHECK(state.device().is_cpu() && state.scalar_type() == at::kLong && state.dim() == 1 && state.size(0) == 2,
-                "rng_state must be an int64 CPU tensor of 2 elements (seed, offset)");
+    FLASH_CHECK(state.device().is_cpu() && state.scalar_type() == at::kLong && state.dim() == 1 && state.size(0) == 2,
+                 "rng_state must be an int64 CPU tensor of 2 elements (seed, offset)");
     // floor(p * 2^32) <= 2^32 - 1 for p < 1; a p below 2^-32 drops nothing (as in the reference).
     params.dropout_threshold = static_cast<uint32_t>(std::floor(dropout_p * 4294967296.0));
     params.dropout_keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
@@ -225,20 +255,20 @@ struct VarlenArgs {
 
 // Turns params set for the (1, total, ...) views into a variable-length call's.
 void set_varlen_params(FwdParams& params, VarlenArgs const& varlen, const at::Tensor& q) {
-  TORCH_CHECK(varlen.cu_seqlens_k.has_value() && varlen.cu_seqlens_k->defined(),
-              "cu_seqlens_q and cu_seqlens_k go together");
+  FLASH_CHECK(varlen.cu_seqlens_k.has_value() && varlen.cu_seqlens_k->defined(),
+               "cu_seqlens_q and cu_seqlens_k go together");
   const at::Tensor& cu_q = *varlen.cu_seqlens_q;
   const at::Tensor& cu_k = *varlen.cu_seqlens_k;
   for (const at::Tensor* cu : {&cu_q, &cu_k}) {
-    TORCH_CHECK(cu->scalar_type() == at::kInt && cu->device() == q.device() && cu->dim() == 1 && cu->is_contiguous(),
-                "cu_seqlens_q and cu_seqlens_k must be contiguous 1-D int32 tensors on q's device");
+    FLASH_CHECK(cu->scalar_type() == at::kInt && cu->device() == q.device() && cu->dim() == 1 && cu->is_contiguous(),
+                 "cu_seqlens_q and cu_seqlens_k must be contiguous 1-D int32 tensors on q's device");
   }
-  TORCH_CHECK(cu_q.numel() == cu_k.numel() && cu_q.numel() >= 1,
-              "cu_seqlens_q and cu_seqlens_k must have the same number (batch + 1 >= 1) of entries");
-  TORCH_CHECK(params.batch == 1, "a variable-length call takes (1, total, heads, head_dim) views");
-  TORCH_CHECK(varlen.max_seqlen_q >= 0 && varlen.max_seqlen_k >= 0 && varlen.max_seqlen_q < (int64_t(1) << 31) &&
-                  varlen.max_seqlen_k < (int64_t(1) << 31),
-              "max_seqlen_q and max_seqlen_k must be in [0, 2^31)");
+  FLASH_CHECK(cu_q.numel() == cu_k.numel() && cu_q.numel() >= 1,
+               "cu_seqlens_q and cu_seqlens_k must have the same number (batch + 1 >= 1) of entries");
+  FLASH_CHECK(params.batch == 1, "a variable-length call takes (1, total, heads, head_dim) views");
+  FLASH_CHECK(varlen.max_seqlen_q >= 0 && varlen.max_seqlen_k >= 0 && varlen.max_seqlen_q < (int64_t(1) << 31) &&
+                   varlen.max_seqlen_k < (int64_t(1) << 31),
+               "max_seqlen_q and max_seqlen_k must be in [0, 2^31)");
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.total_q = params.seqlen_q;
@@ -294,7 +324,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
              int64_t kernel_choice) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
   if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) return;
-  TORCH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
+  FLASH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
   const DType dtype = shape.dtype;
   const int64_t head_dim = shape.head_dim;
   const int kernel_hdim = shape.kernel_hdim;
@@ -302,27 +332,27 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   const VarlenArgs varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
                        softcap, alibi_slopes, dropout_p, rng_state, varlen);
-  TORCH_CHECK(params.seqlen_q > 0 && params.seqlen_k > 0 && params.batch > 0,
-              "a variable-length call without queries or keys is handled by the caller");
+  FLASH_CHECK(params.seqlen_q > 0 && params.seqlen_k > 0 && params.batch > 0,
+               "a variable-length call without queries or keys is handled by the caller");
 
-  TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
+  FLASH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const KernelChoice choice = static_cast<KernelChoice>(kernel_choice);
   if (choice != KernelChoice::kSm80) {
     const std::string reason = sm90_unavailable_reason(static_cast<int>(head_dim), q);
-    TORCH_CHECK(choice != KernelChoice::kSm90 || reason.empty(), "kernel='sm90' cannot run this call: ", reason);
+    FLASH_CHECK(choice != KernelChoice::kSm90 || reason.empty(), "kernel='sm90' cannot run this call: ", reason);
     // Automatically, the Hopper path takes the calls whose head dim it runs without extra padding.
     const int sm90_hdim = sm90_kernel_head_dim(static_cast<int>(head_dim));
     if (reason.empty() && (choice == KernelChoice::kSm90 || sm90_hdim == kernel_hdim)) {
       const cudaError_t status = run_fwd_sm90(params, dtype, sm90_hdim, stream);
-      TORCH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
+      FLASH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
       return;
     }
   }
   check_smem(sm80::fwd_smem_bytes(kernel_hdim), "forward", head_dim, kernel_hdim, q);
   const cudaError_t status = run_fwd_sm80(params, dtype, kernel_hdim, stream);
-  TORCH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
+  FLASH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
 }
 
 // The sm80-path backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k
@@ -336,21 +366,21 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
               const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& cu_seqlens_q,
               const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
               bool deterministic, int64_t kernel_choice) {
-  TORCH_CHECK(kCompiledBackward,
-              "the backward needs its kernels, which this build left out (FLASH_CUTLASS_BACKWARD=0); rebuild with "
-              "FLASH_CUTLASS_BACKWARD=1");
+  FLASH_CHECK(kCompiledBackward,
+               "the backward needs its kernels, which this build left out (FLASH_CUTLASS_BACKWARD=0); rebuild with "
+               "FLASH_CUTLASS_BACKWARD=1");
   const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
-  TORCH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
+  FLASH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
   check_operand(dout, "dout", 4);
   check_operand(dq, "dq", 4);
   check_operand(dk, "dk", 4);
   check_operand(dv, "dv", 4);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dout, &dq, &dk, &dv}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dout, dq, dk and dv must have q's dtype");
-    TORCH_CHECK(t->device() == q.device(), "dout, dq, dk and dv must be on q's device");
+    FLASH_CHECK(t->scalar_type() == q.scalar_type(), "dout, dq, dk and dv must have q's dtype");
+    FLASH_CHECK(t->device() == q.device(), "dout, dq, dk and dv must be on q's device");
   }
-  TORCH_CHECK(dout.sizes() == q.sizes() && dq.sizes() == q.sizes(), "dout and dq must have q's shape");
-  TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(), "dk and dv must have k's shape");
+  FLASH_CHECK(dout.sizes() == q.sizes() && dq.sizes() == q.sizes(), "dout and dq must have q's shape");
+  FLASH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(), "dk and dv must have k's shape");
   const int64_t batch = shape.batch, seqlen_q = shape.seqlen_q, heads = shape.heads, head_dim = shape.head_dim;
   const int64_t seqlen_k = shape.seqlen_k, heads_k = shape.heads_k;
   const int kernel_hdim = shape.kernel_hdim;
@@ -369,7 +399,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
       reason = "head_dim " + std::to_string(head_dim) + " exceeds the Hopper backward's compiled head dims";
     }
     if (reason.empty() && deterministic) reason = "deterministic=True runs on the sm80 path only";
-    TORCH_CHECK(choice != KernelChoice::kSm90 || reason.empty(), "kernel='sm90' cannot run this backward: ", reason);
+    FLASH_CHECK(choice != KernelChoice::kSm90 || reason.empty(), "kernel='sm90' cannot run this backward: ", reason);
     const int candidate = sm90_bwd_kernel_head_dim(static_cast<int>(head_dim));
     if (reason.empty() && (choice == KernelChoice::kSm90 || candidate == kernel_hdim)) sm90_hdim = candidate;
   }
@@ -410,7 +440,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     params.dk_accum = dk_accum.data_ptr<float>();
     params.dv_accum = dv_accum.data_ptr<float>();
   } else {
-    TORCH_CHECK(dk.strides() == dv.strides(), "dk and dv must have the same strides");
+    FLASH_CHECK(dk.strides() == dv.strides(), "dk and dv must have the same strides");
     params.dk = dk.data_ptr();
     params.dv = dv.data_ptr();
     params.dkv_batch_stride = dk.stride(0);
@@ -424,7 +454,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const cudaError_t status = sm90_hdim != 0 ? run_bwd_sm90(params, shape.dtype, sm90_hdim, stream)
                                             : run_bwd_sm80(params, shape.dtype, kernel_hdim, stream);
-  TORCH_CHECK(status == cudaSuccess, "flash_cutlass backward kernel launch failed: ", cudaGetErrorString(status));
+  FLASH_CHECK(status == cudaSuccess, "flash_cutlass backward kernel launch failed: ", cudaGetErrorString(status));
   if (grouped) {
     // Sum each group's query heads in a fixed order (deterministic either way).
     const int64_t group = heads / heads_k;
@@ -455,8 +485,8 @@ std::vector<int64_t> compiled_sm90_head_dims() { return head_dims_of(kCompiledSm
 // clears it.
 at::Tensor forward_timeline(int64_t head_dim) {
   const int kernel_hdim = head_dim > 0 && head_dim <= 256 ? sm90_kernel_head_dim(static_cast<int>(head_dim)) : 0;
-  TORCH_CHECK(kernel_hdim != 0, "head_dim ", head_dim, " has no Hopper-path forward kernel in this build");
-  TORCH_CHECK(kCompiledTimeline, "forward_timeline needs a build with FLASH_CUTLASS_TIMELINE=1");
+  FLASH_CHECK(kernel_hdim != 0, "head_dim ", head_dim, " has no Hopper-path forward kernel in this build");
+  FLASH_CHECK(kCompiledTimeline, "forward_timeline needs a build with FLASH_CUTLASS_TIMELINE=1");
   at::Tensor timeline =
       at::zeros({FwdTimeline::kCtas, FwdTimeline::kSteps, FwdTimeline::kWarpgroups, FwdTimeline::kEvents}, at::kLong);
 #ifdef FLASH_CUTLASS_TIMELINE

@@ -311,6 +311,23 @@ def test_forced_hopper_path_where_it_cannot_run_raises(cuda_gen):
         flash_cutlass.flash_forward(q, k, v, kernel="sm90")
 
 
+def test_extension_checks_with_numbers_in_their_messages_raise(cuda_gen):
+    """The extension's own checks (behind the Python ones) raise with the numbers in their
+    messages: on the H200 machine, messages that torch's TORCH_CHECK streamed numbers into crashed
+    the interpreter (csrc/flash_api.cpp: FLASH_CHECK builds them as strings first)."""
+    extension = flash_cutlass.interface._extension()
+    lse = torch.zeros(1, 1, 4, device="cuda")
+    narrow = torch.zeros(1, 4, 1, 12, device="cuda", dtype=COMPILED_DTYPES[-1])
+    no_options = (0.0, None, 0.0, None, None, None, 0, 0, 0)  # softcap .. kernel_choice
+    with pytest.raises(RuntimeError, match=r"q stride 1 \(12\) must be a multiple of 8 elements"):
+        extension.forward(narrow, narrow, narrow, narrow.clone(), lse, 1.0, False, -1, -1, *no_options)
+    q = torch.zeros(1, 4, 1, 8, device="cuda", dtype=COMPILED_DTYPES[-1])
+    with pytest.raises(RuntimeError, match=r"window_size entries must be >= -1, got \(-2, -1\)"):
+        extension.forward(q, q, q, q.clone(), lse, 1.0, False, -2, -1, *no_options)
+    with pytest.raises(RuntimeError, match=r"softcap must be finite and >= 0, got -1.5"):
+        extension.forward(q, q, q, q.clone(), lse, 1.0, False, -1, -1, -1.5, *no_options[1:])
+
+
 @pytest.mark.skipif(not backward_left_out(), reason="this build has the backward kernels")
 def test_forward_only_build_runs_the_forward_and_refuses_the_backward(cuda_gen):
     """FLASH_CUTLASS_BACKWARD=0: the forward and its autograd op run; the backward raises before

@@ -62,11 +62,10 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   };
 
   // A persistent grid (kernel_traits.h, per head dim): CTAs take tiles in turn, causal ones in pairs
-  // whose costs add up to about the same and their last waves as single tiles (block_info.h: the
-  // causal tail), one CTA per SM, each CTA's producer loading
-  // its next tile while the consumers finish the current one. In a variable-length call the tiles'
-  // costs differ with their sequences: one CTA per pair (or tile), balanced by the hardware.
-  // Otherwise one CTA per tile.
+  // whose costs add up to about the same and the pairs' last waves as single tiles (block_info.h:
+  // the causal tail), one CTA per SM, each CTA's producer loading its next tile while the consumers
+  // finish the current one. In a variable-length call the tiles' costs differ with their
+  // sequences: one CTA per pair (or tile), balanced by the hardware. Otherwise one CTA per tile.
   int64_t num_ctas = num_query_tiles<Traits::kBlockM>(params);
   if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
   if constexpr (Traits::kPersistent) {

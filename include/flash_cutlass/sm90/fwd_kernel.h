@@ -362,18 +362,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           reinterpret_cast<cutlass::Array<Element, kSize - kScored>*>(p.data() + kScored)->clear();
         }
       };
+      // Whether the next step's K and V stages have landed, tested (mbarrier test_wait, which does
+      // not block) at the end of a softmax so that the test's latency hides behind the wait for P V
+      // there; a stage found ready skips its wait at the next step's start
+      // (Traits::kTestsNextStagesEarly).
+      cutlass::ConsumerToken next_k_ready{cutlass::BarrierStatus::WaitAgain};
+      cutlass::ConsumerToken next_v_ready{cutlass::BarrierStatus::WaitAgain};
+      auto test_next_stages = [&]() __attribute__((always_inline)) {
+        if constexpr (Traits::kTestsNextStagesEarly) {
+          typename PipelineKV::PipelineState next_k = state;
+          ++next_k;
+          next_k_ready = pipeline_k.consumer_test_wait(next_k);
+          next_v_ready = pipeline_v.consumer_test_wait(state);
+        }
+      };
       // One steady-state step: tile n_block is scored while P V of the tile before it runs.
       auto process_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
         typename PipelineKV::PipelineState state_v = state;  // the stage of the tile scored before
         ++state;
-        pipeline_k.consumer_wait(state);
-        pipeline_v.consumer_wait(state_v);
+        pipeline_k.consumer_wait(state, next_k_ready);
+        pipeline_v.consumer_wait(state_v, next_v_ready);
         wait_for_turn<kConsumers>(consumer);
         issue_scores();
         issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
         hand_over_turn<kConsumers>(consumer);
         warpgroup_wait<1>();  // S of this tile
         softmax_scores(acc_s, tScS, n_block, cute::false_type{}, masked);
+        test_next_stages();
         // P V of the tile before
         if constexpr (Traits::kSoftmaxOverlapsPV) {
           warpgroup_wait_after<0>(softmax.row_sum[0], softmax.row_sum[kRowsPerThread - 1]);
@@ -459,6 +474,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
           store_probabilities(acc_s);
         }
+        test_next_stages();
         timeline.stamp(warpgroup, kFirstBlockDone);
         if constexpr (kMaskKind == MaskKind::kLocal) {
           for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
@@ -485,7 +501,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       if constexpr (!kQInRegisters) release_q();
       // P V of the last tile scored.
-      pipeline_v.consumer_wait(state);
+      pipeline_v.consumer_wait(state, next_v_ready);
       wait_for_turn<kConsumers>(consumer);
       issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
       hand_over_turn<kConsumers>(consumer);

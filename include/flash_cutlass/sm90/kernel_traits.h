@@ -51,6 +51,11 @@ struct FwdKernelTraits {
   static constexpr bool kRescalesLazily = kHeadDim >= 128;
   // A row's max and sum as four interleaved chains (OnlineSoftmax's kMaxChains) at head dim 128.
   static constexpr int kSoftmaxChains = kHeadDim == 128 ? 4 : 1;
+  // A consumer tests whether the next step's K and V stages have landed at the end of a softmax
+  // instead of waiting for them at the step's start (fwd_kernel.h, test_next_stages): the test's
+  // latency left the critical path, +2-3% at head dim 128 without a mask (2k-16k) and 64 causal
+  // (1k-2k) on the H200. At 256, whose consumers wait for the loads themselves, 0 to -2%: off.
+  static constexpr bool kTestsNextStagesEarly = kHeadDim <= 128;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
   // Causal tiles: a consumer warpgroup skips the first key blocks visited that lie past the diagonal
   // for all of its rows (fwd_kernel.h). With 192-row tiles on 128-key blocks, 1.5 of a tile's key

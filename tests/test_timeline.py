@@ -13,15 +13,19 @@ timeline = load_benchmark_script("timeline")
 
 
 def made_up_timeline():
-    """Two CTAs, two consumer warpgroups; CTA 0 runs tiles of 4 and 2 key blocks, CTA 1 one of 3."""
-    t = torch.zeros(2, 3, 3, 8, dtype=torch.int64)
+    """Two CTAs, two consumer warpgroups; CTA 0 runs tiles of 4 and 2 key blocks, CTA 1 one of 3.
+    Only the tile of 4 blocks has a fourth block from the end to probe as a step (events 8-15)."""
+    t = torch.zeros(2, 3, 3, 16, dtype=torch.int64)
     # events: tile start, Q, first S, first block done, last P V, finalized, O staged, store issued
-    t[0, 0, 1] = torch.tensor([100, 110, 130, 160, 460, 470, 490, 495])  # 3 blocks after the first: 100 each
-    t[0, 0, 2] = torch.tensor([100, 112, 140, 170, 470, 480, 490, 494])
-    t[0, 1, 1] = torch.tensor([515, 525, 545, 575, 675, 685, 705, 710])  # 1 block after the first
-    t[0, 1, 2] = torch.tensor([514, 526, 555, 585, 685, 695, 705, 709])
-    t[1, 0, 1] = torch.tensor([50, 60, 80, 110, 310, 320, 340, 345])
-    t[1, 0, 2] = torch.tensor([50, 62, 90, 120, 320, 330, 340, 344])
+    t[0, 0, 1, :8] = torch.tensor([100, 110, 130, 160, 460, 470, 490, 495])  # 3 blocks after the first: 100 each
+    t[0, 0, 2, :8] = torch.tensor([100, 112, 140, 170, 470, 480, 490, 494])
+    t[0, 1, 1, :8] = torch.tensor([515, 525, 545, 575, 675, 685, 705, 710])  # 1 block after the first
+    t[0, 1, 2, :8] = torch.tensor([514, 526, 555, 585, 685, 695, 705, 709])
+    t[1, 0, 1, :8] = torch.tensor([50, 60, 80, 110, 310, 320, 340, 345])
+    t[1, 0, 2, :8] = torch.tensor([50, 62, 90, 120, 320, 330, 340, 344])
+    # the probed step: K/V, turn, GEMMs issued, S landed, softmax done, P V landed, step done
+    t[0, 0, 1, 8:] = torch.tensor([360, 362, 365, 375, 380, 420, 424, 430])
+    t[0, 0, 2, 8:] = torch.tensor([370, 371, 380, 388, 395, 430, 431, 440])
     t[0, 0, 0, timeline.KEY_BLOCKS] = 4
     t[0, 1, 0, timeline.KEY_BLOCKS] = 2
     t[1, 0, 0, timeline.KEY_BLOCKS] = 3
@@ -42,15 +46,27 @@ def test_phase_table_medians_per_warpgroup():
     assert table["cta_span"]["min"] == 295 and table["cta_span"]["max"] == 610  # 345 - 50, 710 - 100
 
 
+def test_phase_table_times_the_probed_step_where_it_was_recorded():
+    steps = timeline.phase_table(made_up_timeline())["steps"]
+    assert sorted(steps) == [1, 2]
+    assert steps[1]["waits for K and V"] == 2 and steps[1]["wait for the turn"] == 3
+    assert steps[1]["S and the P·V before issued"] == 10 and steps[1]["wait for S"] == 5
+    assert steps[1]["softmax"] == 40 and steps[1]["wait for the P·V before"] == 4
+    assert steps[1]["O rescaled, P stored"] == 6 and steps[1]["the step"] == 70
+    assert steps[2]["softmax"] == 35 and steps[2]["the step"] == 70
+
+
 def test_phase_table_of_an_empty_timeline():
-    table = timeline.phase_table(torch.zeros(2, 3, 3, 8, dtype=torch.int64))
-    assert table["warpgroups"] == {} and "cta_span" not in table
+    table = timeline.phase_table(torch.zeros(2, 3, 3, 16, dtype=torch.int64))
+    assert table["warpgroups"] == {} and table["steps"] == {} and "cta_span" not in table
 
 
 def test_format_table_has_a_row_per_phase():
     text = timeline.format_table(timeline.phase_table(made_up_timeline()))
     assert "| phase | warpgroup 1 | warpgroup 2 |" in text
     assert "| first S = Q K^T | 20 | 28 |" in text
+    assert "| softmax | 40 | 35 |" in text
+    assert "| the step | 70 | 70 |" in text
     assert "CTA spans (cycles): min 295" in text
 
 
@@ -78,7 +94,11 @@ def test_gpu_call_records_ordered_stamps():
     tiles = 0
     for cta, step, warpgroup in (recorded[:, :, 1:, timeline.TILE_START] != 0).nonzero().tolist():
         stamps = recorded[cta, step, warpgroup + 1]
-        assert bool((stamps[1:] >= stamps[:-1]).all()), (cta, step, warpgroup + 1, stamps.tolist())
+        # the probed step (events 8-15) runs between the first block's end and the last P V
+        in_time_order = torch.cat([stamps[: timeline.LAST_PV], stamps[timeline.STEP_START :],
+                                   stamps[timeline.LAST_PV : timeline.STEP_START]])
+        assert bool((in_time_order[1:] >= in_time_order[:-1]).all()), (cta, step, warpgroup + 1, stamps.tolist())
+        assert bool((stamps != 0).all())  # 8 key blocks: the fourth from the end is a step of every tile
         assert int(recorded[cta, step, 0, timeline.KEY_BLOCKS]) == 8
         tiles += 1
     assert tiles == 2 * 4 * 16 * 8  # two consumer warpgroups on every 128-row tile

@@ -14,7 +14,7 @@ struct FwdTimeline {
   static constexpr int kCtas = 256;
   static constexpr int kSteps = 64;
   static constexpr int kWarpgroups = 4;
-  static constexpr int kEvents = 8;
+  static constexpr int kEvents = 16;
   static constexpr int kEntries = kCtas * kSteps * kWarpgroups * kEvents;
 };
 

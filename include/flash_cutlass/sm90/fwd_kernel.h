@@ -377,29 +377,42 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       };
       // One steady-state step: tile n_block is scored while P V of the tile before it runs.
+      // The timeline's probed step (timeline.h; compiled out without FLASH_CUTLASS_TIMELINE).
+      auto stamp_step = [&](bool probed, int event) __attribute__((always_inline)) {
+        if (probed) timeline.stamp(warpgroup, event);
+      };
       auto process_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
+        const bool probed = n_block == key_blocks.end - kProbedKeyBlockFromEnd;
+        stamp_step(probed, kStepStart);
         typename PipelineKV::PipelineState state_v = state;  // the stage of the tile scored before
         ++state;
         pipeline_k.consumer_wait(state, next_k_ready);
         pipeline_v.consumer_wait(state_v, next_v_ready);
+        stamp_step(probed, kStepStagesReady);
         wait_for_turn<kConsumers>(consumer);
+        stamp_step(probed, kStepTurnTaken);
         issue_scores();
         issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
         hand_over_turn<kConsumers>(consumer);
+        stamp_step(probed, kStepGemmsIssued);
         warpgroup_wait<1>();  // S of this tile
+        stamp_step(probed, kStepScoresLanded);
         softmax_scores(acc_s, tScS, n_block, cute::false_type{}, masked);
         test_next_stages();
+        stamp_step(probed, kStepSoftmaxDone);
         // P V of the tile before
         if constexpr (Traits::kSoftmaxOverlapsPV) {
           warpgroup_wait_after<0>(softmax.row_sum[0], softmax.row_sum[kRowsPerThread - 1]);
         } else {
           warpgroup_wait<0>();
         }
+        stamp_step(probed, kStepPVLanded);
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
         pipeline_v.consumer_release(state_v);
         if (!Traits::kRescalesLazily || rescale_o) softmax.rescale(acc_o_rc, correction);
         store_probabilities(acc_s);
+        stamp_step(probed, kStepDone);
       };
       // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
       // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the

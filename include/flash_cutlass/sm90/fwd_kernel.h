@@ -376,11 +376,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           next_v_ready = pipeline_v.consumer_test_wait(state);
         }
       };
-      // One steady-state step: tile n_block is scored while P V of the tile before it runs.
       // The timeline's probed step (timeline.h; compiled out without FLASH_CUTLASS_TIMELINE).
       auto stamp_step = [&](bool probed, int event) __attribute__((always_inline)) {
         if (probed) timeline.stamp(warpgroup, event);
       };
+      // One steady-state step: tile n_block is scored while P V of the tile before it runs.
       auto process_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
         const bool probed = n_block == key_blocks.end - kProbedKeyBlockFromEnd;
         stamp_step(probed, kStepStart);

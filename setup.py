@@ -6,8 +6,9 @@ Build options (environment variables; see README.md):
   FLASH_CUTLASS_HEAD_DIMS   subset of 32,64,96,128,192,256 to compile (default: all).
   FLASH_CUTLASS_DTYPES      subset of fp16,bf16 to compile (default: both).
   FLASH_CUTLASS_SM90        1 (default when 90 is among the archs) builds the Hopper path (TMA +
-                            wgmma, head dims 64/128/256) and targets sm_90a instead of sm_90;
-                            0 leaves it out. It needs 90 in FLASH_CUTLASS_CUDA_ARCHS.
+                            wgmma; forward head dims 64/96/128/192/256, backward 64/128) and
+                            targets sm_90a instead of sm_90; 0 leaves it out. It needs 90 in
+                            FLASH_CUTLASS_CUDA_ARCHS.
   FLASH_CUTLASS_WINDOW      1 (default) builds the sliding-window kernels (window_size=); 0 leaves
                             them out (a call with a window then raises, naming this flag).
   FLASH_CUTLASS_SOFTCAP     1 (default) accepts softcap=, FLASH_CUTLASS_ALIBI 1 (default)
@@ -40,7 +41,7 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).resolve().parent
 ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 ALL_DTYPES = ("fp16", "bf16")
-SM90_HEAD_DIMS = (64, 128, 256)  # head dims of the Hopper path
+SM90_HEAD_DIMS = (64, 96, 128, 192, 256)  # head dims of the Hopper path (forward)
 GIB = 1024**3
 
 

@@ -59,7 +59,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="dtype of q, k and v (default: %(default)s)")
     parser.add_argument("--kernel", choices=("auto", "sm80", "sm90"), default="auto",
                         help="flash_forward's kernel choice (default: %(default)s: the Hopper path "
-                             "on an H100/H200 for head dims 64/128/256, the sm80 path otherwise)")
+                             "on an H100/H200 for head dims 64/96/128/192/256, the sm80 path otherwise)")
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward",
                         help="profile flash_forward, or flash_backward (its forward runs once, before "
                              "the warm-up; ncu's kernel filter then wants flash_bwd_sm) (default: %(default)s)")

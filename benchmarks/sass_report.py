@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Head dims of each (direction, kernel path).
 HEAD_DIMS = {
     ("forward", "sm80"): (32, 64, 96, 128, 192, 256),
-    ("forward", "sm90"): (64, 128, 256),
+    ("forward", "sm90"): (64, 96, 128, 192, 256),
     ("backward", "sm80"): (32, 64, 96, 128, 192, 256),
     ("backward", "sm90"): (64, 128),
 }

@@ -427,8 +427,8 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
 
     kernel picks the CUDA kernel: 'auto' (the default, or $FLASH_CUTLASS_FORWARD_KERNEL when
     kernel is None) runs the Hopper path (TMA + wgmma) on compute capability 9.0 for the head dims
-    it was built for (64, 128, 256, and the multiples of 8 below them that need no larger
-    kernel), and the sm80 path otherwise; 'sm80' and 'sm90' force one (RuntimeError where the
+    it was built for (64, 96, 128, 192, 256, and the multiples of 8 below them that need no
+    larger kernel), and the sm80 path otherwise; 'sm80' and 'sm90' force one (RuntimeError where the
     forced one cannot run the call). CPU tensors ignore it.
     """
     return _forward_entry(q, k, v, softmax_scale, causal, kernel, window_size, softcap, alibi_slopes, dropout_p,

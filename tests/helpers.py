@@ -23,7 +23,7 @@ try:
 except RuntimeError:
     # The extension is not built: the GPU tests that parametrize over these skip anyway.
     COMPILED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-    COMPILED_SM90_HEAD_DIMS = (64, 128, 256)
+    COMPILED_SM90_HEAD_DIMS = (64, 96, 128, 192, 256)
     COMPILED_DTYPES = (torch.float16, torch.bfloat16)
 
 

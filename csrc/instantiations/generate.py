@@ -14,7 +14,7 @@ from pathlib import Path
 # Head dims of each (direction, kernel path).
 HEAD_DIMS = {
     ("fwd", "sm80"): (32, 64, 96, 128, 192, 256),
-    ("fwd", "sm90"): (64, 128, 256),
+    ("fwd", "sm90"): (64, 96, 128, 192, 256),
     ("bwd", "sm80"): (32, 64, 96, 128, 192, 256),
     ("bwd", "sm90"): (64, 128),
 }

@@ -111,8 +111,14 @@ inline constexpr int kCompiledSm90HeadDims[] = {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
     64,
 #endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_96)
+    96,
+#endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
     128,
+#endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_192)
+    192,
 #endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_256)
     256,
@@ -285,19 +291,29 @@ cudaError_t with_sm80_head_dim(int kernel_hdim, Run&& run) {
   }
 }
 
-// The same for the Hopper path, up to kMaxHeadDim (the backward's kernels stop at 128).
-template <int kMaxHeadDim, class Run>
+// The same for the Hopper path: the forward's head dims (kForward), or the backward's (64, 128).
+template <bool kForward, class Run>
 cudaError_t with_sm90_head_dim(int kernel_hdim, Run&& run) {
   switch (kernel_hdim) {
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_64)
     case 64: return run(std::integral_constant<int, 64>{});
 #endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_96)
+    case 96:
+      if constexpr (kForward) return run(std::integral_constant<int, 96>{});
+      return cudaErrorNotSupported;
+#endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_128)
     case 128: return run(std::integral_constant<int, 128>{});
 #endif
+#if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_192)
+    case 192:
+      if constexpr (kForward) return run(std::integral_constant<int, 192>{});
+      return cudaErrorNotSupported;
+#endif
 #if defined(FLASH_CUTLASS_SM90) && defined(FLASH_CUTLASS_HDIM_256)
     case 256:
-      if constexpr (kMaxHeadDim >= 256) return run(std::integral_constant<int, 256>{});
+      if constexpr (kForward) return run(std::integral_constant<int, 256>{});
       return cudaErrorNotSupported;
 #endif
     default: return cudaErrorNotSupported;
@@ -314,7 +330,7 @@ inline cudaError_t run_fwd_sm80(FwdParams const& params, DType dtype, int kernel
 
 // Launches the Hopper-path forward kernel compiled for `kernel_hdim` (one of kCompiledSm90HeadDims).
 inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
-  return detail::with_sm90_head_dim<256>(kernel_hdim, [&](auto hdim) {
+  return detail::with_sm90_head_dim<true>(kernel_hdim, [&](auto hdim) {
     return detail::run_fwd_sm90_mask<decltype(hdim)::value>(params, dtype, stream);
   });
 }
@@ -323,7 +339,7 @@ inline cudaError_t run_fwd_sm90(FwdParams const& params, DType dtype, int kernel
 // Copies the developer timeline of the Hopper-path forward kernels compiled for `kernel_hdim` to
 // host (FwdTimeline::kEntries values), then clears it.
 inline cudaError_t read_fwd_sm90_timeline(int kernel_hdim, unsigned long long* host) {
-  return detail::with_sm90_head_dim<256>(
+  return detail::with_sm90_head_dim<true>(
       kernel_hdim, [&](auto hdim) { return sm90::read_fwd_timeline<decltype(hdim)::value>(host); });
 }
 #endif
@@ -337,7 +353,7 @@ inline cudaError_t run_bwd_sm80(BwdParams const& params, DType dtype, int kernel
 
 // Launches the Hopper-path backward compiled for `kernel_hdim` (one of kCompiledSm90BwdHeadDims).
 inline cudaError_t run_bwd_sm90(BwdParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
-  return detail::with_sm90_head_dim<128>(kernel_hdim, [&](auto hdim) {
+  return detail::with_sm90_head_dim<false>(kernel_hdim, [&](auto hdim) {
     return detail::run_bwd_sm90_mask<decltype(hdim)::value>(params, dtype, stream);
   });
 }

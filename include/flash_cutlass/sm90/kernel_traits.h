@@ -38,19 +38,21 @@ struct FwdKernelTraits {
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
   static_assert(kLaunchRegisters - kProducerRegisters ==
                 kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "rows of 128-byte swizzle atoms");
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "rows of 64- or 128-byte swizzle atoms");
   // The softmax of one key tile runs while P V of the tile before is in flight, its wait kept after
   // the exponentials (fwd_kernel.h). At head dim 256 the O accumulator's 128 registers a thread
-  // leave no room for S and P to live that long: ptxas spilled 650-1800 B a kernel. At head dim 64
-  // (issue-bound, three consumer warpgroups) it measured 1-5% slower on the H200, so it is off there.
-  static constexpr bool kSoftmaxOverlapsPV = kHeadDim == 128;
+  // leave no room for S and P to live that long: ptxas spilled 650-1800 B a kernel, and 140-190 B at
+  // 192 (96 registers of O). At head dim 64 (issue-bound, three consumer warpgroups) it measured 1-5%
+  // slower on the H200, so it is off there.
+  static constexpr bool kSoftmaxOverlapsPV = kHeadDim == 96 || kHeadDim == 128;
   // A row keeps a stale maximum while no key tile raises it by more than 2^8 (OnlineSoftmax::
   // update_scores_lazily), so most tiles skip O's rescale: +11-16% at head dim 256 from 4k keys on
-  // the H200 (128 O registers a thread to rescale), 0-5% at 128 beside the late wait; at 64 it
-  // measured 1-3% slower, so it is off there.
-  static constexpr bool kRescalesLazily = kHeadDim >= 128;
-  // A row's max and sum as four interleaved chains (OnlineSoftmax's kMaxChains) at head dim 128.
-  static constexpr int kSoftmaxChains = kHeadDim == 128 ? 4 : 1;
+  // the H200 (128 O registers a thread to rescale), 0-5% at 128 beside the late wait, 1-5% at 96; at
+  // 64 it measured 1-3% slower, so it is off there.
+  static constexpr bool kRescalesLazily = kHeadDim >= 96;
+  // A row's max and sum as four interleaved chains (OnlineSoftmax's kMaxChains) at head dims 96 and
+  // 128 (128-key tiles on two consumer warpgroups).
+  static constexpr int kSoftmaxChains = kHeadDim == 96 || kHeadDim == 128 ? 4 : 1;
   // A consumer tests whether the next step's K and V stages have landed at the end of a softmax
   // instead of waiting for them at the step's start (fwd_kernel.h, test_next_stages): the test's
   // latency left the critical path, +2-3% at head dim 128 without a mask (2k-16k) and 64 causal
@@ -97,8 +99,10 @@ struct FwdKernelTraits {
       WarpgroupLayout{}));
 
   // Rows of 64 elements (128 bytes) swizzled across 8-row atoms: the canonical layout wgmma and
-  // TMA agree on, free of bank conflicts.
-  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  // TMA agree on, free of bank conflicts. Head dims that are not a multiple of 64 (96) take atoms of
+  // 32 elements (64 bytes), swizzled the same way over half the width.
+  using SmemAtom = std::conditional_t<kHeadDim % 64 == 0, cute::GMMA::Layout_K_SW128_Atom<Element>,
+                                      cute::GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
@@ -154,11 +158,15 @@ struct FwdKernelTraits {
 // (docs/PERFORMANCE.md). FwdTileSizes: two consumer warpgroups (128 query rows). At head dim 64, 4
 // K/V stages with the ping-pong beat 2 stages without it (+0-10%) and key tiles of 192 (3-5% faster
 // at 16k only, 10-12% slower at 1k); at 128, key tiles of 160 or 176 gained up to 3% at 16k and
-// lost 6-20% at 1k; at 256, the persistent grid lost 5-10% without a mask.
+// lost 6-20% at 1k; at 256, the persistent grid lost 5-10% without a mask. At 96, a third K/V stage
+// measured 0 to -2%; at 192 (64-key tiles: two stages of 128 keys and O's buffer do not fit beside Q),
+// the persistent grid 0-10% faster than one CTA per tile.
 template <int kHeadDim>
 struct FwdTileSizes;
 template <> struct FwdTileSizes<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 4; static constexpr bool kPersistent = true; };
+template <> struct FwdTileSizes<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPersistent = true; };
 template <> struct FwdTileSizes<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kPersistent = true; };
+template <> struct FwdTileSizes<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPersistent = true; };
 template <> struct FwdTileSizes<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kStages = 2; static constexpr bool kPersistent = false; };
 
 // Wide tiles: three consumer warpgroups (192 query rows) on 160 registers a thread, where S, P and

@@ -87,7 +87,8 @@ struct FwdKernelTraits {
   // 128-row kernel (+1-2% causal at 1k-2k on the H200). At head dim 128 it measured +0.1 to +2.2%
   // causal (1k-16k) and -1% without a mask at 2k and 8k, so it is on in the causal kernel there
   // (kQInRegistersWhenCausal; head dim 96 takes 128's choices); the 192-row kernel (160 registers a
-  // thread) spills with it; the O of head dims 192 and 256 leaves no room for it. The half block's GEMM keeps Q in shared memory.
+  // thread) spills with it; head dim 256's O leaves no room for it (192 keeps Q in shared memory
+  // too, not measured). The half block's GEMM keeps Q in shared memory.
   static constexpr bool kQInRegisters = kConsumerWarpgroups == 2 && kHeadDim == 64;
   static constexpr bool kQInRegistersWhenCausal = kConsumerWarpgroups == 2 && kHeadDim <= 128;
   using TiledMmaQKRegisterQ = decltype(cute::make_tiled_mma(

@@ -41,7 +41,6 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).resolve().parent
 ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 ALL_DTYPES = ("fp16", "bf16")
-SM90_HEAD_DIMS = (64, 96, 128, 192, 256)  # head dims of the Hopper path (forward)
 GIB = 1024**3
 
 

@@ -77,6 +77,37 @@ struct OnlineSoftmax {
     return rescale_o;
   }
 
+  // A tile after the first, exponentiated before its maxima are known: every row against the maximum
+  // it keeps from the tiles before, this thread's part of each row's sum in `tile_sum`
+  // (add_tile_sums keeps them). Returns whether each of this thread's rows with `votes` set stayed
+  // within the lazy bound, every P <= 2^kMaxGrowthLog2, tested on the row's sum (which bounds each
+  // of its P; NaN or +inf, as from a row still at -inf, fails). Where that holds for a whole
+  // warpgroup, the tile's P is what update_scores_lazily would have computed. Where it does not, the
+  // caller scores the tile again and moves the maxima (update_scores): the sum bounds P loosely, and
+  // a maximum kept stale would fail the next tiles' test too. The row maxima (FMNMX and shuffles,
+  // then a vote) leave the path to the exponentials.
+  static constexpr float kMaxGrowth = 256.f;  // 2^kMaxGrowthLog2
+  static_assert(kMaxGrowth == float(1 << int(kMaxGrowthLog2)));
+
+  template <class TensorS>
+  __device__ __forceinline__ bool exponentiate_against_kept_max(TensorS& s, float (&tile_sum)[kRows],
+                                                                bool const (&votes)[kRows]) const {
+    using namespace cute;
+    static_assert(decltype(size<0>(s))::value == kRows);
+    bool within = true;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      tile_sum[r] = exponentiate_row(s, r, row_max[r] * scale_log2);
+      within &= !votes[r] || tile_sum[r] <= kMaxGrowth;
+    }
+    return within;
+  }
+
+  __device__ __forceinline__ void add_tile_sums(float const (&tile_sum)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) row_sum[r] += tile_sum[r];
+  }
+
   // Row r's maximum set to new_max (from prev_max), the row exponentiated against it and added to
   // l, which is first rescaled by correction[r]: 1 for the first tile or when the maximum stays
   // (`moved` false, known without an exponential).

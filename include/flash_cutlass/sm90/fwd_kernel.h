@@ -89,6 +89,25 @@ __device__ __forceinline__ void hand_over_turn(int consumer) {
   }
 }
 
+// Whether `predicate` holds for every thread of consumer warpgroup `consumer` (bar.red.and over its
+// 128 threads, named barriers 5 to 7).
+template <int kConsumers>
+__device__ __forceinline__ bool all_of_warpgroup(int consumer, bool predicate) {
+  static_assert(kConsumers == 2 || kConsumers == 3);
+  uint32_t all;
+  if (kConsumers == 2 && consumer == 0) {
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, 5, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
+                 : "=r"(all) : "r"(uint32_t(predicate)) : "memory");
+  } else if (kConsumers == 2) {
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, 6, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
+                 : "=r"(all) : "r"(uint32_t(predicate)) : "memory");
+  } else {
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
+                 : "=r"(all) : "r"(uint32_t(predicate)), "r"(5 + consumer) : "memory");
+  }
+  return all != 0;
+}
+
 // Named barrier 4, after the ping-pong's (1 to 3): every consumer thread, around the epilogue's
 // shared-memory tile of O.
 template <int kConsumerThreads>
@@ -339,11 +358,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto softmax_scores = [&](auto& scores, auto const& coords, int n_block, auto first_tile, auto masked)
                                 __attribute__((always_inline)) {
         warpgroup_fence_operand(scores);
-        pipeline_k.consumer_release(state);
         Tensor s = as_rows_cols(scores);
+        constexpr bool kAheadOfMax = Traits::kExponentiatesAheadOfMax && !decltype(first_tile)::value &&
+                                     !decltype(masked)::value;
+        // Ahead of the maximum, K's stage stays until the tile is known not to be scored again.
+        if constexpr (!kAheadOfMax) pipeline_k.consumer_release(state);
         prepare_scores<decltype(masked)::value>(score_mods, mask, s, coords, m_block * kBlockM, n_block * kBlockN);
         if constexpr (decltype(first_tile)::value || !Traits::kRescalesLazily) {
           softmax.template update_scores<decltype(first_tile)::value>(s, correction);
+        } else if constexpr (kAheadOfMax) {
+          float tile_sum[kRowsPerThread];
+          const bool kept = all_of_warpgroup<kConsumers>(
+              consumer, softmax.exponentiate_against_kept_max(s, tile_sum, row_in_sequence));
+          if (kept) {
+            softmax.add_tile_sums(tile_sum);
+            rescale_o = false;
+          } else {
+            // A row of the warpgroup outgrew its kept maximum (or its P is not finite): the scores
+            // again, every maximum moved.
+            issue_scores();
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(scores);
+            prepare_scores<false>(score_mods, mask, s, coords, m_block * kBlockM, n_block * kBlockN);
+            softmax.template update_scores<false>(s, correction);
+            rescale_o = true;
+          }
+          pipeline_k.consumer_release(state);
         } else {
           rescale_o = softmax.update_scores_lazily(s, correction, row_in_sequence);
         }

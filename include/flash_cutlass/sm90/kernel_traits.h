@@ -50,6 +50,13 @@ struct FwdKernelTraits {
   // the H200 (128 O registers a thread to rescale), 0-5% at 128 beside the late wait, 1-5% at 96; at
   // 64 it measured 1-3% slower, so it is off there.
   static constexpr bool kRescalesLazily = kHeadDim >= 96;
+  // With the lazy rescale, an unmasked key tile is exponentiated against the row maxima kept from
+  // the tiles before, ahead of its own maxima, and scored again where a P exceeds the lazy bound
+  // (OnlineSoftmax::exponentiate_against_kept_max, fwd_kernel.h): the 64 FMNMX, 4 shuffles and the
+  // vote before the first exponential leave a softmax's path. On the H200 +4-8% at head dim 128
+  // without a mask and +2-6% causal, +4-5% and +1-6% at 96 (128-key tiles); with 64-key tiles (192,
+  // 256: half the maxima to take, K's stage held longer) -3 to +3%, so it is off there.
+  static constexpr bool kExponentiatesAheadOfMax = kRescalesLazily && kBlockN == 128;
   // A row's max and sum as four interleaved chains (OnlineSoftmax's kMaxChains) at head dims 96 and
   // 128 (128-key tiles on two consumer warpgroups).
   static constexpr int kSoftmaxChains = kHeadDim == 96 || kHeadDim == 128 ? 4 : 1;

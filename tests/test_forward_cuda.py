@@ -196,8 +196,8 @@ def test_causal_first_key_block_halved(cuda_gen, diagonal):
 def test_row_maximum_growing_tile_by_tile(cuda_gen, kernel, causal, growth_log2):
     """Scores that rise toward the first keys, which the kernels visit last: every key tile raises
     each row's maximum by about growth_log2 (in log2 units of the scaled score per 128 keys), below
-    and above the threshold up to which the Hopper path keeps a stale maximum (P up to 2^8; head
-    dims from 96), at every compiled head dim. At 96 and 128 the unmasked tiles are exponentiated
+    and above the threshold up to which the Hopper path keeps a stale maximum (P up to 2^8), at
+    every compiled head dim. At head dims 64, 96 and 128 the unmasked tiles are exponentiated
     against the kept maximum before their own is known and scored again where a P exceeds the
     bound: at growth 200 those first P overflow to +inf."""
     skip_unless_runs(kernel)

@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor p = make_tensor<Element>(acc_s.layout());
       Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
       float correction[kRowsPerThread];
-      bool rescale_o = false;  // lazily rescaling: whether the tile just scored moved a row maximum of this warp
+      bool rescale_o = false;  // whether the tile just scored moved a row maximum of this warp (the lazy rescale)
       // Rows past the sequence (zeros from TMA, or the next packed sequence's queries) do not vote
       // on the warp's rescale, so that a sequence's bits do not depend on what follows it.
       bool row_in_sequence[kRowsPerThread];
@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // Ahead of the maximum, K's stage stays until the tile is known not to be scored again.
         if constexpr (!kAheadOfMax) pipeline_k.consumer_release(state);
         prepare_scores<decltype(masked)::value>(score_mods, mask, s, coords, m_block * kBlockM, n_block * kBlockN);
-        if constexpr (decltype(first_tile)::value || !Traits::kRescalesLazily) {
+        if constexpr (decltype(first_tile)::value) {
           softmax.template update_scores<decltype(first_tile)::value>(s, correction);
         } else if constexpr (kAheadOfMax) {
           float tile_sum[kRowsPerThread];
@@ -450,7 +450,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
         pipeline_v.consumer_release(state_v);
-        if (!Traits::kRescalesLazily || rescale_o) softmax.rescale(acc_o_rc, correction);
+        if (rescale_o) softmax.rescale(acc_o_rc, correction);
         store_probabilities(acc_s);
         stamp_step(probed, kStepDone);
       };

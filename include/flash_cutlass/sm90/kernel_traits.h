@@ -45,20 +45,18 @@ struct FwdKernelTraits {
   // 192 (96 registers of O). At head dim 64 (issue-bound, three consumer warpgroups) it measured 1-5%
   // slower on the H200, so it is off there.
   static constexpr bool kSoftmaxOverlapsPV = kHeadDim == 96 || kHeadDim == 128;
-  // A row keeps a stale maximum while no key tile raises it by more than 2^8 (OnlineSoftmax::
-  // update_scores_lazily), so most tiles skip O's rescale: +11-16% at head dim 256 from 4k keys on
-  // the H200 (128 O registers a thread to rescale), 0-5% at 128 beside the late wait, 1-5% at 96. At
-  // 64 it measured 1-3% slower alone, and 4-7% faster without a mask (-0.6 to +5% causal) with the
-  // exponentials ahead of the maxima below.
-  static constexpr bool kRescalesLazily = true;
-  // With the lazy rescale, an unmasked key tile is exponentiated against the row maxima kept from
+  // Every head dim: a row keeps a stale maximum while no key tile raises it by more than 2^8
+  // (OnlineSoftmax::update_scores_lazily), so most tiles skip O's rescale: +11-16% at head dim 256
+  // from 4k keys on the H200 (128 O registers a thread to rescale), 0-5% at 128 beside the late
+  // wait, 1-5% at 96. At 64 it measured 1-3% slower alone, and 4-7% faster without a mask (-0.6 to
+  // +5% causal) with the exponentials ahead of the maxima below.
+  // With 128-key tiles, an unmasked key tile is exponentiated against the row maxima kept from
   // the tiles before, ahead of its own maxima, and scored again where a P exceeds the lazy bound
   // (OnlineSoftmax::exponentiate_against_kept_max, fwd_kernel.h): the 64 FMNMX, 4 shuffles and the
   // vote before the first exponential leave a softmax's path. On the H200 +4-8% at head dim 128
-  // without a mask and +2-6% causal, +4-5% and +1-6% at 96, +4-7% and -0.6 to +5% at 64 (128-key
-  // tiles); with 64-key tiles (192, 256: half the maxima to take, K's stage held longer) -3 to +3%,
-  // so it is off there.
-  static constexpr bool kExponentiatesAheadOfMax = kRescalesLazily && kBlockN == 128;
+  // without a mask and +2-6% causal, +4-5% and +1-6% at 96, +4-7% and -0.6 to +5% at 64; with 64-key
+  // tiles (192, 256: half the maxima to take, K's stage held longer) -3 to +3%, so it is off there.
+  static constexpr bool kExponentiatesAheadOfMax = kBlockN == 128;
   // A row's max and sum as four interleaved chains (OnlineSoftmax's kMaxChains) at head dims 96 and
   // 128 (128-key tiles on two consumer warpgroups).
   static constexpr int kSoftmaxChains = kHeadDim == 96 || kHeadDim == 128 ? 4 : 1;

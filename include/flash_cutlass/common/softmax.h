@@ -86,8 +86,7 @@ struct OnlineSoftmax {
   // caller scores the tile again and moves the maxima (update_scores): the sum bounds P loosely, and
   // a maximum kept stale would fail the next tiles' test too. The row maxima (FMNMX and shuffles,
   // then a vote) leave the path to the exponentials.
-  static constexpr float kMaxGrowth = 256.f;  // 2^kMaxGrowthLog2
-  static_assert(kMaxGrowth == float(1 << int(kMaxGrowthLog2)));
+  static constexpr float kMaxGrowth = float(1 << int(kMaxGrowthLog2));  // 2^kMaxGrowthLog2
 
   template <class TensorS>
   __device__ __forceinline__ bool exponentiate_against_kept_max(TensorS& s, float (&tile_sum)[kRows],

@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if constexpr (!kAheadOfMax) pipeline_k.consumer_release(state);
         prepare_scores<decltype(masked)::value>(score_mods, mask, s, coords, m_block * kBlockM, n_block * kBlockN);
         if constexpr (decltype(first_tile)::value) {
-          softmax.template update_scores<decltype(first_tile)::value>(s, correction);
+          softmax.template update_scores<true>(s, correction);
         } else if constexpr (kAheadOfMax) {
           float tile_sum[kRowsPerThread];
           const bool kept = all_of_warpgroup<kConsumers>(

@@ -26,7 +26,7 @@ Build options (environment variables; see README.md):
                             about 3 GB of memory per concurrent nvcc.
   FLASH_CUTLASS_PTXAS_VERBOSE=1  print ptxas's register and spill report for every kernel.
   FLASH_CUTLASS_TIMELINE    0 (default); 1 records a clock64 timeline of every Hopper forward tile
-                            for developers (benchmarks/timeline.py reads it). Not for production.
+                            for developers (tools/timeline.py reads it). Not for production.
 """
 
 import importlib.util

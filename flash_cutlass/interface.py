@@ -59,7 +59,7 @@ def compiled_sm90_head_dims() -> Tuple[int, ...]:
 def forward_timeline(head_dim: int) -> torch.Tensor:
     """For developers: the clock64 timeline the Hopper-path forward kernels of head_dim (the
     compiled head dim that runs it) recorded since the last read, int64 (CTAs, steps, warpgroups,
-    events), and clears it; needs a build with FLASH_CUTLASS_TIMELINE=1 (benchmarks/timeline.py
+    events), and clears it; needs a build with FLASH_CUTLASS_TIMELINE=1 (tools/timeline.py
     reads it)."""
     return _extension().forward_timeline(head_dim)
 

@@ -27,9 +27,10 @@ except RuntimeError:
     COMPILED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def load_benchmark_script(name: str):
-    """benchmarks/<name>.py imported as the module `name` (the scripts are not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+def load_script(folder: str, name: str):
+    """<folder>/<name>.py (benchmarks/ or tools/) imported as the module `name` (the scripts are not
+    a package)."""
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

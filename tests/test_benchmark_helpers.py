@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from flash_cutlass.reference import attention_forward
-from helpers import load_benchmark_script
+from helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 ANCHORS = REPO.parent / "shared" / "anchors" / "sdpa_h200_bf16_2026-11-29.json"
 
 
-bench = load_benchmark_script("benchmark_forward")
+bench = load_script("benchmarks", "benchmark_forward")
 
 
 def test_forward_flops_counts_two_matmuls_and_halves_for_causal():

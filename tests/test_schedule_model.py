@@ -1,11 +1,11 @@
-"""CPU tests of benchmarks/schedule_model.py, the model of how the Hopper forward's grid spreads
+"""CPU tests of tools/schedule_model.py, the model of how the Hopper forward's grid spreads
 its tiles over the SMs."""
 
 import pytest
 
-from helpers import load_benchmark_script
+from helpers import load_script
 
-model = load_benchmark_script("schedule_model")
+model = load_script("tools", "schedule_model")
 
 
 @pytest.mark.parametrize("num_m_blocks,batch_heads,seqlen_k,head_dim", [

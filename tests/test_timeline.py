@@ -1,4 +1,4 @@
-"""benchmarks/timeline.py: the phase table of a Hopper forward timeline (on the CPU, from a made-up
+"""tools/timeline.py: the phase table of a Hopper forward timeline (on the CPU, from a made-up
 timeline), its arguments, and (on a GPU, with a build that has FLASH_CUTLASS_TIMELINE=1) the
 timeline a call records."""
 
@@ -7,9 +7,9 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.interface import forward_timeline
-from helpers import load_benchmark_script
+from helpers import load_script
 
-timeline = load_benchmark_script("timeline")
+timeline = load_script("tools", "timeline")
 
 
 def made_up_timeline():

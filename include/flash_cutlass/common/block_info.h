@@ -54,7 +54,7 @@ constexpr bool persistent_tiles_in_pairs() {
 // call lasts 3% longer than an even share. So the pairs of the last full wave and of the partial
 // one, the causal tail, go as single tiles instead, longest first across the tail's (head, batch)
 // pairs, dealt to the CTAs in a snake (0 to gridDim.x - 1, then back): every CTA enters the tail
-// with the same load, and the longest and shortest tiles even out (benchmarks/schedule_model.py:
+// with the same load, and the longest and shortest tiles even out (tools/schedule_model.py:
 // 96-99% of the SMs' time busy at the benchmark's causal shapes, 94-97% with pairs alone; measured
 // +0.4 to +2.8% at head dims 64 and 128 from 1k to 16k keys on the H200, but -1.3% at 128 and 1k).
 // The tail starts at (head, batch) first_batch_head's pair first_pair: that (head, batch) brings
@@ -188,7 +188,7 @@ __device__ __forceinline__ QueryTile query_tile_of_this_cta(FwdParams const& par
 // blockIdx order as SMs free up; in the order of query_tile_of_this_cta each (head, batch)'s
 // longest tile comes after the previous one's shortest, so CTAs started late can be long and leave
 // SMs idle at the end (at 8 tiles an SM, about 12% of the SMs' time in
-// benchmarks/schedule_model.py; +3-9% measured at head dim 256, 1k-8k). Here a band's query blocks
+// tools/schedule_model.py; +3-9% measured at head dim 256, 1k-8k). Here a band's query blocks
 // run from the last to the first with the band's (head, batch) pairs inner: the last tiles to start
 // are the shortest. A band holds as many pairs as keep their K and V (two 16-bit operands) within
 // 16 MiB, so that the CTAs running together read them from L2.

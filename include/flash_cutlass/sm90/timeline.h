@@ -2,7 +2,7 @@
 // where TimelineCursor is empty and its calls compile to nothing): the first thread of the
 // producer and of each consumer warpgroup writes clock64() at fixed points of every tile into a
 // __device__ buffer of FwdTimeline's shape, which the host reads and clears after a call
-// (flash_cutlass._C.forward_timeline; benchmarks/timeline.py prints where a tile's cycles go).
+// (flash_cutlass._C.forward_timeline; tools/timeline.py prints where a tile's cycles go).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -11,7 +11,7 @@ ping-pong's turn, the GEMMs' issue, the waits for S and for the P·V before, the
 spread of the CTAs' spans:
 
     FLASH_CUTLASS_TIMELINE=1 FLASH_CUTLASS_CUDA_ARCHS=90 pip install --no-build-isolation -e .
-    python3 benchmarks/timeline.py --head-dim 128 --seqlen 2048
+    python3 tools/timeline.py --head-dim 128 --seqlen 2048
 
 The shape defaults to the benchmark's (16k tokens per batch, hidden 2048). Stamps cost a few
 instructions a tile and a test, a clock read and a store each in every step of the key loop
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchmark_forward import DTYPES, HIDDEN_SIZE, TOKENS_PER_BATCH, benchmark_cases  # noqa: E402
 
 # Consumer events (TimelineEvent in include/flash_cutlass/sm90/timeline.h) and the phases between them.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds and runs benchmarks/compare_paths.cu for one head dim: both forward kernel paths checked
+# Builds and runs tools/compare_paths.cu for one head dim: both forward kernel paths checked
 # against a float64 reference and timed on the benchmark's shapes, without building the extension.
 #
-# Usage: benchmarks/compare_paths.sh [HEAD_DIM]     (64, 128 or 256; default 128)
+# Usage: tools/compare_paths.sh [HEAD_DIM]     (64, 128 or 256; default 128)
 # Needs nvcc, the CUTLASS headers (CUTLASS_PATH, third_party/cutlass or the nvidia-cutlass wheel)
 # and, to run, a compute capability 9.0 GPU. The binary goes to build/compare_paths_hdim<N>.
 set -euo pipefail
@@ -19,5 +19,5 @@ fi
 mkdir -p "$root/build"
 binary=$root/build/compare_paths_hdim$head_dim
 nvcc -gencode=arch=compute_90a,code=sm_90a -O3 --use_fast_math --expt-relaxed-constexpr -std=c++17 \
-  -I "$root/include" -I "$cutlass" -DHEAD_DIM="$head_dim" "$root/benchmarks/compare_paths.cu" -o "$binary"
+  -I "$root/include" -I "$cutlass" -DHEAD_DIM="$head_dim" "$root/tools/compare_paths.cu" -o "$binary"
 "$binary"

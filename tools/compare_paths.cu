@@ -2,7 +2,7 @@
 // both against a float64 reference on sampled rows, and times both on the benchmark's shapes:
 // a quick loop for kernel work that needs no extension build and no torch.
 //
-// Build and run with benchmarks/compare_paths.sh HEAD_DIM (64, 128 or 256; needs an sm_90 GPU).
+// Build and run with tools/compare_paths.sh HEAD_DIM (64, 128 or 256; needs an sm_90 GPU).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

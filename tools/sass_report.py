@@ -7,9 +7,9 @@ shared-memory and global copies, local-memory traffic, and, for the Hopper path,
 warpgroup MMA issue/wait points and softmax exponentials in the main loop (a block of MUFU.EX2
 between `WARPGROUP.DEPBAR.LE gsb0, 0x1` and `... 0x0` means the softmax overlaps an MMA).
 
-    python3 benchmarks/sass_report.py --path sm90 --head-dim 128
-    python3 benchmarks/sass_report.py --path sm80 --head-dim 64 --dtype fp16 --mask causal
-    python3 benchmarks/sass_report.py --direction backward --path sm80 --head-dim 128
+    python3 tools/sass_report.py --path sm90 --head-dim 128
+    python3 tools/sass_report.py --path sm80 --head-dim 64 --dtype fp16 --mask causal
+    python3 tools/sass_report.py --direction backward --path sm80 --head-dim 128
 
 Needs nvcc and cuobjdump (from the CUDA toolkit, or the copy Triton ships under
 triton/backends/nvidia/bin) and the CUTLASS headers setup.py would use (CUTLASS_PATH,

@@ -204,7 +204,6 @@ void set_extended_params(FwdParams& params, double softcap, const std::optional<
                  "rebuild with FLASH_CUTLASS_SOFTCAP=1");
     params.softcap = static_cast<float>(softcap);
     params.softcap_input_scale = static_cast<float>(params.softmax_scale / softcap);
-    params.softmax_scale_log2 = static_cast<float>(softcap * M_LOG2E);
   }
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {
     const at::Tensor& slopes = *alibi_slopes;
@@ -310,9 +309,9 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
   params.heads_k = static_cast<int>(shape.heads_k);
   params.head_dim = static_cast<int>(shape.head_dim);
   params.softmax_scale = static_cast<float>(softmax_scale);
-  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   if (varlen.active()) set_varlen_params(params, varlen, q);
   set_extended_params(params, softcap, alibi_slopes, dropout_p, rng_state, q);
+  params.exp2_scale = static_cast<float>((softcap > 0 ? softcap : softmax_scale) * M_LOG2E);
   set_mask_params(params, causal, window_left, window_right);
 }
 

@@ -130,7 +130,7 @@ bool run_shape(Shape const& s, bool time_it) {
   params.heads_k = s.heads_k;
   params.head_dim = s.head_dim;
   params.softmax_scale = 1.f / std::sqrt(float(s.head_dim));
-  params.softmax_scale_log2 = params.softmax_scale * 1.4426950408889634f;
+  params.exp2_scale = params.softmax_scale * 1.4426950408889634f;
   params.mask = s.causal ? MaskKind::kCausal : MaskKind::kNone;
 
   std::vector<Element> host_q(q_count), host_k(kv_count), host_v(kv_count), host_out(q_count);

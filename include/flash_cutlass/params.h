@@ -52,8 +52,10 @@ struct FwdParams {
   int head_dim = 0;
 
   float softmax_scale = 0.f;
-  // softmax_scale * log2(e): scores are exponentiated with exp2.
-  float softmax_scale_log2 = 0.f;
+  // The factor the kernels multiply a score by before exp2: softmax_scale * log2(e), or with a soft
+  // cap softcap * log2(e) (the capped score is softcap * tanh(q.k * softcap_input_scale)). The host
+  // derives it once from the options (csrc/flash_api.cpp, set_scale_params).
+  float exp2_scale = 0.f;
   MaskKind mask = MaskKind::kNone;
   // With MaskKind::kLocal, query row i sees keys [i + d - window_left, i + d + window_right],
   // d = seqlen_k - seqlen_q (see common/mask.h). Both sides are >= 0; an unbounded side is
@@ -62,8 +64,7 @@ struct FwdParams {
   int window_right = 0;
   // The options of the extended kernel instantiations (common/score_mods.h, common/dropout.h); a
   // call that sets any of them runs there (uses_extension below).
-  // Soft cap: softcap > 0, softcap_input_scale = softmax_scale / softcap, and softmax_scale_log2
-  // is then softcap * log2(e). 0: none.
+  // Soft cap: softcap > 0 and softcap_input_scale = softmax_scale / softcap. 0: none.
   float softcap = 0.f;
   float softcap_input_scale = 0.f;
   // ALiBi: fp32 slopes of (batch, head) at alibi_slopes[batch * alibi_slopes_batch_stride + head]

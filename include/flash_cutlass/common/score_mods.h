@@ -3,10 +3,10 @@
 // Their switches and values are runtime parameters; the kernels of Extension::kNone carry none of
 // this code (kExtended below: any extension).
 //
-// The kernels keep x = q.k in their S accumulators and exponentiate z * softmax_scale_log2.
+// The kernels keep x = q.k in their S accumulators and exponentiate z * exp2_scale.
 // The extended kernels take z = cap(x) + bias(row, col), where
 //   cap(x) = tanh(x * softcap_input_scale) with a soft cap (the host sets softcap_input_scale =
-//            softmax_scale / softcap and softmax_scale_log2 = softcap * log2(e), so the score is
+//            softmax_scale / softcap and exp2_scale = softcap * log2(e), so the score is
 //            softcap * tanh(softmax_scale * q.k / softcap)), x itself without one;
 //   bias   = -slope * |row + seqlen_k - seqlen_q - col| / score_unit with ALiBi, score_unit being
 //            softcap or softmax_scale, whichever the exponent multiplies by, so the score gets

@@ -21,7 +21,7 @@ struct OnlineSoftmax {
   float row_sum[kRows];
   float scale_log2;  // softmax scale * log2(e), > 0
 
-  __device__ explicit OnlineSoftmax(float softmax_scale_log2) : scale_log2(softmax_scale_log2) {}
+  __device__ explicit OnlineSoftmax(float exp2_scale) : scale_log2(exp2_scale) {}
 
   // s: one score tile as (rows, cols), replaced by P = exp(scale * (s - m_new)).
   // o: the output accumulator as (rows, cols), rescaled to the new maximum.

@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   clear(acc_dv);
   Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(TileS{})));
   Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(TileQ{}));
-  const float scale_log2 = params.softmax_scale_log2;
+  const float scale_log2 = params.exp2_scale;
 
   // K and V once, rows past seqlen_k zero-filled (0 * NaN must not reach dQ), with the first Q
   // and dO.
@@ -606,7 +606,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
                    thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
-    probabilities_and_ds(s, dp, stats, params.softmax_scale_log2, score_mods, dropout, tScS, row_start,
+    probabilities_and_ds(s, dp, stats, params.exp2_scale, score_mods, dropout, tScS, row_start,
                          key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();

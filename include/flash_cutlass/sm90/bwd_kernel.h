@@ -324,10 +324,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     const float* dsum = storage.stats[buffer][1];
     if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) {
       probabilities_and_ds_transposed<true>(st, dpt, tScS, key_start, row_start, mask, score_mods, dropout,
-                                            params.softmax_scale_log2, lse, dsum);
+                                            params.exp2_scale, lse, dsum);
     } else {
       probabilities_and_ds_transposed<false>(st, dpt, tScS, key_start, row_start, mask, score_mods, dropout,
-                                             params.softmax_scale_log2, lse, dsum);
+                                             params.exp2_scale, lse, dsum);
     }
     // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared
     // memory for dQ.

@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const ScoreMods<kExtended> score_mods =
           score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
       const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
-      OnlineSoftmax<kRowsPerThread, Traits::kSoftmaxChains> softmax(params.softmax_scale_log2);
+      OnlineSoftmax<kRowsPerThread, Traits::kSoftmaxChains> softmax(params.exp2_scale);
       storage.q_full.wait(q_loads & 1);
       timeline.stamp(warpgroup, kQArrived);
       // `state`: the K/V stage of the key tile being scored.

@@ -3,7 +3,8 @@
 Build options (environment variables; see README.md):
   FLASH_CUTLASS_CUDA_ARCHS  ";"- or ","-separated compute capabilities, e.g. "80;90".
                             Default: the local GPU's, else "80;90". Each must be >= 80.
-  FLASH_CUTLASS_HEAD_DIMS   subset of 32,64,96,128,192,256 to compile (default: all).
+  FLASH_CUTLASS_HEAD_DIMS   subset of the head dims in csrc/catalogue.py (32,64,96,128,192,256)
+                            to compile (default: all).
   FLASH_CUTLASS_DTYPES      subset of fp16,bf16 to compile (default: both).
   FLASH_CUTLASS_SM90        1 (default when 90 is among the archs) builds the Hopper path (TMA +
                             wgmma; forward head dims 64/96/128/192/256, backward 64/128) and
@@ -31,6 +32,7 @@ Build options (environment variables; see README.md):
 
 import importlib.util
 import os
+import sys
 import re
 import shutil
 import subprocess
@@ -39,9 +41,18 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-ALL_DTYPES = ("fp16", "bf16")
 GIB = 1024**3
+# Where the build's generated instantiation files and flash_cutlass/compiled.h go.
+GENERATED = ROOT / "build" / "generated"
+
+
+def load_catalogue():
+    """csrc/catalogue.py, the one list of what can be compiled (not a package: loaded by path)."""
+    spec = importlib.util.spec_from_file_location("flash_cutlass_catalogue", ROOT / "csrc" / "catalogue.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def toolkit_root_from_nvcc():
@@ -164,46 +175,36 @@ def default_jobs():
     return max(1, min(cpus, int(available // (3 * GIB))))
 
 
+def build_selection(catalogue):
+    """What this build compiles, from the environment variables in this file's docstring."""
+    archs = cuda_archs()
+    return catalogue.BuildSelection(
+        head_dims=tuple(parse_list("FLASH_CUTLASS_HEAD_DIMS", catalogue.ALL_HEAD_DIMS, catalogue.ALL_HEAD_DIMS, int)),
+        dtypes=tuple(parse_list("FLASH_CUTLASS_DTYPES", catalogue.DTYPES, tuple(catalogue.DTYPES))),
+        archs=tuple(archs),
+        sm90=sm90_enabled(archs),
+        backward=feature_enabled("FLASH_CUTLASS_BACKWARD"),
+        window=feature_enabled("FLASH_CUTLASS_WINDOW"),
+        softcap=feature_enabled("FLASH_CUTLASS_SOFTCAP"),
+        alibi=feature_enabled("FLASH_CUTLASS_ALIBI"),
+        dropout=feature_enabled("FLASH_CUTLASS_DROPOUT"),
+        timeline=feature_enabled("FLASH_CUTLASS_TIMELINE", default=False),
+    )
+
+
 def main():
     ensure_cuda_home()
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     os.environ.setdefault("MAX_JOBS", str(default_jobs()))
-    head_dims = parse_list("FLASH_CUTLASS_HEAD_DIMS", ALL_HEAD_DIMS, ALL_HEAD_DIMS, int)
-    dtypes = parse_list("FLASH_CUTLASS_DTYPES", ALL_DTYPES, ALL_DTYPES)
-    archs = cuda_archs()
     nvcc_threads = os.environ.get("NVCC_THREADS", "1")
-
-    sm90 = sm90_enabled(archs)
-    backward = feature_enabled("FLASH_CUTLASS_BACKWARD")
-
+    catalogue = load_catalogue()
+    selection = build_selection(catalogue)
     sources = ["csrc/flash_api.cpp", "csrc/sm80_kernel_info.cu"]
-    # One file per (direction, path, head dim); the dtype defines below select what it instantiates.
-    for path in sorted((ROOT / "csrc" / "instantiations").glob("*_sm*.cu")):
-        match = re.fullmatch(r"(fwd|bwd)_(sm80|sm90)_hdim(\d+)\.cu", path.name)
-        if not match or int(match.group(3)) not in head_dims or (match.group(1) == "bwd" and not backward):
-            continue
-        if match.group(2) == "sm80" or sm90:
-            sources.append(str(path.relative_to(ROOT)))
-
-    defines = [f"-DFLASH_CUTLASS_HDIM_{d}" for d in head_dims]
-    defines += [f"-DFLASH_CUTLASS_DTYPE_{t.upper()}" for t in dtypes]
-    if sm90:
-        defines.append("-DFLASH_CUTLASS_SM90")
-    extended_options = ("FLASH_CUTLASS_SOFTCAP", "FLASH_CUTLASS_ALIBI", "FLASH_CUTLASS_DROPOUT")
-    for feature in ("FLASH_CUTLASS_WINDOW", "FLASH_CUTLASS_BACKWARD") + extended_options:
-        if feature_enabled(feature):
-            defines.append(f"-D{feature}")
-    if feature_enabled("FLASH_CUTLASS_TIMELINE", default=False):
-        defines.append("-DFLASH_CUTLASS_TIMELINE")
-    # The score-options instantiation; the dropout one (FLASH_CUTLASS_DROPOUT) carries them too.
-    if feature_enabled("FLASH_CUTLASS_SOFTCAP") or feature_enabled("FLASH_CUTLASS_ALIBI"):
-        defines.append("-DFLASH_CUTLASS_SCORE_MODS")
-    # wgmma and setmaxnreg exist only in the architecture-specific sm_90a target.
-    targets = [f"{a}a" if a == 90 and sm90 else str(a) for a in archs]
-    # A bare comma list (no quotes, no ';') survives ninja's shell; the C++ side stringifies it.
-    arch_names = ",".join([f"sm_{t}" for t in targets] + [f"compute_{archs[-1]}"])
-    defines.append(f"-DFLASH_CUTLASS_ARCHS={arch_names}")
+    sources += [str(path.relative_to(ROOT)) for path in catalogue.sources(selection, GENERATED)]
+    # The kernels' one build-time switch; everything else the build selected is in compiled.h.
+    defines = ["-DFLASH_CUTLASS_TIMELINE"] if selection.timeline else []
+    archs, targets = selection.archs, selection.targets()
 
     gencode = [f"-gencode=arch=compute_{t},code=sm_{t}" for t in targets]
     # PTX of the newest arch, so newer GPUs can still JIT the kernels.
@@ -227,13 +228,22 @@ def main():
     extension = CUDAExtension(
         name="flash_cutlass._C",
         sources=sources,
-        include_dirs=[str(ROOT / "include"), *cutlass_include_dirs()],
+        include_dirs=[str(ROOT / "include"), str(GENERATED / "include"), *cutlass_include_dirs()],
         extra_compile_args={"cxx": ["-O3", *defines], "nvcc": nvcc_flags},
     )
+
+    class BuildFromCatalogue(BuildExtension):
+        """Writes the build's generated files (csrc/catalogue.py) just before compiling them, so
+        that commands that build nothing (setup.py --name) write nothing."""
+
+        def run(self):
+            catalogue.generate(selection, GENERATED)
+            super().run()
+
     setup(
         packages=find_packages(include=["flash_cutlass", "flash_cutlass.*"]),
         ext_modules=[extension],
-        cmdclass={"build_ext": BuildExtension},
+        cmdclass={"build_ext": BuildFromCatalogue},
     )
 
 

@@ -1,6 +1,7 @@
-// The one file that sees torch: checks the tensors handed over by flash_cutlass/interface.py,
-// fills FwdParams and dispatches to the compiled kernels. User-facing argument errors are
-// raised in Python first; the checks here keep a direct call from launching on bad memory.
+// The one file that sees torch: reads the tensors and the options (flash_cutlass.options.
+// AttentionOptions) handed over by flash_cutlass/backend.py, fills FwdParams / BwdParams, asks
+// select.h for the kernel and launches it. User-facing argument errors are raised in Python first;
+// the checks here keep a direct call from launching on bad memory.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -17,15 +18,7 @@
 
 #include "flash_cutlass/dispatch.h"
 #include "flash_cutlass/params.h"
-
-// setup.py passes the compiled targets as a bare list, e.g. sm_80,sm_90,compute_90.
-#define FLASH_CUTLASS_STRINGIFY_LIST(...) #__VA_ARGS__
-#define FLASH_CUTLASS_STRINGIFY(...) FLASH_CUTLASS_STRINGIFY_LIST(__VA_ARGS__)
-#ifdef FLASH_CUTLASS_ARCHS
-#define FLASH_CUTLASS_ARCHS_STRING FLASH_CUTLASS_STRINGIFY(FLASH_CUTLASS_ARCHS)
-#else
-#define FLASH_CUTLASS_ARCHS_STRING ""
-#endif
+#include "flash_cutlass/select.h"
 
 namespace flash_cutlass {
 namespace {
@@ -78,9 +71,6 @@ DType dtype_of(const at::Tensor& t) {
   return DType::kBFloat16;
 }
 
-// Which forward kernel runs a call; the values are those of flash_cutlass/interface.py.
-enum class KernelChoice : int64_t { kAuto = 0, kSm80 = 1, kSm90 = 2 };
-
 // Refuses, before any launch, a kernel whose shared memory exceeds what q's GPU allows a block.
 void check_smem(int smem_needed, const char* direction, int64_t head_dim, int kernel_hdim, const at::Tensor& q) {
   int smem_limit = 0;
@@ -90,24 +80,48 @@ void check_smem(int smem_needed, const char* direction, int64_t head_dim, int ke
                " allows ", smem_limit / 1024, " KiB; this head dim is not supported on this GPU yet");
 }
 
-// Returns the reason the Hopper path cannot run a call of this head dim on this device, or an
-// empty string when it can.
-std::string sm90_unavailable_reason(int head_dim, const at::Tensor& q) {
-  if (kCompiledSm90HeadDims[0] == 0) {
-    return "the Hopper path was not built (it needs 90 in FLASH_CUTLASS_CUDA_ARCHS and FLASH_CUTLASS_SM90 "
-           "not 0)";
-  }
-  int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-  if (major != 9 || minor != 0) {
-    return "the Hopper path runs only on compute capability 9.0, and " + q.device().str() + " has " +
-           std::to_string(major) + "." + std::to_string(minor);
-  }
-  if (sm90_kernel_head_dim(head_dim) == 0) {
-    return "head_dim " + std::to_string(head_dim) + " exceeds the Hopper path's compiled head dims";
-  }
-  return "";
+// The fields of flash_cutlass.options.AttentionOptions, read by name from the Python object.
+struct AttentionOptions {
+  double softmax_scale = 0;
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0;
+  std::optional<at::Tensor> alibi_slopes;
+  double dropout_p = 0;
+  std::optional<at::Tensor> rng_state;
+  std::optional<at::Tensor> cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  KernelChoice kernel = KernelChoice::kAuto;
+  bool deterministic = false;
+
+  bool is_varlen() const { return cu_seqlens_q.has_value() && cu_seqlens_q->defined(); }
+};
+
+template <class T>
+T option(const pybind11::handle& options, const char* name) {
+  return options.attr(name).cast<T>();
+}
+
+AttentionOptions options_from_python(const pybind11::handle& object) {
+  AttentionOptions options;
+  options.softmax_scale = option<double>(object, "softmax_scale");
+  options.causal = option<bool>(object, "causal");
+  options.window_left = option<int64_t>(object, "window_left");
+  options.window_right = option<int64_t>(object, "window_right");
+  options.softcap = option<double>(object, "softcap");
+  options.alibi_slopes = option<std::optional<at::Tensor>>(object, "alibi_slopes");
+  options.dropout_p = option<double>(object, "dropout_p");
+  options.rng_state = option<std::optional<at::Tensor>>(object, "rng_state");
+  options.cu_seqlens_q = option<std::optional<at::Tensor>>(object, "cu_seqlens_q");
+  options.cu_seqlens_k = option<std::optional<at::Tensor>>(object, "cu_seqlens_k");
+  options.max_seqlen_q = option<int64_t>(object, "max_seqlen_q");
+  options.max_seqlen_k = option<int64_t>(object, "max_seqlen_k");
+  const std::string kernel = option<std::string>(object, "kernel");
+  FLASH_CHECK(kernel == "auto" || kernel == "sm80" || kernel == "sm90",
+              "options.kernel must be 'auto', 'sm80' or 'sm90', got '", kernel, "'");
+  options.kernel = kernel == "sm80" ? KernelChoice::kSm80 : kernel == "sm90" ? KernelChoice::kSm90 : KernelChoice::kAuto;
+  options.deterministic = option<bool>(object, "deterministic");
+  return options;
 }
 
 // The checks both directions make of q, k, v, out and lse (as the forward returns them), and the
@@ -115,11 +129,10 @@ std::string sm90_unavailable_reason(int head_dim, const at::Tensor& q) {
 struct AttentionShape {
   int64_t batch, seqlen_q, heads, head_dim, seqlen_k, heads_k;
   DType dtype;
-  int kernel_hdim;  // the compiled sm80-path head dim that runs head_dim
 };
 
 AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                               const at::Tensor& lse, double softmax_scale) {
+                               const at::Tensor& lse, AttentionOptions const& options) {
   check_operand(q, "q", 4);
   check_operand(k, "k", 4);
   check_operand(v, "v", 4);
@@ -137,17 +150,16 @@ AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const a
   FLASH_CHECK(k.size(3) == head_dim && v.size(3) == head_dim, "k and v must have q's head_dim");
   FLASH_CHECK(heads_k > 0 && heads % heads_k == 0, "heads (", heads, ") must be a multiple of heads_k (", heads_k, ")");
   FLASH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
-  FLASH_CHECK(head_dim % kAlignElems == 0, "head_dim must be a multiple of 8, got ", head_dim);
+  FLASH_CHECK(head_dim % kAlignElems == 0 && head_dim > 0 && head_dim <= 256,
+              "head_dim must be a multiple of 8 in [8, 256], got ", head_dim);
   FLASH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
                    lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == heads &&
                    lse.size(2) == seqlen_q,
                "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
-  FLASH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
+  FLASH_CHECK(std::isfinite(options.softmax_scale) && options.softmax_scale > 0,
+              "softmax_scale must be finite and > 0");
   FLASH_CHECK(dtype_compiled(shape.dtype), "dtype ", q.scalar_type(),
                " was not compiled in (build flag FLASH_CUTLASS_DTYPES)");
-  shape.kernel_hdim = kernel_head_dim(static_cast<int>(head_dim));
-  FLASH_CHECK(shape.kernel_hdim != 0, "head_dim ", head_dim,
-               " exceeds every compiled head dim (build flag FLASH_CUTLASS_HEAD_DIMS)");
   FLASH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "sequence lengths must be < 2^31");
   shape.batch = batch;
   shape.seqlen_q = seqlen_q;
@@ -164,7 +176,9 @@ AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const a
 // without a real left bound run the causal kernels, calls without any bound the unmasked ones,
 // and the rest the sliding-window kernels. The extended kernels (uses_extension: the options are
 // set before) take every mask in the window's form.
-void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_t window_right) {
+void set_mask_params(FwdParams& params, AttentionOptions const& options) {
+  int64_t window_left = options.window_left, window_right = options.window_right;
+  const bool causal = options.causal;
   FLASH_CHECK(window_left >= -1 && window_right >= -1, "window_size entries must be >= -1, got (", window_left, ", ",
                window_right, ")");
   if (causal) window_right = 0;
@@ -183,7 +197,7 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
   } else if (left_unbounded && right_unbounded) {
     params.mask = MaskKind::kNone;
   } else {
-    FLASH_CHECK(kCompiledWindow, "window_size ", "(", window_left, ", ", window_right,
+    FLASH_CHECK(compiled::kWindow, "window_size ", "(", window_left, ", ", window_right,
                  ") needs the sliding-window kernels, which this build left out (FLASH_CUTLASS_WINDOW=0); "
                  "rebuild with FLASH_CUTLASS_WINDOW=1");
     params.mask = MaskKind::kLocal;
@@ -191,15 +205,19 @@ void set_mask_params(FwdParams& params, bool causal, int64_t window_left, int64_
 }
 
 // The extended kernels' options (include/flash_cutlass/common/score_mods.h, dropout.h) into
-// params, after the scale: the soft cap (softcap > 0: the kernels take tanh(q.k * softmax_scale /
+// params: the soft cap (softcap > 0: the kernels take tanh(q.k * softmax_scale /
 // softcap) and exponentiate it times softcap; 0: none), ALiBi slopes (fp32, (heads,) or
 // (batch, heads), on q's device; none: no ALiBi) and dropout (dropout_p in [0, 1) with rng_state,
-// an int64 CPU tensor (seed, offset) that flash_cutlass/interface.py draws from a generator).
-void set_extended_params(FwdParams& params, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                         double dropout_p, const std::optional<at::Tensor>& rng_state, const at::Tensor& q) {
+// an int64 CPU tensor (seed, offset) that flash_cutlass/options.py draws from a generator), and
+// the factor the kernels take before exp2 (exp2_scale).
+void set_extended_params(FwdParams& params, AttentionOptions const& options, const at::Tensor& q) {
+  const double softcap = options.softcap, dropout_p = options.dropout_p;
+  const std::optional<at::Tensor>& alibi_slopes = options.alibi_slopes;
+  const std::optional<at::Tensor>& rng_state = options.rng_state;
   FLASH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
+  params.exp2_scale = static_cast<float>((softcap > 0 ? softcap : options.softmax_scale) * M_LOG2E);
   if (softcap > 0) {
-    FLASH_CHECK(kCompiledSoftcap, "softcap=", softcap,
+    FLASH_CHECK(compiled::kSoftcap, "softcap=", softcap,
                  " needs the soft cap of the extended kernels, which this build left out (FLASH_CUTLASS_SOFTCAP=0); "
                  "rebuild with FLASH_CUTLASS_SOFTCAP=1");
     params.softcap = static_cast<float>(softcap);
@@ -207,7 +225,7 @@ void set_extended_params(FwdParams& params, double softcap, const std::optional<
   }
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {
     const at::Tensor& slopes = *alibi_slopes;
-    FLASH_CHECK(kCompiledAlibi,
+    FLASH_CHECK(compiled::kAlibi,
                  "alibi_slopes needs ALiBi in the extended kernels, which this build left out (FLASH_CUTLASS_ALIBI=0); "
                  "rebuild with FLASH_CUTLASS_ALIBI=1");
     FLASH_CHECK(slopes.scalar_type() == at::kFloat, "alibi_slopes must be float32, got ", slopes.scalar_type());
@@ -223,7 +241,7 @@ void set_extended_params(FwdParams& params, double softcap, const std::optional<
   }
   FLASH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
   if (dropout_p > 0) {
-    FLASH_CHECK(kCompiledDropout,
+    FLASH_CHECK(compiled::kDropout,
                  "dropout_p needs dropout in the extended kernels, which this build left out (FLASH_CUTLASS_DROPOUT=0); "
                  "rebuild with FLASH_CUTLASS_DROPOUT=1");
     FLASH_CHECK(rng_state.has_value() && rng_state->defined(), "dropout_p > 0 needs rng_state");
@@ -242,18 +260,9 @@ void set_extended_params(FwdParams& params, double softcap, const std::optional<
 // and the longest lengths, which size the grid. The packed (total, heads, head_dim) tensors come
 // as (1, total, heads, head_dim) views, lse as (1, heads, total_q). Their contents (starting at 0,
 // non-decreasing, ending at the totals, the longest lengths at least every length) are checked by
-// flash_cutlass/interface.py, which reads them on the host.
-struct VarlenArgs {
-  const std::optional<at::Tensor>& cu_seqlens_q;
-  const std::optional<at::Tensor>& cu_seqlens_k;
-  int64_t max_seqlen_q;
-  int64_t max_seqlen_k;
-
-  bool active() const { return cu_seqlens_q.has_value() && cu_seqlens_q->defined(); }
-};
-
-// Turns params set for the (1, total, ...) views into a variable-length call's.
-void set_varlen_params(FwdParams& params, VarlenArgs const& varlen, const at::Tensor& q) {
+// flash_cutlass/backend.py, which reads them on the host. Turns params set for the (1, total, ...)
+// views into a variable-length call's.
+void set_varlen_params(FwdParams& params, AttentionOptions const& varlen, const at::Tensor& q) {
   FLASH_CHECK(varlen.cu_seqlens_k.has_value() && varlen.cu_seqlens_k->defined(),
                "cu_seqlens_q and cu_seqlens_k go together");
   const at::Tensor& cu_q = *varlen.cu_seqlens_q;
@@ -282,9 +291,7 @@ void set_varlen_params(FwdParams& params, VarlenArgs const& varlen, const at::Te
 // params.
 void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& lse, AttentionShape const& shape,
-                          double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                          double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                          const std::optional<at::Tensor>& rng_state, VarlenArgs const& varlen) {
+                          AttentionOptions const& options) {
   params.q = q.data_ptr();
   params.k = k.data_ptr();
   params.v = v.data_ptr();
@@ -308,68 +315,61 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
   params.heads = static_cast<int>(shape.heads);
   params.heads_k = static_cast<int>(shape.heads_k);
   params.head_dim = static_cast<int>(shape.head_dim);
-  params.softmax_scale = static_cast<float>(softmax_scale);
-  if (varlen.active()) set_varlen_params(params, varlen, q);
-  set_extended_params(params, softcap, alibi_slopes, dropout_p, rng_state, q);
-  params.exp2_scale = static_cast<float>((softcap > 0 ? softcap : softmax_scale) * M_LOG2E);
-  set_mask_params(params, causal, window_left, window_right);
+  params.softmax_scale = static_cast<float>(options.softmax_scale);
+  if (options.is_varlen()) set_varlen_params(params, options, q);
+  set_extended_params(params, options, q);
+  set_mask_params(params, options);
 }
 
+// select.h's kernel for this call on q's GPU; raises its error.
+template <Direction kDirection>
+KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions const& options, const at::Tensor& q) {
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+  const KernelSelection selection = select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, major,
+                                                              minor, options.deterministic);
+  FLASH_CHECK(selection.error.empty(), selection.error);
+  if (selection.path == KernelPath::kSm80) {
+    constexpr bool kForward = kDirection == Direction::kForward;
+    check_smem(kForward ? sm80::fwd_smem_bytes(selection.kernel_hdim) : sm80::bwd_smem_bytes(selection.kernel_hdim),
+               kForward ? "forward" : "backward", shape.head_dim, selection.kernel_hdim, q);
+  }
+  return selection;
+}
+
+// The forward into preallocated out (like q) and lse (fp32 (batch, heads, seqlen_q)).
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-             double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-             const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-             const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& cu_seqlens_q,
-             const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-             int64_t kernel_choice) {
-  const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
+             const pybind11::handle& options_object) {
+  const AttentionOptions options = options_from_python(options_object);
+  const AttentionShape shape = check_attention(q, k, v, out, lse, options);
   if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) return;
   FLASH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
-  const DType dtype = shape.dtype;
-  const int64_t head_dim = shape.head_dim;
-  const int kernel_hdim = shape.kernel_hdim;
   FwdParams params;
-  const VarlenArgs varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
-                       softcap, alibi_slopes, dropout_p, rng_state, varlen);
+  set_attention_params(params, q, k, v, out, lse, shape, options);
   FLASH_CHECK(params.seqlen_q > 0 && params.seqlen_k > 0 && params.batch > 0,
                "a variable-length call without queries or keys is handled by the caller");
-
-  FLASH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
+  const KernelSelection kernel = selected_kernel<Direction::kForward>(shape, options, q);
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const KernelChoice choice = static_cast<KernelChoice>(kernel_choice);
-  if (choice != KernelChoice::kSm80) {
-    const std::string reason = sm90_unavailable_reason(static_cast<int>(head_dim), q);
-    FLASH_CHECK(choice != KernelChoice::kSm90 || reason.empty(), "kernel='sm90' cannot run this call: ", reason);
-    // Automatically, the Hopper path takes the calls whose head dim it runs without extra padding.
-    const int sm90_hdim = sm90_kernel_head_dim(static_cast<int>(head_dim));
-    if (reason.empty() && (choice == KernelChoice::kSm90 || sm90_hdim == kernel_hdim)) {
-      const cudaError_t status = run_fwd_sm90(params, dtype, sm90_hdim, stream);
-      FLASH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
-      return;
-    }
-  }
-  check_smem(sm80::fwd_smem_bytes(kernel_hdim), "forward", head_dim, kernel_hdim, q);
-  const cudaError_t status = run_fwd_sm80(params, dtype, kernel_hdim, stream);
+  const cudaError_t status =
+      kernel.path == KernelPath::kSm90
+          ? run_kernel<Direction::kForward, KernelPath::kSm90>(params, shape.dtype, kernel.kernel_hdim, stream)
+          : run_kernel<Direction::kForward, KernelPath::kSm80>(params, shape.dtype, kernel.kernel_hdim, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
 }
 
-// The sm80-path backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k
-// and v, last dimension contiguous). D = rowsum(dout * out) and the fp32 dQ accumulator are
-// computed on the device; with GQA, dK and dV come per query head in fp32 and are summed over
-// each group here.
+// The backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k and v, last
+// dimension contiguous). D = rowsum(dout * out) and the fp32 dQ accumulator are computed on the
+// device; with GQA, dK and dV come per query head in fp32 and are summed over each group here.
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
-              const at::Tensor& dv, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-              double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-              const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& cu_seqlens_q,
-              const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-              bool deterministic, int64_t kernel_choice) {
-  FLASH_CHECK(kCompiledBackward,
+              const at::Tensor& dv, const pybind11::handle& options_object) {
+  FLASH_CHECK(compiled::kBackward,
                "the backward needs its kernels, which this build left out (FLASH_CUTLASS_BACKWARD=0); rebuild with "
                "FLASH_CUTLASS_BACKWARD=1");
-  const AttentionShape shape = check_attention(q, k, v, out, lse, softmax_scale);
-  FLASH_CHECK(kernel_choice >= 0 && kernel_choice <= 2, "kernel_choice must be 0 (auto), 1 (sm80) or 2 (sm90)");
+  const AttentionOptions options = options_from_python(options_object);
+  const AttentionShape shape = check_attention(q, k, v, out, lse, options);
   check_operand(dout, "dout", 4);
   check_operand(dq, "dq", 4);
   check_operand(dk, "dk", 4);
@@ -382,28 +382,14 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   FLASH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(), "dk and dv must have k's shape");
   const int64_t batch = shape.batch, seqlen_q = shape.seqlen_q, heads = shape.heads, head_dim = shape.head_dim;
   const int64_t seqlen_k = shape.seqlen_k, heads_k = shape.heads_k;
-  const int kernel_hdim = shape.kernel_hdim;
   if (batch == 0 || seqlen_q == 0 || seqlen_k == 0 || heads == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
     return;
   }
-  // The Hopper backward (head dims up to 128, atomic dQ) where it runs; the sm80 path otherwise.
-  const KernelChoice choice = static_cast<KernelChoice>(kernel_choice);
-  int sm90_hdim = 0;
-  if (choice != KernelChoice::kSm80) {
-    std::string reason = sm90_unavailable_reason(static_cast<int>(head_dim), q);
-    if (reason.empty() && sm90_bwd_kernel_head_dim(static_cast<int>(head_dim)) == 0) {
-      reason = "head_dim " + std::to_string(head_dim) + " exceeds the Hopper backward's compiled head dims";
-    }
-    if (reason.empty() && deterministic) reason = "deterministic=True runs on the sm80 path only";
-    FLASH_CHECK(choice != KernelChoice::kSm90 || reason.empty(), "kernel='sm90' cannot run this backward: ", reason);
-    const int candidate = sm90_bwd_kernel_head_dim(static_cast<int>(head_dim));
-    if (reason.empty() && (choice == KernelChoice::kSm90 || candidate == kernel_hdim)) sm90_hdim = candidate;
-  }
-  if (sm90_hdim == 0) check_smem(sm80::bwd_smem_bytes(kernel_hdim), "backward", head_dim, kernel_hdim, q);
-  const int accum_hdim = sm90_hdim != 0 ? sm90_hdim : kernel_hdim;
+  const KernelSelection kernel = selected_kernel<Direction::kBackward>(shape, options, q);
+  const int accum_hdim = kernel.kernel_hdim;
 
   const auto fp32 = q.options().dtype(at::kFloat);
   at::Tensor dsoftmax_sum = at::empty({batch, heads, seqlen_q}, fp32);
@@ -416,9 +402,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   }
 
   BwdParams params;
-  const VarlenArgs varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-  set_attention_params(params, q, k, v, out, lse, shape, softmax_scale, causal, window_left, window_right,
-                       softcap, alibi_slopes, dropout_p, rng_state, varlen);
+  set_attention_params(params, q, k, v, out, lse, shape, options);
   if (params.batch == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {  // a variable-length call without work
     dq.zero_();
     dk.zero_();
@@ -446,13 +430,15 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     params.dkv_row_stride = dk.stride(1);
     params.dkv_head_stride = dk.stride(2);
   }
-  params.deterministic = deterministic;
-  if (varlen.active()) params.dout_batch_stride = params.dq_batch_stride = params.dkv_batch_stride = 0;
+  params.deterministic = options.deterministic;
+  if (options.is_varlen()) params.dout_batch_stride = params.dq_batch_stride = params.dkv_batch_stride = 0;
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const cudaError_t status = sm90_hdim != 0 ? run_bwd_sm90(params, shape.dtype, sm90_hdim, stream)
-                                            : run_bwd_sm80(params, shape.dtype, kernel_hdim, stream);
+  const cudaError_t status =
+      kernel.path == KernelPath::kSm90
+          ? run_kernel<Direction::kBackward, KernelPath::kSm90>(params, shape.dtype, kernel.kernel_hdim, stream)
+          : run_kernel<Direction::kBackward, KernelPath::kSm80>(params, shape.dtype, kernel.kernel_hdim, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass backward kernel launch failed: ", cudaGetErrorString(status));
   if (grouped) {
     // Sum each group's query heads in a fixed order (deterministic either way).
@@ -460,32 +446,21 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     auto group_sum = [&](const at::Tensor& accum) {
       return accum.view({batch, seqlen_k, heads_k, group, accum_hdim}).sum(3).narrow(3, 0, head_dim);
     };
-    dk.copy_(group_sum(dk_accum).mul_(softmax_scale));
+    dk.copy_(group_sum(dk_accum).mul_(options.softmax_scale));
     dv.copy_(group_sum(dv_accum));
   }
 }
-
-// The entries of a 0-terminated compiled head-dim list.
-template <int kCount>
-std::vector<int64_t> head_dims_of(const int (&compiled)[kCount]) {
-  std::vector<int64_t> dims;
-  for (int d : compiled) {
-    if (d != 0) dims.push_back(d);
-  }
-  return dims;
-}
-
-std::vector<int64_t> compiled_head_dims() { return head_dims_of(kCompiledHeadDims); }
-std::vector<int64_t> compiled_sm90_head_dims() { return head_dims_of(kCompiledSm90HeadDims); }
 
 // The Hopper forward's developer timeline of head dim `head_dim`'s kernels on the current device
 // (FLASH_CUTLASS_TIMELINE=1, sm90/timeline.h): int64 (FwdTimeline::kCtas, kSteps, kWarpgroups,
 // kEvents), the clock64 stamps the calls since the last read left (0 where none wrote); reading
 // clears it.
 at::Tensor forward_timeline(int64_t head_dim) {
-  const int kernel_hdim = head_dim > 0 && head_dim <= 256 ? sm90_kernel_head_dim(static_cast<int>(head_dim)) : 0;
+  const int kernel_hdim = head_dim > 0 && head_dim <= 256
+                              ? kernel_head_dim<Direction::kForward, KernelPath::kSm90>(static_cast<int>(head_dim))
+                              : 0;
   FLASH_CHECK(kernel_hdim != 0, "head_dim ", head_dim, " has no Hopper-path forward kernel in this build");
-  FLASH_CHECK(kCompiledTimeline, "forward_timeline needs a build with FLASH_CUTLASS_TIMELINE=1");
+  FLASH_CHECK(compiled::kTimeline, "forward_timeline needs a build with FLASH_CUTLASS_TIMELINE=1");
   at::Tensor timeline =
       at::zeros({FwdTimeline::kCtas, FwdTimeline::kSteps, FwdTimeline::kWarpgroups, FwdTimeline::kEvents}, at::kLong);
 #ifdef FLASH_CUTLASS_TIMELINE
@@ -496,8 +471,8 @@ at::Tensor forward_timeline(int64_t head_dim) {
 
 std::vector<std::string> compiled_dtypes() {
   std::vector<std::string> names;
-  if (kCompiledFloat16) names.emplace_back("float16");
-  if (kCompiledBFloat16) names.emplace_back("bfloat16");
+  if (dtype_compiled(DType::kFloat16)) names.emplace_back("float16");
+  if (dtype_compiled(DType::kBFloat16)) names.emplace_back("bfloat16");
   return names;
 }
 
@@ -505,34 +480,28 @@ std::vector<std::string> compiled_dtypes() {
 }  // namespace flash_cutlass
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace fc = flash_cutlass;
   m.doc() = "flash_cutlass CUDA kernels (internal; use the flash_cutlass package)";
-  m.def("forward", &flash_cutlass::forward, "Attention forward into preallocated out and lse",
+  m.def("forward", &fc::forward, "Attention forward into preallocated out and lse", pybind11::arg("q"),
+        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("options"));
+  m.def("backward", &fc::backward, "Attention backward into preallocated dq, dk and dv", pybind11::arg("dout"),
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
-        pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("alibi_slopes"),
-        pybind11::arg("dropout_p"), pybind11::arg("rng_state"), pybind11::arg("cu_seqlens_q"),
-        pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
-        pybind11::arg("kernel_choice"));
-  m.def("backward", &flash_cutlass::backward, "Attention backward into preallocated dq, dk and dv",
-        pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
-        pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
-        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("window_left"),
-        pybind11::arg("window_right"), pybind11::arg("softcap"), pybind11::arg("alibi_slopes"),
-        pybind11::arg("dropout_p"), pybind11::arg("rng_state"), pybind11::arg("cu_seqlens_q"),
-        pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
-        pybind11::arg("deterministic"),
-        pybind11::arg("kernel_choice"));
-  m.def("compiled_head_dims", &flash_cutlass::compiled_head_dims);
-  m.def("compiled_sm90_head_dims", &flash_cutlass::compiled_sm90_head_dims);
-  m.def("compiled_dtypes", &flash_cutlass::compiled_dtypes);
-  m.attr("compiled_window") = flash_cutlass::kCompiledWindow;
-  m.attr("compiled_backward") = flash_cutlass::kCompiledBackward;
-  m.attr("compiled_softcap") = flash_cutlass::kCompiledSoftcap;
-  m.attr("compiled_alibi") = flash_cutlass::kCompiledAlibi;
-  m.attr("compiled_dropout") = flash_cutlass::kCompiledDropout;
-  m.attr("compiled_archs") = std::string(FLASH_CUTLASS_ARCHS_STRING);
-  m.def("forward_timeline", &flash_cutlass::forward_timeline,
+        pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("options"));
+  using fc::Direction;
+  using fc::KernelPath;
+  // The sm80 path's head dims are the build's: each direction has every one of them (or none).
+  m.def("compiled_head_dims", &fc::compiled_head_dims<Direction::kForward, KernelPath::kSm80>);
+  m.def("compiled_sm90_head_dims", &fc::compiled_head_dims<Direction::kForward, KernelPath::kSm90>);
+  m.def("compiled_sm90_backward_head_dims", &fc::compiled_head_dims<Direction::kBackward, KernelPath::kSm90>);
+  m.def("compiled_dtypes", &fc::compiled_dtypes);
+  m.attr("compiled_window") = fc::compiled::kWindow;
+  m.attr("compiled_backward") = fc::compiled::kBackward;
+  m.attr("compiled_softcap") = fc::compiled::kSoftcap;
+  m.attr("compiled_alibi") = fc::compiled::kAlibi;
+  m.attr("compiled_dropout") = fc::compiled::kDropout;
+  m.attr("compiled_archs") = std::string(fc::compiled::kArchs);
+  m.def("forward_timeline", &fc::forward_timeline,
         "The Hopper forward's developer timeline of one head dim's kernels (FLASH_CUTLASS_TIMELINE=1)",
         pybind11::arg("head_dim"));
-  m.attr("compiled_timeline") = flash_cutlass::kCompiledTimeline;
+  m.attr("compiled_timeline") = fc::compiled::kTimeline;
 }

@@ -8,31 +8,38 @@ the slow pure-PyTorch reference in flash_cutlass.reference with the same semanti
 """
 
 from flash_cutlass._version import __version__
-from flash_cutlass.interface import (
+from flash_cutlass.backend import (
     compiled_alibi,
     compiled_archs,
     compiled_backward,
     compiled_dropout,
     compiled_dtypes,
     compiled_head_dims,
+    compiled_sm90_backward_head_dims,
     compiled_sm90_head_dims,
     compiled_softcap,
     compiled_window,
+)
+from flash_cutlass.interface import (
+    flash_attention,
+    flash_attention_varlen,
     flash_backward,
     flash_backward_varlen,
     flash_forward,
     flash_forward_varlen,
 )
-from flash_cutlass.ops import flash_attention, flash_attention_varlen
+from flash_cutlass.options import AttentionOptions
 
 __all__ = [
     "__version__",
+    "AttentionOptions",
     "compiled_alibi",
     "compiled_archs",
     "compiled_backward",
     "compiled_dropout",
     "compiled_dtypes",
     "compiled_head_dims",
+    "compiled_sm90_backward_head_dims",
     "compiled_sm90_head_dims",
     "compiled_softcap",
     "compiled_window",

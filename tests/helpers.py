@@ -16,21 +16,36 @@ requires_cuda = pytest.mark.skipif(
     reason="needs a CUDA GPU (sm_80 or newer); none is visible",
 )
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_catalogue():
+    """csrc/catalogue.py, the one list of what can be compiled (not a package: loaded by path)."""
+    spec = importlib.util.spec_from_file_location("flash_cutlass_catalogue", ROOT / "csrc" / "catalogue.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+catalogue = load_catalogue()
 try:
     COMPILED_HEAD_DIMS = flash_cutlass.compiled_head_dims()
     COMPILED_SM90_HEAD_DIMS = flash_cutlass.compiled_sm90_head_dims()
+    COMPILED_SM90_BACKWARD_HEAD_DIMS = flash_cutlass.compiled_sm90_backward_head_dims()
     COMPILED_DTYPES = flash_cutlass.compiled_dtypes()
 except RuntimeError:
     # The extension is not built: the GPU tests that parametrize over these skip anyway.
-    COMPILED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-    COMPILED_SM90_HEAD_DIMS = (64, 96, 128, 192, 256)
-    COMPILED_DTYPES = (torch.float16, torch.bfloat16)
+    COMPILED_HEAD_DIMS = catalogue.HEAD_DIMS[("forward", "sm80")]
+    COMPILED_SM90_HEAD_DIMS = catalogue.HEAD_DIMS[("forward", "sm90")]
+    COMPILED_SM90_BACKWARD_HEAD_DIMS = catalogue.HEAD_DIMS[("backward", "sm90")]
+    COMPILED_DTYPES = tuple(getattr(torch, name) for _, name in catalogue.DTYPES.values())
 
 
 def load_script(folder: str, name: str):
     """<folder>/<name>.py (benchmarks/ or tools/) imported as the module `name` (the scripts are not
     a package)."""
-    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
+    path = ROOT / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -53,7 +68,7 @@ requires_backward = pytest.mark.skipif(bool(backward_left_out()), reason=backwar
 
 def kernel_unavailable(kernel: str, head_dim: int, direction: str) -> str:
     """Why `kernel` ('sm80' or 'sm90') cannot run the `direction` ('forward' or 'backward') of a
-    head dim on this GPU and build, or '' when it can. The Hopper backward stops at head dim 128."""
+    head dim on this GPU and build, or '' when it can."""
     if direction == "backward":
         left_out = backward_left_out()
         if left_out:
@@ -64,7 +79,7 @@ def kernel_unavailable(kernel: str, head_dim: int, direction: str) -> str:
         return "the Hopper path was not built"
     if torch.cuda.get_device_capability() != (9, 0):
         return "the Hopper path needs compute capability 9.0"
-    limit = max((d for d in COMPILED_SM90_HEAD_DIMS if direction == "forward" or d <= 128), default=0)
+    limit = max(COMPILED_SM90_HEAD_DIMS if direction == "forward" else COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
     if head_dim > limit:
         return f"head_dim {head_dim} is above the Hopper {direction}'s largest head dim {limit}"
     return ""

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import flash_cutlass
-from flash_cutlass.interface import check_compute_capability
+from flash_cutlass.backend import check_compute_capability
 from flash_cutlass.reference import naive_attention
+from helpers import catalogue
 
 
 def qkv(batch=2, seqlen_q=33, seqlen_k=47, heads=4, heads_k=2, head_dim=32, dtype=torch.bfloat16, gen=None):
@@ -20,7 +21,7 @@ def qkv(batch=2, seqlen_q=33, seqlen_k=47, heads=4, heads_k=2, head_dim=32, dtyp
 
 def test_extension_reports_what_was_compiled():
     head_dims = flash_cutlass.compiled_head_dims()
-    assert head_dims and set(head_dims) <= {32, 64, 96, 128, 192, 256}
+    assert head_dims and set(head_dims) <= set(catalogue.ALL_HEAD_DIMS)
     assert list(head_dims) == sorted(head_dims)
     assert set(flash_cutlass.compiled_dtypes()) <= {torch.float16, torch.bfloat16}
     assert flash_cutlass.compiled_dtypes()
@@ -32,10 +33,13 @@ def test_extension_reports_what_was_compiled():
     assert list(sm90_head_dims) == sorted(sm90_head_dims)
     # The Hopper path is built exactly when the sm_90a target is, at every compiled head dim it has a
     # forward kernel for.
+    sm90_backward_head_dims = flash_cutlass.compiled_sm90_backward_head_dims()
     if "sm_90a" in archs:
-        assert set(sm90_head_dims) == set(head_dims) & {64, 96, 128, 192, 256}
+        assert set(sm90_head_dims) == set(head_dims) & set(catalogue.HEAD_DIMS[("forward", "sm90")])
+        backward = set(head_dims) & set(catalogue.HEAD_DIMS[("backward", "sm90")])
+        assert set(sm90_backward_head_dims) == (backward if flash_cutlass.compiled_backward() else set())
     else:
-        assert not sm90_head_dims
+        assert not sm90_head_dims and not sm90_backward_head_dims
     assert isinstance(flash_cutlass.compiled_window(), bool)
     assert isinstance(flash_cutlass.compiled_backward(), bool)
 

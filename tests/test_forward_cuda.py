@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import flash_cutlass
-from flash_cutlass.interface import forward_into
+from flash_cutlass.backend import _extension
+from flash_cutlass.options import AttentionOptions
 from flash_cutlass.reference import naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, backward_left_out, fa2_check,
                      options_left_out, requires_cuda)
@@ -19,6 +20,11 @@ pytestmark = requires_cuda
 # Every compiled kernel: the sm80 path at each head dim, the Hopper path at each of its own.
 KERNEL_HEAD_DIMS = [("sm80", d) for d in COMPILED_HEAD_DIMS] + [("sm90", d) for d in COMPILED_SM90_HEAD_DIMS]
 KERNELS = ("sm80", "sm90")
+
+
+def forward_into(q, k, v, out, lse, scale, causal, kernel):
+    """The extension's forward into poisoned out and lse, with nothing allocated around it."""
+    _extension().forward(q, k, v, out, lse, AttentionOptions(softmax_scale=scale, causal=causal, kernel=kernel))
 
 
 def sm90_unavailable() -> str:
@@ -319,17 +325,16 @@ def test_extension_checks_with_numbers_in_their_messages_raise(cuda_gen):
     """The extension's own checks (behind the Python ones) raise with the numbers in their
     messages: on the H200 machine, messages that torch's TORCH_CHECK streamed numbers into crashed
     the interpreter (csrc/flash_api.cpp: FLASH_CHECK builds them as strings first)."""
-    extension = flash_cutlass.interface._extension()
+    extension = _extension()
     lse = torch.zeros(1, 1, 4, device="cuda")
     narrow = torch.zeros(1, 4, 1, 12, device="cuda", dtype=COMPILED_DTYPES[-1])
-    no_options = (0.0, None, 0.0, None, None, None, 0, 0, 0)  # softcap .. kernel_choice
     with pytest.raises(RuntimeError, match=r"q stride 1 \(12\) must be a multiple of 8 elements"):
-        extension.forward(narrow, narrow, narrow, narrow.clone(), lse, 1.0, False, -1, -1, *no_options)
+        extension.forward(narrow, narrow, narrow, narrow.clone(), lse, AttentionOptions())
     q = torch.zeros(1, 4, 1, 8, device="cuda", dtype=COMPILED_DTYPES[-1])
     with pytest.raises(RuntimeError, match=r"window_size entries must be >= -1, got \(-2, -1\)"):
-        extension.forward(q, q, q, q.clone(), lse, 1.0, False, -2, -1, *no_options)
+        extension.forward(q, q, q, q.clone(), lse, AttentionOptions(window_left=-2))
     with pytest.raises(RuntimeError, match=r"softcap must be finite and >= 0, got -1.5"):
-        extension.forward(q, q, q, q.clone(), lse, 1.0, False, -1, -1, -1.5, *no_options[1:])
+        extension.forward(q, q, q, q.clone(), lse, AttentionOptions(softcap=-1.5))
 
 
 @pytest.mark.skipif(not backward_left_out(), reason="this build has the backward kernels")

@@ -6,6 +6,7 @@ import torch
 
 import flash_cutlass
 from flash_cutlass import ops
+from flash_cutlass.options import AttentionOptions
 from helpers import options_left_out, requires_backward, requires_cuda
 
 # The GPU cases differentiate through the ops: they need the backward kernels.
@@ -49,8 +50,11 @@ def skip_if_left_out(device, window=(-1, -1), softcap=0.0, alibi=False, drop=Fal
 def test_forward_op_passes_opcheck(device, causal, window, softcap, alibi, drop, deterministic):
     skip_if_left_out(device, window, softcap, alibi, drop)
     q, k, v = (t.requires_grad_() for t in inputs(device))
-    torch.library.opcheck(ops.forward_op, (q, k, v, None, causal, *window, softcap, slopes(device, alibi),
-                                           *dropout(drop), None, None, 0, 0, None, deterministic))
+    p, state = dropout(drop)
+    options = AttentionOptions(softmax_scale=32 ** -0.5, causal=causal, window_left=window[0], window_right=window[1],
+                               softcap=softcap, alibi_slopes=slopes(device, alibi), dropout_p=p, rng_state=state,
+                               deterministic=deterministic)
+    torch.library.opcheck(ops.forward_op, (q, k, v, *options.op_args()))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -66,8 +70,10 @@ def test_backward_op_passes_opcheck(device, causal, window, softcap, alibi, drop
                                                alibi_slopes=slopes(device, alibi), dropout_p=dropout_p,
                                                rng_state=rng_state)
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, None, causal, *window, softcap,
-                                            slopes(device, alibi), dropout_p, rng_state, None, None, 0, 0, False))
+    options = AttentionOptions(softmax_scale=32 ** -0.5, causal=causal, window_left=window[0], window_right=window[1],
+                               softcap=softcap, alibi_slopes=slopes(device, alibi), dropout_p=dropout_p,
+                               rng_state=rng_state)
+    torch.library.opcheck(ops.backward_op, (dout, q, k, v, out, lse, *options.op_args()))
 
 
 def varlen_inputs(device):
@@ -89,12 +95,13 @@ def varlen_inputs(device):
 def test_varlen_ops_pass_opcheck(device, causal):
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_inputs(device)
     leaves = [t.requires_grad_() for t in (q, k, v)]
-    torch.library.opcheck(ops.forward_op, (*leaves, None, causal, -1, -1, 0.0, None, 0.0, None, cu_q, cu_k, max_q,
-                                           max_k, None, False))
+    options = AttentionOptions(softmax_scale=32 ** -0.5, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                               max_seqlen_q=max_q, max_seqlen_k=max_k)
+    torch.library.opcheck(ops.forward_op, (*leaves, *options.op_args()))
     out, lse = flash_cutlass.flash_forward_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max_q, max_k,
                                                   causal=causal)
-    torch.library.opcheck(ops.backward_op, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None,
-                                            causal, -1, -1, 0.0, None, 0.0, None, cu_q, cu_k, max_q, max_k, False))
+    torch.library.opcheck(ops.backward_op, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                                            *options.op_args()))
 
 
 class AttentionBlock(torch.nn.Module):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_cutlass
-from flash_cutlass.interface import forward_timeline
+from flash_cutlass.backend import forward_timeline
 from helpers import load_script
 
 timeline = load_script("tools", "timeline")
@@ -83,7 +83,7 @@ def test_gpu_call_records_ordered_stamps():
         pytest.skip("needs a CUDA GPU")
     if 128 not in flash_cutlass.compiled_sm90_head_dims() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs the Hopper path's head dim 128 on an sm_90 GPU")
-    extension = flash_cutlass.interface._extension()
+    extension = flash_cutlass.backend._extension()
     if not extension.compiled_timeline:
         pytest.skip("needs a build with FLASH_CUTLASS_TIMELINE=1")
     q, k, v = (torch.randn(4, 1024, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -108,7 +108,7 @@ def test_gpu_call_records_ordered_stamps():
 def test_forward_timeline_names_its_build_flag():
     """Without FLASH_CUTLASS_TIMELINE=1 (the default) reading a timeline says which flag it needs."""
     try:
-        extension = flash_cutlass.interface._extension()
+        extension = flash_cutlass.backend._extension()
     except RuntimeError as error:
         pytest.skip(str(error))
     if extension.compiled_timeline:
@@ -121,7 +121,7 @@ def test_forward_timeline_names_its_build_flag():
 
 def test_forward_timeline_rejects_a_head_dim_without_a_hopper_kernel():
     try:
-        extension = flash_cutlass.interface._extension()
+        extension = flash_cutlass.backend._extension()
     except RuntimeError as error:
         pytest.skip(str(error))
     if not extension.compiled_sm90_head_dims():

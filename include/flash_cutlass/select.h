@@ -1,0 +1,84 @@
+// The one place that picks the kernel of a call: its path (sm80 or Hopper), the compiled head
+// dim it runs in, and the Hopper forward's tiles. csrc/flash_api.cpp asks it with the call's
+// facts; the kernel a user asked for (kernel= or, for None, $FLASH_CUTLASS_FORWARD_KERNEL /
+// $FLASH_CUTLASS_BACKWARD_KERNEL) arrives resolved in the options (flash_cutlass/options.py).
+#pragma once
+
+#include <string>
+
+#include "flash_cutlass/dispatch.h"
+#include "flash_cutlass/params.h"
+
+namespace flash_cutlass {
+
+// The kernel a call asks for; the values are the positions in flash_cutlass.options.KERNELS.
+enum class KernelChoice { kAuto = 0, kSm80 = 1, kSm90 = 2 };
+
+struct KernelSelection {
+  KernelPath path = KernelPath::kSm80;
+  int kernel_hdim = 0;  // the compiled head dim that runs the call
+  std::string error;    // why the call cannot run; empty when it can
+};
+
+// Causal calls of up to this many query rows keep the Hopper forward's narrow tiles where a head
+// dim has wide ones (sm90/kernel_traits.h): at 2k the wide ones compute 11% more of the masked
+// diagonal and measured 12% slower, at 3k 7-10% faster (docs/PERFORMANCE.md). Window and option
+// kernels always keep the narrow tiles.
+inline constexpr int kSm90CausalNarrowTilesMaxSeqlenQ = 2048;
+
+constexpr bool sm90_forward_uses_wide_tiles(bool head_dim_has_wide_tiles, MaskKind mask, Extension extension,
+                                            int seqlen_q) {
+  return head_dim_has_wide_tiles && extension == Extension::kNone && mask != MaskKind::kLocal &&
+         !(mask == MaskKind::kCausal && seqlen_q <= kSm90CausalNarrowTilesMaxSeqlenQ);
+}
+
+// Why the Hopper path cannot run a call of this direction and head dim on a GPU of compute
+// capability major.minor, or an empty string when it can.
+template <Direction kDirection>
+std::string sm90_unavailable_reason(int head_dim, int major, int minor, bool deterministic) {
+  constexpr const char* kName = kDirection == Direction::kForward ? "forward" : "backward";
+  if (compiled_head_dims<kDirection, KernelPath::kSm90>().empty()) {
+    return std::string("the Hopper ") + kName +
+           " was not built (it needs 90 in FLASH_CUTLASS_CUDA_ARCHS and FLASH_CUTLASS_SM90 not 0)";
+  }
+  if (major != 9 || minor != 0) {
+    return "the Hopper path runs only on compute capability 9.0, and this GPU has " + std::to_string(major) + "." +
+           std::to_string(minor);
+  }
+  if (kernel_head_dim<kDirection, KernelPath::kSm90>(head_dim) == 0) {
+    return "head_dim " + std::to_string(head_dim) + " exceeds the Hopper " + kName + "'s compiled head dims";
+  }
+  if (kDirection == Direction::kBackward && deterministic) return "deterministic=True runs on the sm80 path only";
+  return "";
+}
+
+// The kernel of a call: `head_dim` is the call's, rounded up to a multiple of 8. kAuto runs the
+// Hopper path where it can and its head dim is the one the sm80 path would run (no extra padding),
+// the sm80 path otherwise; kSm80 and kSm90 force a path (an error where the forced one cannot run).
+template <Direction kDirection>
+KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int minor, bool deterministic) {
+  KernelSelection selection;
+  const int sm80_hdim = kernel_head_dim<kDirection, KernelPath::kSm80>(head_dim);
+  if (choice != KernelChoice::kSm80) {
+    const std::string reason = sm90_unavailable_reason<kDirection>(head_dim, major, minor, deterministic);
+    const int sm90_hdim = kernel_head_dim<kDirection, KernelPath::kSm90>(head_dim);
+    if (choice == KernelChoice::kSm90 && !reason.empty()) {
+      selection.error = std::string("kernel='sm90' cannot run this ") +
+                        (kDirection == Direction::kForward ? "call" : "backward") + ": " + reason;
+      return selection;
+    }
+    if (reason.empty() && (choice == KernelChoice::kSm90 || sm90_hdim == sm80_hdim)) {
+      selection.path = KernelPath::kSm90;
+      selection.kernel_hdim = sm90_hdim;
+      return selection;
+    }
+  }
+  selection.kernel_hdim = sm80_hdim;
+  if (sm80_hdim == 0) {
+    selection.error = "head_dim " + std::to_string(head_dim) +
+                      " exceeds every compiled head dim (build flag FLASH_CUTLASS_HEAD_DIMS)";
+  }
+  return selection;
+}
+
+}  // namespace flash_cutlass

@@ -1,0 +1,58 @@
+"""csrc/catalogue.py: the one list of what can be compiled, and what it generates for a build."""
+
+import re
+
+from helpers import catalogue
+
+
+def test_every_path_compiles_a_subset_of_the_head_dims():
+    for (direction, path), dims in catalogue.HEAD_DIMS.items():
+        assert direction in ("forward", "backward") and path in ("sm80", "sm90")
+        assert list(dims) == sorted(dims) and set(dims) <= set(catalogue.ALL_HEAD_DIMS)
+        assert all(d % 8 == 0 for d in dims)
+
+
+def test_the_default_build_generates_a_file_per_direction_path_and_head_dim(tmp_path):
+    selection = catalogue.BuildSelection()
+    catalogue.generate(selection, tmp_path)
+    written = sorted(p.name for p in (tmp_path / "instantiations").glob("*.cu"))
+    expected = sorted(f"{catalogue.FILE_PREFIX[direction]}_{path}_hdim{d}.cu"
+                      for (direction, path), dims in catalogue.HEAD_DIMS.items() for d in dims)
+    assert written == expected
+    assert sorted(p.name for p in catalogue.sources(selection, tmp_path)) == expected
+    source = (tmp_path / "instantiations" / "fwd_sm90_hdim128.cu").read_text()
+    # Every dtype and every instantiation (mask kind, extension).
+    assert source.count("template cudaError_t") == len(catalogue.DTYPES) * len(catalogue.INSTANTIATIONS)
+    assert "read_fwd_timeline" not in source
+
+
+def test_a_pruned_build_generates_only_what_it_asked_for(tmp_path):
+    selection = catalogue.BuildSelection(head_dims=(64, 96), dtypes=("bf16",), archs=(90,), backward=False,
+                                         window=False, softcap=False, alibi=True, dropout=False, timeline=True)
+    catalogue.generate(selection, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "instantiations").glob("*.cu")) == [
+        "fwd_sm80_hdim64.cu", "fwd_sm80_hdim96.cu", "fwd_sm90_hdim64.cu", "fwd_sm90_hdim96.cu"]
+    source = (tmp_path / "instantiations" / "fwd_sm90_hdim64.cu").read_text()
+    assert "kFloat16" not in source and "kBFloat16" in source
+    assert re.findall(r"MaskKind::(\w+), flash_cutlass::Extension::(\w+)", source) == [
+        ("kNone", "kNone"), ("kCausal", "kNone"), ("kLocal", "kScoreMods")]
+    assert "read_fwd_timeline<64>" in source
+    header = (tmp_path / "include" / "flash_cutlass" / "compiled.h").read_text()
+    assert "using Sm80ForwardHeadDims = List<64, 96>;" in header
+    assert "using Sm90ForwardHeadDims = List<64, 96>;" in header
+    assert "using Sm80BackwardHeadDims = List<>;" in header
+    assert "using DTypes = List<DType::kBFloat16>;" in header
+    for flag, value in (("kBackward", "false"), ("kWindow", "false"), ("kScoreMods", "true"), ("kSoftcap", "false"),
+                        ("kAlibi", "true"), ("kDropout", "false"), ("kTimeline", "true")):
+        assert f"inline constexpr bool {flag} = {value};" in header
+    assert 'kArchs[] = "sm_90a,compute_90"' in header
+
+
+def test_regenerating_removes_files_the_build_no_longer_compiles_and_keeps_the_others(tmp_path):
+    catalogue.generate(catalogue.BuildSelection(head_dims=(64, 128), archs=(80,), sm90=False), tmp_path)
+    kept = tmp_path / "instantiations" / "fwd_sm80_hdim64.cu"
+    stamp = kept.stat().st_mtime_ns
+    catalogue.generate(catalogue.BuildSelection(head_dims=(64,), archs=(80,), sm90=False), tmp_path)
+    assert sorted(p.name for p in (tmp_path / "instantiations").glob("*.cu")) == [
+        "bwd_sm80_hdim64.cu", "fwd_sm80_hdim64.cu"]
+    assert kept.stat().st_mtime_ns == stamp  # unchanged content: ninja does not recompile it

@@ -1,0 +1,114 @@
+"""flash_cutlass.options: one options type from the public functions through the custom ops to the
+extension, validated once. CPU tensors throughout (the reference path)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import flash_cutlass
+from flash_cutlass import options as options_module
+from flash_cutlass import ops
+from flash_cutlass.options import AttentionOptions, backward_options, forward_options
+
+
+def qkv(gen, requires_grad=False):
+    q = torch.randn(2, 24, 4, 16, generator=gen).bfloat16()
+    k = torch.randn(2, 40, 2, 16, generator=gen).bfloat16()
+    v = torch.randn(2, 40, 2, 16, generator=gen).bfloat16()
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def test_the_ops_schema_is_the_options_fields():
+    fields = [field.name for field in dataclasses.fields(AttentionOptions)]
+    for op, tensors in ((ops.forward_op, ["q", "k", "v"]), (ops.backward_op, ["dout", "q", "k", "v", "out", "lse"])):
+        assert [argument.name for argument in op._schema.arguments] == tensors + fields
+    assert AttentionOptions.schema().startswith("float softmax_scale, bool causal, int window_left")
+
+
+def test_options_round_trip_through_the_op_arguments():
+    slopes = torch.tensor([0.5, 0.25])
+    options = AttentionOptions(softmax_scale=0.3, causal=True, window_left=5, softcap=2.0, alibi_slopes=slopes,
+                               kernel="sm80", deterministic=True)
+    again = AttentionOptions.from_op_args(options.op_args())
+    assert again == options and again.alibi_slopes is slopes  # the tensors are passed, not copied
+
+
+def test_forward_options_resolve_defaults(gen, monkeypatch):
+    q, _, _ = qkv(gen)
+    monkeypatch.setenv("FLASH_CUTLASS_FORWARD_KERNEL", "sm80")
+    options = forward_options(q, causal=True, window_size=[3, -1])
+    assert options.softmax_scale == pytest.approx(16 ** -0.5)
+    assert (options.causal, options.window_size, options.kernel) == (True, (3, -1), "sm80")
+    assert options.rng_state is None and not options.is_varlen
+
+
+def test_forward_options_draw_the_dropout_state_once(gen):
+    q, _, _ = qkv(gen)
+    generator = torch.Generator().manual_seed(7)
+    options = forward_options(q, dropout_p=0.1, generator=generator)
+    assert options.rng_state.dtype == torch.int64 and tuple(options.rng_state.shape) == (2,)
+    again = forward_options(q, dropout_p=0.1, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(options.rng_state, again.rng_state)
+
+
+def test_backward_options_take_the_backward_kernel_variable(gen, monkeypatch):
+    q, _, _ = qkv(gen)
+    monkeypatch.setenv("FLASH_CUTLASS_BACKWARD_KERNEL", "sm80")
+    assert backward_options(q).kernel == "sm80"
+    with pytest.raises(ValueError, match=r"^dropout_p > 0 needs rng_state"):
+        backward_options(q, dropout_p=0.2)
+
+
+@pytest.mark.parametrize("value", [np.bool_(True), np.bool_(False)])
+def test_numpy_bools_are_accepted(gen, value):
+    q, k, v = qkv(gen)
+    out, _ = flash_cutlass.flash_forward(q, k, v, causal=value)
+    expected, _ = flash_cutlass.flash_forward(q, k, v, causal=bool(value))
+    assert torch.equal(out, expected)
+    assert forward_options(q, causal=value).causal is bool(value)
+
+
+def test_numpy_numbers_are_accepted(gen):
+    q, k, v = qkv(gen)
+    out, _ = flash_cutlass.flash_forward(q, k, v, softmax_scale=np.float32(0.25), window_size=(np.int64(4), -1))
+    expected, _ = flash_cutlass.flash_forward(q, k, v, softmax_scale=0.25, window_size=(4, -1))
+    assert torch.equal(out, expected)
+
+
+def test_rejected_types_are_named_with_their_module(gen):
+    q, k, v = qkv(gen)
+    with pytest.raises(TypeError, match=r"^causal must be a bool, got numpy.int64$"):
+        flash_cutlass.flash_forward(q, k, v, causal=np.int64(1))
+    with pytest.raises(TypeError, match=r"^deterministic must be a bool, got str$"):
+        flash_cutlass.flash_attention(q, k, v, deterministic="yes")
+
+
+def test_flash_attention_validates_its_options_once(gen, monkeypatch):
+    """The autograd path checks each option once, in flash_attention: neither the ops nor the
+    backward check them again."""
+    calls = []
+    for name in ("check_softcap", "check_dropout_p", "check_softmax_scale"):
+        original = getattr(options_module, name)
+
+        def counted(*args, _original=original, _name=name):
+            calls.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(options_module, name, counted)
+    q, k, v = qkv(gen, requires_grad=True)
+    flash_cutlass.flash_attention(q, k, v, causal=True, softcap=3.0).sum().backward()
+    assert sorted(calls) == ["check_dropout_p", "check_softcap", "check_softmax_scale"]
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+def test_flash_attention_backward_runs_with_the_forward_options(gen):
+    q, k, v = qkv(gen, requires_grad=True)
+    dout = torch.randn(q.shape, generator=gen).bfloat16()
+    flash_cutlass.flash_attention(q, k, v, softmax_scale=0.2, causal=True, window_size=(6, -1)).backward(dout)
+    out, lse = flash_cutlass.flash_forward(q.detach(), k.detach(), v.detach(), 0.2, True, window_size=(6, -1))
+    grads = flash_cutlass.flash_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, 0.2, True,
+                                         window_size=(6, -1))
+    for actual, expected in zip((q.grad, k.grad, v.grad), grads):
+        assert torch.equal(actual, expected)

@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("timeline.py needs a CUDA GPU (the Hopper path: compute capability 9.0)", file=sys.stderr)
         return 1
     import flash_cutlass
-    from flash_cutlass.interface import _extension, forward_timeline
+    from flash_cutlass.backend import _extension, forward_timeline
 
     if not _extension().compiled_timeline:
         print("this build records no timeline: rebuild with FLASH_CUTLASS_TIMELINE=1", file=sys.stderr)

@@ -254,7 +254,7 @@ class ClockPowerSampler:
     """Inside a `with` block, nvidia-smi samples one GPU's SM clock and board power every
     interval_ms; afterwards `samples` holds them as (MHz, W). On a power-capped GPU the clocks
     settle where the board's power limit holds, so two implementations at the same power compare
-    by their work per joule (docs/PERFORMANCE.md, session 13). nvidia-smi needs a few hundred
+    by their work per joule (docs/PERFORMANCE.md, power and clocks). nvidia-smi needs a few hundred
     milliseconds to start sampling: windows of a second or more give stable medians."""
 
     def __init__(self, gpu: str, interval_ms: int = 100, command: str = "nvidia-smi"):

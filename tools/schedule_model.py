@@ -2,7 +2,7 @@
 """A model of how the Hopper forward's grid spreads its query tiles over the SMs: the share of
 the SMs' time that is busy under each schedule, for the benchmark's shapes (16k tokens per batch,
 hidden 2048). No GPU; it explains the grid orders of include/flash_cutlass/common/block_info.h
-(docs/PERFORMANCE.md, session 11).
+(docs/PERFORMANCE.md, what was tried).
 
 A tile (one query block of one (batch, head)) costs the key blocks it visits plus a fixed cost
 (--tile-overhead, in key blocks: its first scores, its epilogue). One CTA runs on an SM at a time
@@ -12,7 +12,7 @@ when SMs go idle. Schedules:
 
   pairs          persistent grid, one CTA per SM taking pairs (m, last - m) of one (batch, head):
                  pair blockIdx.x + k * gridDim.x at step k (shipped for causal tiles at head dims
-                 64 and 128 until session 16)
+                 64 and 128 until 2026-11-30)
   pairs, tail    the same up to the last full wave of pairs; that wave's pairs and the partial
                  one's as single tiles, longest first, dealt to the CTAs in a snake (block_info.h's
                  causal tail; shipped for causal tiles at head dims 64 and 128)
@@ -29,7 +29,7 @@ when SMs go idle. Schedules:
   banded snake   the same over the longest-first order with bands (not shipped: a band restarts at
                  its longest tiles, so the cost along the numbering is a sawtooth and reversed rows
                  pair long tiles with long ones; measured 24-28% slower at head dim 128 causal,
-                 docs/PERFORMANCE.md, session 12)
+                 docs/PERFORMANCE.md)
 """
 
 from __future__ import annotations

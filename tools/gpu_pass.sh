@@ -2,13 +2,13 @@
 # One pass on a GPU machine: build the extension, run the whole test suite, the side-by-side
 # benchmark and an Nsight Compute profile, with every log under OUT_DIR.
 #
-# Usage: tools/gpu_session.sh OUT_DIR [steps...]
+# Usage: tools/gpu_pass.sh OUT_DIR [steps...]
 #   steps: any of build test bench bench_bwd profile profile_bwd (default: build test bench profile)
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
 #   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), PYTEST_ARGS.
 set -uo pipefail
 
-out_dir=${1:?usage: tools/gpu_session.sh OUT_DIR [build|test|bench|profile...]}
+out_dir=${1:?usage: tools/gpu_pass.sh OUT_DIR [build|test|bench|profile...]}
 shift
 steps=${*:-build test bench profile}
 mkdir -p "$out_dir"

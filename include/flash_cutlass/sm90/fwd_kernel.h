@@ -19,142 +19,14 @@
 #include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
-#include "flash_cutlass/sm90/kernel_traits.h"
+#include "flash_cutlass/sm90/barriers.h"
+#include "flash_cutlass/sm90/fwd_kernel_params.h"
+#include "flash_cutlass/sm90/tile_config.h"
+#include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/timeline.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
-
-// What the kernel receives: the call and the TMA descriptors built from it on the host.
-template <class Traits>
-struct FwdKernelParams {
-  FwdParams call;
-  typename Traits::TmaQ tma_q;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
-  typename Traits::TmaO tma_o;  // over out when store_o_with_tma, else a valid descriptor left unused
-  bool store_o_with_tma;
-  PersistentWork persistent_work;  // with Traits::kPersistent
-};
-
-// The rows and batch extent of the TMA views of Q and of K, V: (seqlen, batch) per sequence, or
-// (total rows, 1) in a variable-length call.
-struct TmaExtents {
-  int rows_q;
-  int rows_k;
-  int batch;
-};
-
-__host__ __device__ inline TmaExtents tma_extents(FwdParams const& params) {
-  if (params.cu_seqlens_q == nullptr) return {params.seqlen_q, params.seqlen_k, params.batch};
-  return {int(params.total_q), int(params.total_k), 1};
-}
-
-// The consumer warpgroups' ping-pong (FlashAttention-3's), round robin: named barrier 1 + c for
-// consumer c (0 is __syncthreads), each completed by c's own 128 threads syncing and the previous
-// consumer's 128 arriving; consumer c hands the turn to c + 1, the last one to consumer 0. A
-// warpgroup issues its GEMMs only on its turn and hands the turn over right after issuing, so the
-// tensor cores run one warpgroup's GEMMs while the others compute their softmax.
-constexpr int kPingPongThreads = 256;
-
-// Two consumers: the barrier ids as immediates (a computed id costs the head-dim-256 kernel
-// registers and spills). Three: computed ids (immediates behind branches spill more in the
-// head-dim-64 causal kernel: 40 B instead of 8).
-template <int kConsumers>
-__device__ __forceinline__ void wait_for_turn(int consumer) {
-  static_assert(kConsumers == 2 || kConsumers == 3);
-  if constexpr (kConsumers == 2) {
-    if (consumer == 0) {
-      asm volatile("bar.sync 1, %0;" ::"n"(kPingPongThreads) : "memory");
-    } else {
-      asm volatile("bar.sync 2, %0;" ::"n"(kPingPongThreads) : "memory");
-    }
-  } else {
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + consumer), "n"(kPingPongThreads) : "memory");
-  }
-}
-
-template <int kConsumers>
-__device__ __forceinline__ void hand_over_turn(int consumer) {
-  static_assert(kConsumers == 2 || kConsumers == 3);
-  if constexpr (kConsumers == 2) {
-    if (consumer == 0) {
-      asm volatile("bar.arrive 2, %0;" ::"n"(kPingPongThreads) : "memory");
-    } else {
-      asm volatile("bar.arrive 1, %0;" ::"n"(kPingPongThreads) : "memory");
-    }
-  } else {
-    const int next = consumer + 1 == kConsumers ? 0 : consumer + 1;
-    asm volatile("bar.arrive %0, %1;" ::"r"(1 + next), "n"(kPingPongThreads) : "memory");
-  }
-}
-
-// Whether `predicate` holds for every thread of consumer warpgroup `consumer` (bar.red.and over its
-// 128 threads, named barriers 5 to 7).
-template <int kConsumers>
-__device__ __forceinline__ bool all_of_warpgroup(int consumer, bool predicate) {
-  static_assert(kConsumers == 2 || kConsumers == 3);
-  uint32_t all;
-  if (kConsumers == 2 && consumer == 0) {
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, 5, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(all) : "r"(uint32_t(predicate)) : "memory");
-  } else if (kConsumers == 2) {
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, 6, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(all) : "r"(uint32_t(predicate)) : "memory");
-  } else {
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(all) : "r"(uint32_t(predicate)), "r"(5 + consumer) : "memory");
-  }
-  return all != 0;
-}
-
-// Named barrier 4, after the ping-pong's (1 to 3): every consumer thread, around the epilogue's
-// shared-memory tile of O.
-template <int kConsumerThreads>
-__device__ __forceinline__ void sync_consumers() {
-  asm volatile("bar.sync 4, %0;" ::"n"(kConsumerThreads) : "memory");
-}
-
-// What the producer and the consumers both derive from a tile number. A tile is skipped when its
-// query block lies past its sequence's end (a variable-length call's shorter sequences have fewer
-// query blocks than the longest); it has no work but its epilogue when no row sees a key.
-template <int kBlockM, int kBlockN, MaskKind kMaskKind>
-struct TileWork {
-  QueryTile tile;
-  Sequence sequence;
-  KeyMask<kMaskKind> mask;
-  KeyBlockRange key_blocks;
-
-  __device__ bool in_sequence() const { return tile.m_block * kBlockM < sequence.seqlen_q; }
-  __device__ bool has_keys() const { return key_blocks.end > key_blocks.begin; }
-};
-
-template <int kBlockM, int kBlockN, MaskKind kMaskKind>
-__device__ __forceinline__ TileWork<kBlockM, kBlockN, kMaskKind> tile_work(FwdParams const& params, QueryTile tile) {
-  const Sequence sequence = sequence_of(params, tile.batch);
-  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
-  return {tile, sequence, mask, key_block_range<kBlockM, kBlockN>(mask, tile.m_block)};
-}
-
-// Calls work(tile) for every query tile of this CTA: in a persistent grid (the launcher sizes it),
-// the tiles of persistent_tile_at_step (causal ones in pairs: persistent_tiles_in_pairs), else the
-// CTA's one tile (causal ones longest first).
-template <int kBlockM, bool kPersistentGrid, MaskKind kMaskKind, class Work>
-__device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& params, PersistentWork const& persistent_work,
-                                                          Work&& work) {
-  if constexpr (kPersistentGrid) {
-    for (int step = 0;; ++step) {
-      const TileAtStep next =
-          persistent_tile_at_step<kBlockM, persistent_tiles_in_pairs<kMaskKind>()>(params, persistent_work, step);
-      if (next.past_end) break;
-      if (next.valid) work(next.tile);
-    }
-  } else if constexpr (kMaskKind == MaskKind::kCausal) {
-    work(longest_first_query_tile_of_this_cta<kBlockM>(params));
-  } else {
-    work(query_tile_of_this_cta<kBlockM>(params));
-  }
-}
 
 // The consumer warpgroups ping-pong over a loop that issues S of tile n with P V of tile n+1.
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
@@ -174,9 +46,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-  // CTAs taking tiles in turn, causal ones in pairs (kernel_traits.h: per head dim), or one CTA per tile.
+  // CTAs taking tiles in turn, causal ones in pairs (tile_config.h: per head dim), or one CTA per tile.
   constexpr bool kPersistentGrid = Traits::kPersistent;
-  // S = Q K^T with Q from registers (kernel_traits.h).
+  // S = Q K^T with Q from registers (tile_config.h).
   constexpr bool kQInRegisters =
       Traits::kQInRegisters || (kMaskKind == MaskKind::kCausal && Traits::kQInRegistersWhenCausal);
   const int warpgroup = cutlass::canonical_warp_group_idx();
@@ -218,7 +90,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
       auto state = cutlass::make_producer_start_state<PipelineKV>();
       int q_loads = 0;
-      TimelineCursor timeline(true);
+      Timeline timeline(true);
       auto load_tile = [&](QueryTile tile) __attribute__((always_inline)) {
         const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
         if (!work.in_sequence() || !work.has_keys()) return;
@@ -292,7 +164,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRowsPerThread = decltype(size<0>(acc_o_rc))::value;
   typename PipelineKV::PipelineState state;  // the K/V stage the consumers read next
   int q_loads = 0;
-  TimelineCursor timeline(consumer_idx % 128 == 0);
+  Timeline timeline(consumer_idx % 128 == 0);
 
   auto compute_tile = [&](QueryTile tile) __attribute__((always_inline)) {
     const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);

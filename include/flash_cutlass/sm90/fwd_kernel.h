@@ -2,7 +2,7 @@
 // out = softmax(scale * Q K^T) V and its log-sum-exp, one each or (a persistent grid, one CTA per
 // SM) in turn.
 // A producer thread brings each tile's Q and its K/V blocks through a multi-stage pipeline with
-// TMA, running ahead into the next tile while the consumers finish this one; each consumer
+// TMA (fwd_producer.h), running ahead into the next tile while the consumers finish this one; each consumer
 // warpgroup owns 64 query rows and runs S = Q K^T and O += P V as wgmma, with the online softmax
 // in registers between them.
 #pragma once
@@ -21,6 +21,7 @@
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/fwd_kernel_params.h"
+#include "flash_cutlass/sm90/fwd_producer.h"
 #include "flash_cutlass/sm90/tile_config.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/timeline.h"
@@ -91,56 +92,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto state = cutlass::make_producer_start_state<PipelineKV>();
       int q_loads = 0;
       Timeline timeline(true);
-      auto load_tile = [&](QueryTile tile) __attribute__((always_inline)) {
-        const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
-        if (!work.in_sequence() || !work.has_keys()) return;
-        timeline.stamp(0, kLoadStart);
-        timeline.value(0, kKeyBlocks, work.key_blocks.end - work.key_blocks.begin);
-        timeline.value(0, kQueryBlock, work.tile.m_block);
-        const int head = work.tile.head;
-        const int head_k = kv_head_of(head, params);
-        const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
-        Tensor gQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mQ(_, _, head, tma_batch)),
-                               select<0, 2>(TileShape{}), make_coord(work.tile.m_block, _0{}));
-        Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
-                               select<1, 2>(TileShape{}), make_coord(_, _0{}));
-        Tensor gV = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mV(_, _, head_k, tma_batch)),
-                               select<1, 2>(TileShape{}), make_coord(_, _0{}));
-        auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                          group_modes<0, 2>(gQ));
-        auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                          group_modes<0, 2>(gK));
-        auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                          group_modes<0, 2>(gV));
-
-        // The tile's first K block goes before its Q: it may load while the consumers still read
-        // the previous tile's Q, which Q's load has to wait for.
-        const int last = work.key_blocks.end - 1;
-        pipeline_k.producer_acquire(state);
-        timeline.stamp(0, kFirstKStageAcquired);
-        copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, last), tKsK(_, state.index()));
-        if (q_loads > 0) storage.q_empty.wait((q_loads - 1) & 1);
-        timeline.stamp(0, kQBufferFree);
-        storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
-        copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
-        ++q_loads;
-        pipeline_v.producer_acquire(state);
-        copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, last), tVsV(_, state.index()));
-        ++state;
-        for (int n_block = last - 1; n_block >= work.key_blocks.begin; --n_block) {
-          pipeline_k.producer_acquire(state);
-          copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block),
-               tKsK(_, state.index()));
-          pipeline_v.producer_acquire(state);
-          copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, n_block),
-               tVsV(_, state.index()));
-          ++state;
-        }
-        timeline.stamp(0, kLoadsIssued);
-      };
+      FwdProducer<Traits, kMaskKind, decltype(mQ), decltype(mK), decltype(sQ), decltype(sK)> producer{
+          params, mQ, mK, mV, kernel_params, sQ, sK, sV, pipeline_k, state, timeline, storage, q_loads, pipeline_v};
       for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(
           params, kernel_params.persistent_work, [&](QueryTile tile) __attribute__((always_inline)) {
-            load_tile(tile);
+            producer.load_tile(tile);
             timeline.next_tile();
           });
     }

@@ -106,7 +106,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // (row, col) of every accumulator element inside its tile.
   Tensor tScS = as_rows_cols(thr_qk.partition_C(make_identity_tensor(select<0, 1>(TileShape{}))));
   Tensor tOcO = as_rows_cols(thr_pv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
-  constexpr int kRowsPerThread = decltype(size<0>(acc_o_rc))::value;
   typename PipelineKV::PipelineState state;  // the K/V stage the consumers read next
   int q_loads = 0;
   Timeline timeline(consumer_idx % 128 == 0);

@@ -80,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--extension", choices=("none", "score_mods", "dropout"), default="none",
                         help="the runtime options the instantiation carries (score_mods: soft cap and ALiBi; "
                              "dropout: those and dropout; both use --mask local; default: %(default)s)")
+    parser.add_argument("--define", action="append", default=[], metavar="MACRO[=VALUE]",
+                        help="pass -DMACRO[=VALUE] to nvcc, e.g. FLASH_CUTLASS_TIMELINE (repeatable)")
     parser.add_argument("--sass", type=Path, metavar="PATH",
                         help="also write the whole SASS here (to diff two versions of a kernel)")
     args = parser.parse_args(argv)
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
         cubin = Path(tmp) / "kernel.cubin"
         nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", TARGETS[args.path], "-O3", "--use_fast_math",
                 "--expt-relaxed-constexpr", "-std=c++17", f"-I{ROOT / 'include'}", f"-I{cutlass_include()}",
-                "-Xptxas=-v", str(source), "-o", str(cubin)]
+                *(f"-D{macro}" for macro in args.define), "-Xptxas=-v", str(source), "-o", str(cubin)]
         build = subprocess.run(nvcc, capture_output=True, text=True)
         if build.returncode != 0:
             sys.exit(f"nvcc failed:\n{build.stderr}")

@@ -1,6 +1,5 @@
 // The sm80-path backward kernels.
 //
-// flash_bwd_preprocess_sm80: D = rowsum(dO * O) per query row, and dq_accum zeroed.
 // flash_bwd_sm80: one CTA per (key block, head, batch) keeps its K and V tiles in shared memory
 //   and walks the query blocks that see them, recomputing P from Q, K and the forward's
 //   log-sum-exp:
@@ -10,8 +9,9 @@
 //   been read.
 // flash_bwd_dq_sm80 (deterministic mode): dQ from a CTA per query block walking the key blocks in
 //   order, instead of the atomics.
-// flash_bwd_postprocess_sm80: dQ = softmax_scale * dq_accum in the inputs' dtype and layout.
-// No score matrix ever reaches global memory.
+// The preprocess (D = rowsum(dO * O), dq_accum zeroed) and postprocess (dQ = softmax_scale *
+// dq_accum) around them are both paths': common/bwd_stages.h. No score matrix ever reaches global
+// memory.
 #pragma once
 
 #include <cmath>
@@ -19,6 +19,7 @@
 #include <cute/tensor.hpp>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/copy.h"
 #include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/score_mods.h"
@@ -119,12 +120,6 @@ __device__ __forceinline__ void store_acc_to_smem(TiledMma const& tiled_mma, Acc
   copy(smem_tiled_copy, smem_thr_copy.retile_S(converted), smem_thr_copy.partition_D(smem));
 }
 
-// Copies 4 bytes from global to shared memory with cp.async; with src_bytes 0, writes zero.
-__device__ __forceinline__ void cp_async_4(float* smem, const float* gmem, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(cute::cast_smem_ptr_to_uint(smem)),
-               "l"(gmem), "r"(src_bytes));
-}
-
 // Per row of a (query block, key block) tile as (rows, cols), rows starting at row_start: the
 // forward's log-sum-exp in log2 units and D, read from lse[row - row_start] and
 // dsum[row - row_start]. Rows past seqlen_q and rows that see no key (lse = -inf) get lse = +inf,
@@ -195,48 +190,6 @@ __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, S
         s(r, c) = exp2f(s(r, c) * scale_log2 - stats.lse_log2[r]);
         dp(r, c) = s(r, c) * (dp(r, c) - stats.dsum[r]);
       }
-    }
-  }
-}
-
-// Adds each pair of neighbouring fp32 columns of acc (tiled MMA C layout: values 2i and 2i+1 of a
-// thread are adjacent columns of one row) into dst[row * row_stride + col] with atomics; rows at
-// or past rows_left are skipped.
-template <class Acc, class Coords>
-__device__ __forceinline__ void atomic_add_rows(float* dst, int64_t row_stride, Acc const& acc, Coords const& coords,
-                                                int rows_left) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {
-    const int row = get<0>(coords(i));
-    if (row < rows_left) {
-      float* p = dst + int64_t(row) * row_stride + get<1>(coords(i));
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      atomicAdd(reinterpret_cast<float2*>(p), make_float2(acc(i), acc(i + 1)));
-#else
-      atomicAdd(p, acc(i));
-      atomicAdd(p + 1, acc(i + 1));
-#endif
-    }
-  }
-}
-
-// Stores acc * scale (pairs of neighbouring columns, as above) as To into
-// dst[row * row_stride + col] for rows below rows_left and columns below cols.
-template <class To, class Acc, class Coords>
-__device__ __forceinline__ void store_rows(To* dst, int64_t row_stride, Acc const& acc, float scale,
-                                           Coords const& coords, int rows_left, int cols) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {
-    const int row = get<0>(coords(i));
-    const int col = get<1>(coords(i));
-    if (row < rows_left && col < cols) {
-      cutlass::Array<float, 2> pair;
-      pair[0] = acc(i) * scale;
-      pair[1] = acc(i + 1) * scale;
-      *reinterpret_cast<cutlass::Array<To, 2>*>(dst + int64_t(row) * row_stride + col) =
-          cutlass::NumericArrayConverter<To, float, 2>{}(pair);
     }
   }
 }
@@ -617,81 +570,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(TileQ{}));
   store_rows(params.dq_accum + (row_offset + row_start) * kHeadDim, kHeadDim, acc_dq, 1.f, tdQcdQ, rows_left_q,
              kHeadDim);
-}
-
-// The threads that share one row of kHeadDim elements, 8 per thread: a power of two (so that a
-// row never straddles a warp or a CTA and the shuffle reduction is a butterfly); the threads
-// past kHeadDim / 8 idle.
-constexpr int threads_per_row(int head_dim) {
-  int threads = 1;
-  while (threads * 8 < head_dim) threads *= 2;
-  return threads;
-}
-template <int kHeadDim>
-constexpr int kThreadsPerRow = threads_per_row(kHeadDim);
-constexpr int kPrePostThreads = 128;
-static_assert(kThreadsPerRow<256> <= 32 && kPrePostThreads % 32 == 0);
-
-// One row (batch, query, head) per kThreadsPerRow threads, rows in memory order of dout:
-// dsoftmax_sum[batch, head, query] = sum(dout * out) over the head dim, in fp32, and the row of
-// dq_accum zeroed.
-template <int kHeadDim, class Element>
-__global__ void __launch_bounds__(kPrePostThreads)
-    flash_bwd_preprocess_sm80(__grid_constant__ const BwdParams params) {
-  constexpr int kGroup = kThreadsPerRow<kHeadDim>;
-  const int64_t row = (int64_t(blockIdx.x) * kPrePostThreads + threadIdx.x) / kGroup;
-  const int lane = threadIdx.x % kGroup;
-  const int64_t rows = int64_t(params.batch) * params.seqlen_q * params.heads;
-  const int head = int(row % params.heads);
-  const int query = int((row / params.heads) % params.seqlen_q);
-  const int batch = int(row / (int64_t(params.heads) * params.seqlen_q));
-  const int col = lane * 8;
-  float sum = 0.f;
-  if (row < rows && col < params.head_dim) {
-    const Element* dout = static_cast<const Element*>(params.dout) + batch * params.dout_batch_stride +
-                          query * params.dout_row_stride + head * params.dout_head_stride + col;
-    const Element* out = static_cast<const Element*>(params.out) + batch * params.out_batch_stride +
-                         query * params.out_row_stride + head * params.out_head_stride + col;
-    const cutlass::Array<Element, 8> dout8 = *reinterpret_cast<const cutlass::Array<Element, 8>*>(dout);
-    const cutlass::Array<Element, 8> out8 = *reinterpret_cast<const cutlass::Array<Element, 8>*>(out);
-    CUTE_UNROLL
-    for (int i = 0; i < 8; ++i) sum += float(dout8[i]) * float(out8[i]);
-  }
-  CUTE_UNROLL
-  for (int offset = kGroup / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (row < rows && col < kHeadDim) {
-    const int64_t out_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
-    if (lane == 0) params.dsoftmax_sum[out_row] = sum;
-    float4* dq_accum = reinterpret_cast<float4*>(params.dq_accum + out_row * kHeadDim + col);
-    dq_accum[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    dq_accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-}
-
-// dq[batch, query, head, :head_dim] = softmax_scale * dq_accum[batch, head, query, :head_dim] in
-// Element, one row per kThreadsPerRow threads as above.
-template <int kHeadDim, class Element>
-__global__ void __launch_bounds__(kPrePostThreads)
-    flash_bwd_postprocess_sm80(__grid_constant__ const BwdParams params) {
-  constexpr int kGroup = kThreadsPerRow<kHeadDim>;
-  const int64_t row = (int64_t(blockIdx.x) * kPrePostThreads + threadIdx.x) / kGroup;
-  const int col = (threadIdx.x % kGroup) * 8;
-  const int64_t rows = int64_t(params.batch) * params.seqlen_q * params.heads;
-  if (row >= rows || col >= params.head_dim) return;
-  const int head = int(row % params.heads);
-  const int query = int((row / params.heads) % params.seqlen_q);
-  const int batch = int(row / (int64_t(params.heads) * params.seqlen_q));
-  const int64_t accum_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
-  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + accum_row * kHeadDim + col);
-  const float4 lo = src[0], hi = src[1];
-  cutlass::Array<float, 8> values;
-  values[0] = lo.x, values[1] = lo.y, values[2] = lo.z, values[3] = lo.w;
-  values[4] = hi.x, values[5] = hi.y, values[6] = hi.z, values[7] = hi.w;
-  CUTE_UNROLL
-  for (int i = 0; i < 8; ++i) values[i] *= params.softmax_scale;
-  Element* dq = static_cast<Element*>(params.dq) + batch * params.dq_batch_stride + query * params.dq_row_stride +
-                head * params.dq_head_stride + col;
-  *reinterpret_cast<cutlass::Array<Element, 8>*>(dq) = cutlass::NumericArrayConverter<Element, float, 8>{}(values);
 }
 
 }  // namespace flash_cutlass::sm80

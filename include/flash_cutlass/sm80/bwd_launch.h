@@ -3,32 +3,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include "flash_cutlass/common/bwd_stages.h"
 #include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/sm80/bwd_kernel.h"
 
 namespace flash_cutlass::sm80 {
-
-// The preprocess (D, dq_accum zeroed), `launch_main` (the main kernel or kernels of a path), then
-// the postprocess (dQ scaled and converted): the frame of every backward path. The pre- and
-// postprocess walk every query row independently; a variable-length call's packed rows (batch
-// strides 0, per-query buffers (heads, total_q)) are to them one sequence of total_q rows.
-template <int kHeadDim, class Element, class LaunchMain>
-cudaError_t run_bwd_stages(BwdParams const& params, cudaStream_t stream, LaunchMain&& launch_main) {
-  BwdParams rows = params;
-  if (params.cu_seqlens_q != nullptr) {
-    rows.batch = 1;
-    rows.seqlen_q = static_cast<int>(params.total_q);
-  }
-  const int64_t row_threads = int64_t(rows.batch) * rows.heads * rows.seqlen_q * kThreadsPerRow<kHeadDim>;
-  const int64_t prepost_ctas = (row_threads + kPrePostThreads - 1) / kPrePostThreads;
-  cudaError_t status = launch_kernel(&flash_bwd_preprocess_sm80<kHeadDim, Element>, prepost_ctas, kPrePostThreads,
-                                     0, rows, stream);
-  if (status != cudaSuccess) return status;
-  status = launch_main();
-  if (status != cudaSuccess) return status;
-  return launch_kernel(&flash_bwd_postprocess_sm80<kHeadDim, Element>, prepost_ctas, kPrePostThreads, 0, rows,
-                       stream);
-}
 
 // The main kernel (dK, dV, and dQ by atomics), or with params.deterministic, a second kernel that
 // sums dQ over the key blocks in a fixed order instead, between the preprocess and postprocess.

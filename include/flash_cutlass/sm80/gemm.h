@@ -45,38 +45,4 @@ __device__ __forceinline__ void gemm_regs_smem(TiledMma& tiled_mma, Acc& acc, Fr
   }
 }
 
-// Global -> shared copy of one tile with 16-byte cp.async. Columns past the real head dim
-// (col_ok false) and, with kCheckRows, rows at or past `rows_left` are zero-filled by the same
-// cp.async (source size 0) instead: V rows must never hold NaN garbage, since 0 * NaN would leak
-// into O. One instruction per copy either way: no separate shared-memory stores of zeros.
-template <bool kCheckRows, class TiledCopy, class Src, class Dst, class Coords, class ColOk>
-__device__ __forceinline__ void copy_tile_async(TiledCopy const& tiled_copy, Src const& src, Dst&& dst,
-                                                Coords const& coords, ColOk const& col_ok, int rows_left) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(src); ++m) {
-    const bool row_ok = !kCheckRows || get<0>(coords(0, m, 0)) < rows_left;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(src); ++k) {
-      copy(tiled_copy.with(row_ok && col_ok(k)), src(_, m, k), dst(_, m, k));
-    }
-  }
-}
-
-// Register -> global copy of one tile; rows at or past rows_left and masked columns are skipped.
-template <class TiledCopy, class Src, class Dst, class Coords, class ColOk>
-__device__ __forceinline__ void store_tile(TiledCopy const& tiled_copy, Src const& src, Dst&& dst,
-                                           Coords const& coords, ColOk const& col_ok, int rows_left) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(src); ++m) {
-    if (get<0>(coords(0, m, 0)) < rows_left) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(src); ++k) {
-        if (col_ok(k)) copy(tiled_copy, src(_, m, k), dst(_, m, k));
-      }
-    }
-  }
-}
-
 }  // namespace flash_cutlass::sm80

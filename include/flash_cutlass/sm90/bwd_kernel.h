@@ -7,7 +7,8 @@
 //   dV += P^T dO and dK += dS^T Q   (wgmma with P^T / dS^T straight from the accumulators)
 //   dQ  = dS K                      (wgmma from dS^T stored in shared memory; fp32 atomics)
 // Q, dO, LSE and D of the next query block load with cp.async while the current one is computed.
-// The preprocess (D, dq_accum zeroed) and postprocess (dQ scaled, converted) are the sm80 path's.
+// The preprocess (D, dq_accum zeroed) and postprocess (dQ scaled, converted) are both paths'
+// (common/bwd_stages.h), as are the tile copies and row stores (common/copy.h).
 #pragma once
 
 #include <cmath>
@@ -18,13 +19,12 @@
 #include <cutlass/numeric_types.h>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/copy.h"
 #include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
-#include "flash_cutlass/sm80/bwd_kernel.h"
-#include "flash_cutlass/sm80/gemm.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
@@ -255,14 +255,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   // Q, dO, LSE and D of a query block into `buffer`; rows past seqlen_q zero-filled.
   auto load_query_block = [&](int m_block, int buffer) {
     const int rows_left = sequence.seqlen_q - m_block * kBlockM;
-    sm80::copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ(_, _, _, buffer), tQcQ, col_ok,
+    copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ(_, _, _, buffer), tQcQ, col_ok,
                                 rows_left);
-    sm80::copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, buffer), tQcQ, col_ok,
+    copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, buffer), tQcQ, col_ok,
                                 rows_left);
     if (tidx < 2 * kBlockM) {
       const int row = m_block * kBlockM + tidx % kBlockM;
       const float* src = (tidx < kBlockM ? lse_row : dsum_row) + min(row, sequence.seqlen_q - 1);
-      sm80::cp_async_4(&storage.stats[buffer][tidx / kBlockM][tidx % kBlockM], src, row < sequence.seqlen_q ? 4 : 0);
+      cp_async_4(&storage.stats[buffer][tidx / kBlockM][tidx % kBlockM], src, row < sequence.seqlen_q ? 4 : 0);
     }
   };
 
@@ -293,8 +293,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
 
   // K and V once (rows past seqlen_k zero-filled), with the first query block.
-  sm80::copy_tile_async<true>(gmem_tiled_copy, tKgK, tKsK, tKVcKV, col_ok, rows_left_k);
-  sm80::copy_tile_async<true>(gmem_tiled_copy, tVgV, tVsV, tKVcKV, col_ok, rows_left_k);
+  copy_tile_async<true>(gmem_tiled_copy, tKgK, tKsK, tKVcKV, col_ok, rows_left_k);
+  copy_tile_async<true>(gmem_tiled_copy, tVgV, tVsV, tKVcKV, col_ok, rows_left_k);
   if (m_block_begin < m_block_end) load_query_block(m_block_begin, 0);
   cp_async_fence();
 
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     warpgroup_fence_operand(acc_dq);
     warpgroup_fence_operand(pt);
     warpgroup_fence_operand(dst);
-    sm80::atomic_add_rows(dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
+    atomic_add_rows(dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
                           sequence.seqlen_q - row_start);
   }
 
@@ -360,15 +360,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     const int64_t offset = sequence.k_offset(params.dkv_batch_stride, params.dkv_row_stride) +
                            int64_t(key_start) * params.dkv_row_stride +
                            int64_t(head) * params.dkv_head_stride;
-    sm80::store_rows(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale,
+    store_rows(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale,
                      tKVc, rows_left_k, params.head_dim);
-    sm80::store_rows(static_cast<Element*>(params.dv) + offset, params.dkv_row_stride, acc_dv, 1.f, tKVc,
+    store_rows(static_cast<Element*>(params.dv) + offset, params.dkv_row_stride, acc_dv, 1.f, tKVc,
                      rows_left_k, params.head_dim);
   } else {
     const int64_t row_stride = int64_t(params.heads) * kHeadDim;
     const int64_t offset = (key_accum_row(params, sequence) + key_start) * row_stride + int64_t(head) * kHeadDim;
-    sm80::store_rows(params.dk_accum + offset, row_stride, acc_dk, 1.f, tKVc, rows_left_k, kHeadDim);
-    sm80::store_rows(params.dv_accum + offset, row_stride, acc_dv, 1.f, tKVc, rows_left_k, kHeadDim);
+    store_rows(params.dk_accum + offset, row_stride, acc_dk, 1.f, tKVc, rows_left_k, kHeadDim);
+    store_rows(params.dv_accum + offset, row_stride, acc_dv, 1.f, tKVc, rows_left_k, kHeadDim);
   }
 #endif  // Other targets get an empty body: the host launches this kernel only on sm_90.
 }

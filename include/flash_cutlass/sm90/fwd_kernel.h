@@ -1,184 +1,46 @@
 // The Hopper-path forward kernel: CTAs take the (query block, head, batch) tiles of
 // out = softmax(scale * Q K^T) V and its log-sum-exp, one each or (a persistent grid, one CTA per
-// SM) in turn.
+// SM) in turn (tile_scheduler.h).
 // A producer thread brings each tile's Q and its K/V blocks through a multi-stage pipeline with
-// TMA, running ahead into the next tile while the consumers finish this one; each consumer
-// warpgroup owns 64 query rows and runs S = Q K^T and O += P V as wgmma, with the online softmax
-// in registers between them.
+// TMA (fwd_producer.h), running ahead into the next tile while the consumers finish this one; each
+// consumer warpgroup owns 64 query rows and runs S = Q K^T and O += P V as wgmma, with the online
+// softmax in registers between them, then stores O and the log-sum-exp (fwd_mainloop.h).
+// Tile sizes, layouts and shared memory: tile_config.h; named barriers: barriers.h; the developer
+// timeline: timeline.h. This file sets up the pipeline and each role's state and walks the tiles.
 #pragma once
-
-#include <cmath>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "flash_cutlass/common/block_info.h"
-#include "flash_cutlass/common/dropout.h"
-#include "flash_cutlass/common/mask.h"
-#include "flash_cutlass/common/score_mods.h"
-#include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
-#include "flash_cutlass/sm90/kernel_traits.h"
+#include "flash_cutlass/sm90/fwd_kernel_params.h"
+#include "flash_cutlass/sm90/fwd_mainloop.h"
+#include "flash_cutlass/sm90/fwd_producer.h"
+#include "flash_cutlass/sm90/tile_config.h"
+#include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/timeline.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
 
-// What the kernel receives: the call and the TMA descriptors built from it on the host.
-template <class Traits>
-struct FwdKernelParams {
-  FwdParams call;
-  typename Traits::TmaQ tma_q;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
-  typename Traits::TmaO tma_o;  // over out when store_o_with_tma, else a valid descriptor left unused
-  bool store_o_with_tma;
-  PersistentWork persistent_work;  // with Traits::kPersistent
-};
-
-// The rows and batch extent of the TMA views of Q and of K, V: (seqlen, batch) per sequence, or
-// (total rows, 1) in a variable-length call.
-struct TmaExtents {
-  int rows_q;
-  int rows_k;
-  int batch;
-};
-
-__host__ __device__ inline TmaExtents tma_extents(FwdParams const& params) {
-  if (params.cu_seqlens_q == nullptr) return {params.seqlen_q, params.seqlen_k, params.batch};
-  return {int(params.total_q), int(params.total_k), 1};
-}
-
-// The consumer warpgroups' ping-pong (FlashAttention-3's), round robin: named barrier 1 + c for
-// consumer c (0 is __syncthreads), each completed by c's own 128 threads syncing and the previous
-// consumer's 128 arriving; consumer c hands the turn to c + 1, the last one to consumer 0. A
-// warpgroup issues its GEMMs only on its turn and hands the turn over right after issuing, so the
-// tensor cores run one warpgroup's GEMMs while the others compute their softmax.
-constexpr int kPingPongThreads = 256;
-
-// Two consumers: the barrier ids as immediates (a computed id costs the head-dim-256 kernel
-// registers and spills). Three: computed ids (immediates behind branches spill more in the
-// head-dim-64 causal kernel: 40 B instead of 8).
-template <int kConsumers>
-__device__ __forceinline__ void wait_for_turn(int consumer) {
-  static_assert(kConsumers == 2 || kConsumers == 3);
-  if constexpr (kConsumers == 2) {
-    if (consumer == 0) {
-      asm volatile("bar.sync 1, %0;" ::"n"(kPingPongThreads) : "memory");
-    } else {
-      asm volatile("bar.sync 2, %0;" ::"n"(kPingPongThreads) : "memory");
-    }
-  } else {
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + consumer), "n"(kPingPongThreads) : "memory");
-  }
-}
-
-template <int kConsumers>
-__device__ __forceinline__ void hand_over_turn(int consumer) {
-  static_assert(kConsumers == 2 || kConsumers == 3);
-  if constexpr (kConsumers == 2) {
-    if (consumer == 0) {
-      asm volatile("bar.arrive 2, %0;" ::"n"(kPingPongThreads) : "memory");
-    } else {
-      asm volatile("bar.arrive 1, %0;" ::"n"(kPingPongThreads) : "memory");
-    }
-  } else {
-    const int next = consumer + 1 == kConsumers ? 0 : consumer + 1;
-    asm volatile("bar.arrive %0, %1;" ::"r"(1 + next), "n"(kPingPongThreads) : "memory");
-  }
-}
-
-// Whether `predicate` holds for every thread of consumer warpgroup `consumer` (bar.red.and over its
-// 128 threads, named barriers 5 to 7).
-template <int kConsumers>
-__device__ __forceinline__ bool all_of_warpgroup(int consumer, bool predicate) {
-  static_assert(kConsumers == 2 || kConsumers == 3);
-  uint32_t all;
-  if (kConsumers == 2 && consumer == 0) {
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, 5, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(all) : "r"(uint32_t(predicate)) : "memory");
-  } else if (kConsumers == 2) {
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, 6, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(all) : "r"(uint32_t(predicate)) : "memory");
-  } else {
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(all) : "r"(uint32_t(predicate)), "r"(5 + consumer) : "memory");
-  }
-  return all != 0;
-}
-
-// Named barrier 4, after the ping-pong's (1 to 3): every consumer thread, around the epilogue's
-// shared-memory tile of O.
-template <int kConsumerThreads>
-__device__ __forceinline__ void sync_consumers() {
-  asm volatile("bar.sync 4, %0;" ::"n"(kConsumerThreads) : "memory");
-}
-
-// What the producer and the consumers both derive from a tile number. A tile is skipped when its
-// query block lies past its sequence's end (a variable-length call's shorter sequences have fewer
-// query blocks than the longest); it has no work but its epilogue when no row sees a key.
-template <int kBlockM, int kBlockN, MaskKind kMaskKind>
-struct TileWork {
-  QueryTile tile;
-  Sequence sequence;
-  KeyMask<kMaskKind> mask;
-  KeyBlockRange key_blocks;
-
-  __device__ bool in_sequence() const { return tile.m_block * kBlockM < sequence.seqlen_q; }
-  __device__ bool has_keys() const { return key_blocks.end > key_blocks.begin; }
-};
-
-template <int kBlockM, int kBlockN, MaskKind kMaskKind>
-__device__ __forceinline__ TileWork<kBlockM, kBlockN, kMaskKind> tile_work(FwdParams const& params, QueryTile tile) {
-  const Sequence sequence = sequence_of(params, tile.batch);
-  const KeyMask<kMaskKind> mask = key_mask_of<kMaskKind>(params, sequence.seqlen_q, sequence.seqlen_k);
-  return {tile, sequence, mask, key_block_range<kBlockM, kBlockN>(mask, tile.m_block)};
-}
-
-// Calls work(tile) for every query tile of this CTA: in a persistent grid (the launcher sizes it),
-// the tiles of persistent_tile_at_step (causal ones in pairs: persistent_tiles_in_pairs), else the
-// CTA's one tile (causal ones longest first).
-template <int kBlockM, bool kPersistentGrid, MaskKind kMaskKind, class Work>
-__device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& params, PersistentWork const& persistent_work,
-                                                          Work&& work) {
-  if constexpr (kPersistentGrid) {
-    for (int step = 0;; ++step) {
-      const TileAtStep next =
-          persistent_tile_at_step<kBlockM, persistent_tiles_in_pairs<kMaskKind>()>(params, persistent_work, step);
-      if (next.past_end) break;
-      if (next.valid) work(next.tile);
-    }
-  } else if constexpr (kMaskKind == MaskKind::kCausal) {
-    work(longest_first_query_tile_of_this_cta<kBlockM>(params));
-  } else {
-    work(query_tile_of_this_cta<kBlockM>(params));
-  }
-}
-
-// The consumer warpgroups ping-pong over a loop that issues S of tile n with P V of tile n+1.
+// Warpgroup 0 is the producer (one thread issues the loads), the others the consumers.
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
-  constexpr bool kExtended = kExtension != Extension::kNone;
-  constexpr bool kDropout = kExtension == Extension::kDropout;
-  using Element = typename Traits::Element;
   using PipelineKV = typename Traits::PipelineKV;
   constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kBlockN = Traits::kBlockN;
   using TileShape = typename Traits::TileShape;
 
   FwdParams const& params = kernel_params.call;
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-  // CTAs taking tiles in turn, causal ones in pairs (kernel_traits.h: per head dim), or one CTA per tile.
+  // CTAs taking tiles in turn, causal ones in pairs (tile_config.h: per head dim), or one CTA per tile.
   constexpr bool kPersistentGrid = Traits::kPersistent;
-  // S = Q K^T with Q from registers (kernel_traits.h).
-  constexpr bool kQInRegisters =
-      Traits::kQInRegisters || (kMaskKind == MaskKind::kCausal && Traits::kQInRegistersWhenCausal);
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;
 
@@ -218,57 +80,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
       auto state = cutlass::make_producer_start_state<PipelineKV>();
       int q_loads = 0;
-      TimelineCursor timeline(true);
-      auto load_tile = [&](QueryTile tile) __attribute__((always_inline)) {
-        const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
-        if (!work.in_sequence() || !work.has_keys()) return;
-        timeline.stamp(0, kLoadStart);
-        timeline.value(0, kKeyBlocks, work.key_blocks.end - work.key_blocks.begin);
-        timeline.value(0, kQueryBlock, work.tile.m_block);
-        const int head = work.tile.head;
-        const int head_k = kv_head_of(head, params);
-        const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
-        Tensor gQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mQ(_, _, head, tma_batch)),
-                               select<0, 2>(TileShape{}), make_coord(work.tile.m_block, _0{}));
-        Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
-                               select<1, 2>(TileShape{}), make_coord(_, _0{}));
-        Tensor gV = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mV(_, _, head_k, tma_batch)),
-                               select<1, 2>(TileShape{}), make_coord(_, _0{}));
-        auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                          group_modes<0, 2>(gQ));
-        auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                          group_modes<0, 2>(gK));
-        auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                          group_modes<0, 2>(gV));
-
-        // The tile's first K block goes before its Q: it may load while the consumers still read
-        // the previous tile's Q, which Q's load has to wait for.
-        const int last = work.key_blocks.end - 1;
-        pipeline_k.producer_acquire(state);
-        timeline.stamp(0, kFirstKStageAcquired);
-        copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, last), tKsK(_, state.index()));
-        if (q_loads > 0) storage.q_empty.wait((q_loads - 1) & 1);
-        timeline.stamp(0, kQBufferFree);
-        storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
-        copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
-        ++q_loads;
-        pipeline_v.producer_acquire(state);
-        copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, last), tVsV(_, state.index()));
-        ++state;
-        for (int n_block = last - 1; n_block >= work.key_blocks.begin; --n_block) {
-          pipeline_k.producer_acquire(state);
-          copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block),
-               tKsK(_, state.index()));
-          pipeline_v.producer_acquire(state);
-          copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, n_block),
-               tVsV(_, state.index()));
-          ++state;
-        }
-        timeline.stamp(0, kLoadsIssued);
-      };
+      Timeline timeline(true);
+      FwdProducer<Traits, kMaskKind, decltype(mQ), decltype(mK), decltype(sQ), decltype(sK)> producer{
+          params, mQ, mK, mV, kernel_params, sQ, sK, sV, pipeline_k, state, timeline, storage, q_loads, pipeline_v};
       for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(
           params, kernel_params.persistent_work, [&](QueryTile tile) __attribute__((always_inline)) {
-            load_tile(tile);
+            producer.load_tile(tile);
             timeline.next_tile();
           });
     }
@@ -289,359 +106,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // (row, col) of every accumulator element inside its tile.
   Tensor tScS = as_rows_cols(thr_qk.partition_C(make_identity_tensor(select<0, 1>(TileShape{}))));
   Tensor tOcO = as_rows_cols(thr_pv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
-  constexpr int kRowsPerThread = decltype(size<0>(acc_o_rc))::value;
   typename PipelineKV::PipelineState state;  // the K/V stage the consumers read next
   int q_loads = 0;
-  TimelineCursor timeline(consumer_idx % 128 == 0);
+  Timeline timeline(consumer_idx % 128 == 0);
 
-  auto compute_tile = [&](QueryTile tile) __attribute__((always_inline)) {
-    const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
-    if (!work.in_sequence()) return;
-    timeline.stamp(warpgroup, kTileStart);
-    const int m_block = work.tile.m_block, head = work.tile.head, batch = work.tile.batch;
-    const Sequence& sequence = work.sequence;
-    const KeyMask<kMaskKind>& mask = work.mask;
-    const KeyBlockRange& key_blocks = work.key_blocks;
-    float lse[kRowsPerThread];
-    clear(acc_o);
-
-    if (work.has_keys()) {
-      const ScoreMods<kExtended> score_mods =
-          score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
-      const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
-      OnlineSoftmax<kRowsPerThread, Traits::kSoftmaxChains> softmax(params.exp2_scale);
-      storage.q_full.wait(q_loads & 1);
-      timeline.stamp(warpgroup, kQArrived);
-      // `state`: the K/V stage of the key tile being scored.
-      // Intra-warpgroup overlap: the scores of tile n (S = Q K^T, then the softmax) run while the
-      // tensor cores do P V of tile n+1 (the one scored before; key blocks run from the last down).
-      // P lives in its own registers and O is rescaled only once that P V is done. ptxas would
-      // place a plain wait for P V before the softmax's exponentials (a wait has no inputs, so it
-      // fills the first latency gap); warpgroup_wait_after keeps it after them where the registers
-      // allow (Traits::kSoftmaxOverlapsPV). The warpgroups' ping-pong below overlaps one
-      // warpgroup's softmax with the others' GEMMs regardless.
-      Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(TileShape{}));
-      Tensor p = make_tensor<Element>(acc_s.layout());
-      Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
-      float correction[kRowsPerThread];
-      bool rescale_o = false;  // whether the tile just scored moved a row maximum of this warp (the lazy rescale)
-      // Rows past the sequence (zeros from TMA, or the next packed sequence's queries) do not vote
-      // on the warp's rescale, so that a sequence's bits do not depend on what follows it.
-      bool row_in_sequence[kRowsPerThread];
-      CUTE_UNROLL
-      for (int r = 0; r < kRowsPerThread; ++r) {
-        row_in_sequence[r] = m_block * kBlockM + get<0>(tScS(r, 0)) < sequence.seqlen_q;
-      }
-      const int consumer = warpgroup - 1;
-      constexpr int kConsumers = Traits::kConsumerWarpgroups;
-      if (consumer == kConsumers - 1) hand_over_turn<kConsumers>(consumer);  // consumer 0 issues first
-      // kQInRegisters: this warpgroup's Q rows, copied once per tile from shared memory
-      // (ldmatrix) into the A fragment of the register-sourced S = Q K^T.
-      typename Traits::TiledMmaQKRegisterQ mma_qk_register_q;
-      auto thr_qk_register_q = mma_qk_register_q.get_thread_slice(consumer_idx);
-      Tensor tSrQ_registers = thr_qk_register_q.partition_fragment_A(sQ);
-      if constexpr (kQInRegisters) {
-        auto copy_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_qk_register_q);
-        auto thr_copy_q = copy_q.get_thread_slice(consumer_idx);
-        copy(copy_q, thr_copy_q.partition_S(sQ), thr_copy_q.retile_D(tSrQ_registers));
-      }
-      // The wgmma of S = Q K^T for one key tile, issued (the caller waits for it).
-      auto issue_scores = [&]() __attribute__((always_inline)) {
-        if constexpr (kQInRegisters) {
-          issue_gemm_wgmma<true>(mma_qk_register_q, tSrQ_registers, tSrK(_, _, _, state.index()), acc_s);
-        } else {
-          issue_gemm_wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-        }
-      };
-      // Once S has landed in `scores` (acc_s, or the half block's; `coords` its tScS): the score
-      // options, the mask (for `masked` tiles), the softmax but O's rescale, and dropout, in place.
-      auto softmax_scores = [&](auto& scores, auto const& coords, int n_block, auto first_tile, auto masked)
-                                __attribute__((always_inline)) {
-        warpgroup_fence_operand(scores);
-        Tensor s = as_rows_cols(scores);
-        constexpr bool kAheadOfMax = Traits::kExponentiatesAheadOfMax && !decltype(first_tile)::value &&
-                                     !decltype(masked)::value;
-        // Ahead of the maximum, K's stage stays until the tile is known not to be scored again.
-        if constexpr (!kAheadOfMax) pipeline_k.consumer_release(state);
-        prepare_scores<decltype(masked)::value>(score_mods, mask, s, coords, m_block * kBlockM, n_block * kBlockN);
-        if constexpr (decltype(first_tile)::value) {
-          softmax.template update_scores<true>(s, correction);
-        } else if constexpr (kAheadOfMax) {
-          float tile_sum[kRowsPerThread];
-          const bool kept = all_of_warpgroup<kConsumers>(
-              consumer, softmax.exponentiate_against_kept_max(s, tile_sum, row_in_sequence));
-          if (kept) {
-            softmax.add_tile_sums(tile_sum);
-            rescale_o = false;
-          } else {
-            // A row of the warpgroup outgrew its kept maximum (or its P is not finite): the scores
-            // again, every maximum moved.
-            issue_scores();
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(scores);
-            prepare_scores<false>(score_mods, mask, s, coords, m_block * kBlockM, n_block * kBlockN);
-            softmax.template update_scores<false>(s, correction);
-            rescale_o = true;
-          }
-          pipeline_k.consumer_release(state);
-        } else {
-          rescale_o = softmax.update_scores_lazily(s, correction, row_in_sequence);
-        }
-        if constexpr (kDropout) dropout.apply(s, coords, m_block * kBlockM, n_block * kBlockN);
-        warpgroup_fence_operand(scores);
-      };
-      // P of the tile just scored, in the inputs' dtype. A half block's scores are the first half
-      // of P's registers (an accumulator's values run over its column groups last); the rest is 0.
-      auto store_probabilities = [&](auto const& scores) __attribute__((always_inline)) {
-        constexpr int kScored = decltype(size(scores))::value;
-        constexpr int kSize = decltype(size(p))::value;
-        static_assert(kSize % kScored == 0);
-        *reinterpret_cast<cutlass::Array<Element, kScored>*>(p.data()) =
-            *reinterpret_cast<cutlass::Array<Element, kScored> const*>(convert_fragment<Element>(scores).data());
-        if constexpr (kScored < kSize) {
-          reinterpret_cast<cutlass::Array<Element, kSize - kScored>*>(p.data() + kScored)->clear();
-        }
-      };
-      // Whether the next step's K and V stages have landed, tested (mbarrier test_wait, which does
-      // not block) at the end of a softmax so that the test's latency hides behind the wait for P V
-      // there; a stage found ready skips its wait at the next step's start
-      // (Traits::kTestsNextStagesEarly).
-      cutlass::ConsumerToken next_k_ready{cutlass::BarrierStatus::WaitAgain};
-      cutlass::ConsumerToken next_v_ready{cutlass::BarrierStatus::WaitAgain};
-      auto test_next_stages = [&]() __attribute__((always_inline)) {
-        if constexpr (Traits::kTestsNextStagesEarly) {
-          typename PipelineKV::PipelineState next_k = state;
-          ++next_k;
-          next_k_ready = pipeline_k.consumer_test_wait(next_k);
-          next_v_ready = pipeline_v.consumer_test_wait(state);
-        }
-      };
-      // The timeline's probed step (timeline.h; compiled out without FLASH_CUTLASS_TIMELINE).
-      auto stamp_step = [&](bool probed, int event) __attribute__((always_inline)) {
-        if (probed) timeline.stamp(warpgroup, event);
-      };
-      // One steady-state step: tile n_block is scored while P V of the tile before it runs.
-      auto process_tile = [&](int n_block, auto masked) __attribute__((always_inline)) {
-        const bool probed = n_block == key_blocks.end - kProbedKeyBlockFromEnd;
-        stamp_step(probed, kStepStart);
-        typename PipelineKV::PipelineState state_v = state;  // the stage of the tile scored before
-        ++state;
-        pipeline_k.consumer_wait(state, next_k_ready);
-        pipeline_v.consumer_wait(state_v, next_v_ready);
-        stamp_step(probed, kStepStagesReady);
-        wait_for_turn<kConsumers>(consumer);
-        stamp_step(probed, kStepTurnTaken);
-        issue_scores();
-        issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state_v.index()), acc_o);
-        hand_over_turn<kConsumers>(consumer);
-        stamp_step(probed, kStepGemmsIssued);
-        warpgroup_wait<1>();  // S of this tile
-        stamp_step(probed, kStepScoresLanded);
-        softmax_scores(acc_s, tScS, n_block, cute::false_type{}, masked);
-        test_next_stages();
-        stamp_step(probed, kStepSoftmaxDone);
-        // P V of the tile before
-        if constexpr (Traits::kSoftmaxOverlapsPV) {
-          warpgroup_wait_after<0>(softmax.row_sum[0], softmax.row_sum[kRowsPerThread - 1]);
-        } else {
-          warpgroup_wait<0>();
-        }
-        stamp_step(probed, kStepPVLanded);
-        warpgroup_fence_operand(acc_o);
-        warpgroup_fence_operand(tOrP);
-        pipeline_v.consumer_release(state_v);
-        if (rescale_o) softmax.rescale(acc_o_rc, correction);
-        store_probabilities(acc_s);
-        stamp_step(probed, kStepDone);
-      };
-      // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
-      // the diagonal) come first, then a loop free of masking; with a window, one loop that masks the
-      // tiles on the window's edges (one masked and one unmasked copy of the tile step, as without it).
-      // The producer loads the same blocks in the same order.
-      // With a causal mask, the first key blocks visited (the last ones) can lie past the diagonal
-      // for all of this warpgroup's rows while the tile's later rows see them: the warpgroup
-      // takes its turns for them and releases their stages without computing them
-      // (Traits::kSkipsKeyBlocksPastDiagonal). It keeps at least one key block, which starts its
-      // softmax.
-      constexpr int kRowsPerWarpgroup = kBlockM / kConsumers;
-      // One past the last key any row of this warpgroup sees.
-      const int warpgroup_key_limit = mask.key_limit(m_block * kBlockM + kRowsPerWarpgroup * (consumer + 1) - 1);
-      int skipped_blocks = 0;
-      if constexpr (kMaskKind == MaskKind::kCausal && Traits::kSkipsKeyBlocksPastDiagonal) {
-        const int warpgroup_end = (max(0, warpgroup_key_limit) + kBlockN - 1) / kBlockN;
-        skipped_blocks = max(0, min(key_blocks.end - warpgroup_end, key_blocks.end - 1 - key_blocks.begin));
-      }
-      for (int skipped = 0; skipped < skipped_blocks; ++skipped) {
-        pipeline_k.consumer_wait(state);
-        pipeline_v.consumer_wait(state);
-        wait_for_turn<kConsumers>(consumer);
-        hand_over_turn<kConsumers>(consumer);
-        pipeline_k.consumer_release(state);
-        pipeline_v.consumer_release(state);
-        ++state;
-      }
-      const int last = key_blocks.end - 1 - skipped_blocks;
-      // The first block visited starts the softmax. With Traits::kHalvesFirstKeyBlock and a causal
-      // mask it is scored on its first half of keys only where this warpgroup's rows see none of the
-      // second half (the diagonal block of the first 64 rows of a 128-row tile); its P V then
-      // multiplies the second half of the stage's V by P = 0, as a masked block would. The key
-      // blocks' whole visit is compiled once per case: with a branch around the first block alone,
-      // ptxas gave every steady loop 13-15 more instructions (2 or fewer this way).
-      pipeline_k.consumer_wait(state);
-      // Q's shared memory is free once its last reader has completed: the first key block's
-      // S = Q K^T with kQInRegisters (the half block's reads it there), else the last one's.
-      // The producer then brings the next tile's Q while this one finishes.
-      auto release_q = [&]() __attribute__((always_inline)) { storage.q_empty.arrive(); };
-      auto visit_key_blocks = [&](auto half) __attribute__((always_inline)) {
-        if constexpr (decltype(half)::value) {
-          // A shared-memory descriptor does not depend on N: the half GEMM reads the first rows of
-          // the full block's K through its descriptors.
-          typename Traits::TiledMmaQKHalf mma_qk_half;
-          auto thr_qk_half = mma_qk_half.get_thread_slice(consumer_idx);
-          Tensor tScS_half = as_rows_cols(
-              thr_qk_half.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapeHalf{}))));
-          // The half block's scores in the first half of acc_s's registers (its first column groups).
-          Tensor acc_s_half = make_tensor(
-              acc_s.data(), partition_fragment_C(mma_qk_half, select<0, 1>(typename Traits::TileShapeHalf{})).layout());
-          wait_for_turn<kConsumers>(consumer);
-          issue_gemm_wgmma<true>(mma_qk_half, tSrQ, tSrK(_, _, _, state.index()), acc_s_half);
-          hand_over_turn<kConsumers>(consumer);
-          warpgroup_wait<0>();
-          timeline.stamp(warpgroup, kFirstScoresLanded);
-          if constexpr (kQInRegisters) release_q();
-          softmax_scores(acc_s_half, tScS_half, last, cute::true_type{}, cute::true_type{});
-          store_probabilities(acc_s_half);
-        } else {
-          wait_for_turn<kConsumers>(consumer);
-          issue_scores();
-          hand_over_turn<kConsumers>(consumer);
-          warpgroup_wait<0>();
-          timeline.stamp(warpgroup, kFirstScoresLanded);
-          if constexpr (kQInRegisters) release_q();
-          // Without a mask only a seqlen_k tail needs one: a first block before it runs unmasked
-          // (+1% at head dim 128 and 2k keys, +2% at 8k on the H200).
-          if (kMaskKind == MaskKind::kNone && last < key_blocks.unmasked_end) {
-            softmax_scores(acc_s, tScS, last, cute::true_type{}, cute::false_type{});
-          } else {
-            softmax_scores(acc_s, tScS, last, cute::true_type{}, cute::true_type{});
-          }
-          store_probabilities(acc_s);
-        }
-        test_next_stages();
-        timeline.stamp(warpgroup, kFirstBlockDone);
-        if constexpr (kMaskKind == MaskKind::kLocal) {
-          for (int n_block = last - 1; n_block >= key_blocks.begin; --n_block) {
-            if (n_block >= key_blocks.unmasked_end || n_block < key_blocks.unmasked_begin) {
-              process_tile(n_block, cute::true_type{});
-            } else {
-              process_tile(n_block, cute::false_type{});
-            }
-          }
-        } else {
-          int n_block = last - 1;
-          for (; n_block >= key_blocks.unmasked_end; --n_block) process_tile(n_block, cute::true_type{});
-          for (; n_block >= 0; --n_block) process_tile(n_block, cute::false_type{});
-        }
-      };
-      if constexpr (Traits::kHalvesFirstKeyBlock && kMaskKind == MaskKind::kCausal) {
-        if (warpgroup_key_limit <= last * kBlockN + Traits::kHalfBlockN) {
-          visit_key_blocks(cute::true_type{});
-        } else {
-          visit_key_blocks(cute::false_type{});
-        }
-      } else {
-        visit_key_blocks(cute::false_type{});
-      }
-      if constexpr (!kQInRegisters) release_q();
-      // P V of the last tile scored.
-      pipeline_v.consumer_wait(state, next_v_ready);
-      wait_for_turn<kConsumers>(consumer);
-      issue_gemm_wgmma<false>(mma_pv, tOrP, tOrVt(_, _, _, state.index()), acc_o);
-      hand_over_turn<kConsumers>(consumer);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      timeline.stamp(warpgroup, kLastPVLanded);
-      pipeline_v.consumer_release(state);
-      // The last consumer's last hand-over has no turn of consumer 0 left to meet: take it here, so
-      // that no barrier is left half-arrived. (The last consumer arrives again only in its next tile,
-      // after the epilogue's sync of the consumers, which consumer 0 reaches after this wait.)
-      if (consumer == 0) wait_for_turn<kConsumers>(consumer);
-      ++state;
-      ++q_loads;
-      softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
-      if constexpr (kDropout) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
-      }
-    } else {
-      // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0.
-      CUTE_UNROLL
-      for (int r = 0; r < kRowsPerThread; ++r) lse[r] = -INFINITY;
-    }
-
-    timeline.stamp(warpgroup, kFinalized);
-    // Epilogue: O through shared memory and a TMA store (which leaves out rows and columns past the
-    // tensor), or from registers; the log-sum-exp from registers, one thread per row.
-    const int row_start = m_block * kBlockM;
-    auto store_lse = [&]() __attribute__((always_inline)) {
-      float* lse_row = params.lse + query_stats_index(params, sequence, head);
-      CUTE_UNROLL
-      for (int r = 0; r < kRowsPerThread; ++r) {
-        const int row = row_start + get<0>(tOcO(r, 0));
-        if (row < sequence.seqlen_q && get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
-      }
-    };
-    Tensor o = convert_fragment<Element>(acc_o);
-    if (Traits::kTmaStoreO && kernel_params.store_o_with_tma) {
-      Tensor sO = make_tensor(make_smem_ptr(Traits::kOwnBufferO ? storage.o.data() : storage.q.data()),
-                              typename Traits::SmemLayoutQ{});
-      if (consumer_idx == 0) tma_store_wait<0>();  // the previous tile's store has read sO
-      sync_consumers<Traits::kConsumerThreads>();
-      // stmatrix: 8x8 blocks of 16-bit values, a row of each per lane, into the swizzled tile.
-      auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
-      auto thr_copy_o = copy_o.get_thread_slice(consumer_idx);
-      copy(copy_o, thr_copy_o.retile_S(o), thr_copy_o.partition_D(sO));
-      tma_store_fence();  // the writes above, visible to the TMA unit
-      sync_consumers<Traits::kConsumerThreads>();
-      timeline.stamp(warpgroup, kOStaged);
-      if (consumer_idx == 0) {
-        Tensor mO = kernel_params.tma_o.get_tma_tensor(
-            make_shape(sequence.seqlen_q, params.head_dim, params.heads, params.batch));
-        Tensor gO = local_tile(mO(_, _, head, batch), select<0, 2>(TileShape{}), make_coord(m_block, _0{}));
-        auto [tOgO, tOsO] = tma_partition(kernel_params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
-                                          group_modes<0, 2>(gO));
-        copy(kernel_params.tma_o, tOsO, tOgO);
-        tma_store_arrive();
-      }
-      timeline.stamp(warpgroup, kOStoreIssued);
-      store_lse();  // after O's store: the fence before it would wait for these global stores
-      return;
-    }
-    // Every epilogue syncs the consumers: the ping-pong's turns across tiles rely on it (above).
-    sync_consumers<Traits::kConsumerThreads>();
-    store_lse();
-    Element* out = static_cast<Element*>(params.out) + sequence.q_offset(params.out_batch_stride, params.out_row_stride) +
-                   int64_t(head) * params.out_head_stride;
-    Tensor o_rc = as_rows_cols(o);
-    CUTE_UNROLL
-    for (int r = 0; r < kRowsPerThread; ++r) {
-      const int row = row_start + get<0>(tOcO(r, 0));
-      if (row >= sequence.seqlen_q) continue;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); c += 2) {
-        const int col = get<1>(tOcO(r, c));
-        if (col < params.head_dim) {
-          cutlass::Array<Element, 2> pair;
-          pair[0] = o_rc(r, c);
-          pair[1] = o_rc(r, c + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + int64_t(row) * params.out_row_stride + col) = pair;
-        }
-      }
-    }
-  };
+  FwdConsumer<Traits, kMaskKind, kExtension, decltype(sQ), decltype(tSrQ), decltype(tSrK), decltype(tOrVt),
+              decltype(acc_o), decltype(acc_o_rc), decltype(tScS), decltype(tOcO)>
+      consumer{params, timeline, warpgroup, acc_o, storage, q_loads, mma_qk, tScS, consumer_idx, sQ,
+               tSrK, state, tSrQ, pipeline_k, pipeline_v, mma_pv, tOrVt, acc_o_rc, tOcO, kernel_params};
   for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(
       params, kernel_params.persistent_work, [&](QueryTile tile) __attribute__((always_inline)) {
-        compute_tile(tile);
+        consumer.compute_tile(tile);
         timeline.next_tile();
       });
   // The CTA's shared memory must outlive the reads of its last TMA store.

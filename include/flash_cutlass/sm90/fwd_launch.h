@@ -61,7 +61,7 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       PersistentWork{},
   };
 
-  // A persistent grid (kernel_traits.h, per head dim): CTAs take tiles in turn, causal ones in pairs
+  // A persistent grid (tile_config.h, per head dim): CTAs take tiles in turn, causal ones in pairs
   // whose costs add up to about the same and the pairs' last waves as single tiles (block_info.h:
   // the causal tail), one CTA per SM, each CTA's producer loading its next tile while the consumers
   // finish the current one. In a variable-length call the tiles' costs differ with their
@@ -81,7 +81,7 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
                        kernel_params, stream);
 }
 
-// Causal calls of up to this many query rows keep the narrow tiles (kernel_traits.h): at 2k the
+// Causal calls of up to this many query rows keep the narrow tiles (tile_config.h): at 2k the
 // wide ones compute 11% more of the masked diagonal and measured 12% slower, at 3k 7-10% faster
 // (docs/PERFORMANCE.md).
 constexpr int kCausalNarrowTilesMaxSeqlenQ = 2048;

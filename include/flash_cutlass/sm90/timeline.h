@@ -1,8 +1,9 @@
-// The Hopper forward's developer timeline, built with FLASH_CUTLASS_TIMELINE=1 (off by default,
-// where TimelineCursor is empty and its calls compile to nothing): the first thread of the
-// producer and of each consumer warpgroup writes clock64() at fixed points of every tile into a
-// __device__ buffer of FwdTimeline's shape, which the host reads and clears after a call
-// (flash_cutlass._C.forward_timeline; tools/timeline.py prints where a tile's cycles go).
+// The Hopper forward's developer timeline, one policy type picked here: NoTimeline, whose calls
+// compile to nothing (the default), or, built with FLASH_CUTLASS_TIMELINE=1, ClockTimeline: the
+// first thread of the producer and of each consumer warpgroup writes clock64() at fixed points of
+// every tile into a __device__ buffer of FwdTimeline's shape, which the host reads and clears after
+// a call (flash_cutlass._C.forward_timeline; tools/timeline.py prints where a tile's cycles go).
+// The kernel's pieces call stamp / value / next_tile on a `Timeline` and never test the macro.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -42,6 +43,15 @@ enum TimelineEvent : int {
 };
 inline constexpr int kProbedKeyBlockFromEnd = 4;
 
+// The default: every call is empty and inlined, so the kernels carry no trace of the timeline.
+class NoTimeline {
+ public:
+  __device__ explicit NoTimeline(bool) {}
+  __device__ void stamp(int, int) const {}
+  __device__ void value(int, int, long long) const {}
+  __device__ void next_tile() {}
+};
+
 #ifdef FLASH_CUTLASS_TIMELINE
 namespace {  // one buffer per instantiation file, read by that file's read_fwd_timeline
 __device__ unsigned long long fwd_timeline_buffer[FwdTimeline::kEntries];
@@ -50,9 +60,9 @@ __device__ unsigned long long fwd_timeline_buffer[FwdTimeline::kEntries];
 // Where a recording thread writes: its CTA, its tile step (advanced by next_tile), a warpgroup and
 // an event. CTAs and steps past FwdTimeline's shape are not recorded. The step's slots are found
 // once a tile, so that a stamp is a test, a clock read and a store.
-class TimelineCursor {
+class ClockTimeline {
  public:
-  __device__ explicit TimelineCursor(bool recorder) : recorder_(recorder) { find_slots(); }
+  __device__ explicit ClockTimeline(bool recorder) : recorder_(recorder) { find_slots(); }
   __device__ void stamp(int warpgroup, int event) const { record(warpgroup, event, clock64()); }
   __device__ void value(int warpgroup, int event, long long value) const { record(warpgroup, event, value); }
   __device__ void next_tile() {
@@ -85,14 +95,10 @@ cudaError_t read_fwd_timeline(unsigned long long* host) {
   if (status != cudaSuccess) return status;
   return cudaMemset(device, 0, sizeof(fwd_timeline_buffer));
 }
+
+using Timeline = ClockTimeline;
 #else
-class TimelineCursor {
- public:
-  __device__ explicit TimelineCursor(bool) {}
-  __device__ void stamp(int, int) const {}
-  __device__ void value(int, int, long long) const {}
-  __device__ void next_tile() {}
-};
+using Timeline = NoTimeline;
 #endif
 
 }  // namespace flash_cutlass::sm90

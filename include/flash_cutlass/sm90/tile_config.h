@@ -40,7 +40,7 @@ struct FwdKernelTraits {
                 kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "rows of 64- or 128-byte swizzle atoms");
   // The softmax of one key tile runs while P V of the tile before is in flight, its wait kept after
-  // the exponentials (fwd_kernel.h). At head dim 256 the O accumulator's 128 registers a thread
+  // the exponentials (fwd_mainloop.h). At head dim 256 the O accumulator's 128 registers a thread
   // leave no room for S and P to live that long: ptxas spilled 650-1800 B a kernel, and 140-190 B at
   // 192 (96 registers of O). At head dim 64 (issue-bound, three consumer warpgroups) it measured 1-5%
   // slower on the H200, so it is off there.
@@ -52,7 +52,7 @@ struct FwdKernelTraits {
   // +5% causal) with the exponentials ahead of the maxima below.
   // With 128-key tiles, an unmasked key tile is exponentiated against the row maxima kept from
   // the tiles before, ahead of its own maxima, and scored again where a P exceeds the lazy bound
-  // (OnlineSoftmax::exponentiate_against_kept_max, fwd_kernel.h): the 64 FMNMX, 4 shuffles and the
+  // (OnlineSoftmax::exponentiate_against_kept_max, fwd_mainloop.h): the 64 FMNMX, 4 shuffles and the
   // vote before the first exponential leave a softmax's path. On the H200 +4-8% at head dim 128
   // without a mask and +2-6% causal, +4-5% and +1-6% at 96, +4-7% and -0.6 to +5% at 64; with 64-key
   // tiles (192, 256: half the maxima to take, K's stage held longer) -3 to +3%, so it is off there.
@@ -61,13 +61,13 @@ struct FwdKernelTraits {
   // 128 (128-key tiles on two consumer warpgroups).
   static constexpr int kSoftmaxChains = kHeadDim == 96 || kHeadDim == 128 ? 4 : 1;
   // A consumer tests whether the next step's K and V stages have landed at the end of a softmax
-  // instead of waiting for them at the step's start (fwd_kernel.h, test_next_stages): the test's
+  // instead of waiting for them at the step's start (fwd_mainloop.h, test_next_stages): the test's
   // latency left the critical path, +2-3% at head dim 128 without a mask (2k-16k) and 64 causal
   // (1k-2k) on the H200. At 256, whose consumers wait for the loads themselves, 0 to -2%: off.
   static constexpr bool kTestsNextStagesEarly = kHeadDim <= 128;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
   // Causal tiles: a consumer warpgroup skips the first key blocks visited that lie past the diagonal
-  // for all of its rows (fwd_kernel.h). With 192-row tiles on 128-key blocks, 1.5 of a tile's key
+  // for all of its rows (fwd_mainloop.h). With 192-row tiles on 128-key blocks, 1.5 of a tile's key
   // blocks on average, the masked ones: +2-4% at head dim 64 from 4k on the H200. With 128 rows on
   // 64 keys (head dim 256) one block a tile: 3-7% slower (the steady loop gained 8 instructions).
   // With 128 rows on 128 keys a warpgroup has such blocks only where seqlen_q != seqlen_k.
@@ -75,7 +75,7 @@ struct FwdKernelTraits {
   // Causal tiles: a consumer warpgroup whose rows see none of the second half of the first key
   // block it visits (the diagonal block, for the first 64 rows of a 128-row tile) scores that
   // block's first half only: S = Q K^T on kBlockN / 2 keys and half the masked softmax; its P's
-  // second half is 0 (fwd_kernel.h). +1-3% at head dims 64 and 128, 1k-2k, on the H200.
+  // second half is 0 (fwd_mainloop.h). +1-3% at head dims 64 and 128, 1k-2k, on the H200.
   static constexpr bool kHalvesFirstKeyBlock = kBlockN == 128;
   static constexpr int kHalfBlockN = kBlockN / 2;
 
@@ -162,7 +162,7 @@ struct FwdKernelTraits {
 };
 
 // Tile sizes per head dim: consumer warpgroups of 64 query rows each, which ping-pong
-// (fwd_kernel.h). Each choice was measured against its alternatives in one build on the H200
+// (barriers.h, fwd_mainloop.h). Each choice was measured against its alternatives in one build on the H200
 // (docs/PERFORMANCE.md). FwdTileSizes: two consumer warpgroups (128 query rows). At head dim 64, 4
 // K/V stages with the ping-pong beat 2 stages without it (+0-10%) and key tiles of 192 (3-5% faster
 // at 16k only, 10-12% slower at 1k); at 128, key tiles of 160 or 176 gained up to 3% at 16k and

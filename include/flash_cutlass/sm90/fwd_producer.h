@@ -1,0 +1,94 @@
+// The producer of the Hopper-path forward: one thread of the producer warpgroup brings each tile's
+// Q and its K/V blocks into shared memory with TMA, through the K/V pipeline's stages and Q's
+// full/empty barrier pair, running ahead into the next tile while the consumers finish this one.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/params.h"
+#include "flash_cutlass/sm90/fwd_kernel_params.h"
+#include "flash_cutlass/sm90/tile_config.h"
+#include "flash_cutlass/sm90/tile_scheduler.h"
+#include "flash_cutlass/sm90/timeline.h"
+
+namespace flash_cutlass::sm90 {
+
+// The loads of one tile at a time. The state that lives across tiles (the TMA views, the K/V
+// pipeline's write stage, the count of Q loads whose parity Q's barriers track, the timeline) is
+// the kernel's; FwdProducer refers to it, so that the kernel's loop over tiles owns it.
+template <class Traits, MaskKind kMaskKind, class ViewQ, class ViewKV, class SmemQ, class SmemKV>
+struct FwdProducer {
+  using PipelineKV = typename Traits::PipelineKV;
+  using TileShape = typename Traits::TileShape;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+
+  FwdParams const& params;
+  ViewQ& mQ;
+  ViewKV& mK;
+  ViewKV& mV;
+  FwdKernelParams<Traits> const& kernel_params;
+  SmemQ& sQ;
+  SmemKV& sK;
+  SmemKV& sV;
+  PipelineKV& pipeline_k;
+  typename PipelineKV::PipelineState& state;
+  Timeline& timeline;
+  typename Traits::SharedStorage& storage;
+  int& q_loads;
+  PipelineKV& pipeline_v;
+
+  // The tile's key blocks from the last to the first, the order the consumers visit them in; none
+  // for a tile past its sequence's end or without keys (its consumers only store its epilogue).
+  __device__ __forceinline__ void load_tile(QueryTile tile) {
+    using namespace cute;
+    const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
+    if (!work.in_sequence() || !work.has_keys()) return;
+    timeline.stamp(0, kLoadStart);
+    timeline.value(0, kKeyBlocks, work.key_blocks.end - work.key_blocks.begin);
+    timeline.value(0, kQueryBlock, work.tile.m_block);
+    const int head = work.tile.head;
+    const int head_k = kv_head_of(head, params);
+    const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
+    Tensor gQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mQ(_, _, head, tma_batch)),
+                           select<0, 2>(TileShape{}), make_coord(work.tile.m_block, _0{}));
+    Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
+                           select<1, 2>(TileShape{}), make_coord(_, _0{}));
+    Tensor gV = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mV(_, _, head_k, tma_batch)),
+                           select<1, 2>(TileShape{}), make_coord(_, _0{}));
+    auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(gV));
+
+    // The tile's first K block goes before its Q: it may load while the consumers still read
+    // the previous tile's Q, which Q's load has to wait for.
+    const int last = work.key_blocks.end - 1;
+    pipeline_k.producer_acquire(state);
+    timeline.stamp(0, kFirstKStageAcquired);
+    copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, last), tKsK(_, state.index()));
+    if (q_loads > 0) storage.q_empty.wait((q_loads - 1) & 1);
+    timeline.stamp(0, kQBufferFree);
+    storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
+    copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
+    ++q_loads;
+    pipeline_v.producer_acquire(state);
+    copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, last), tVsV(_, state.index()));
+    ++state;
+    for (int n_block = last - 1; n_block >= work.key_blocks.begin; --n_block) {
+      pipeline_k.producer_acquire(state);
+      copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block),
+           tKsK(_, state.index()));
+      pipeline_v.producer_acquire(state);
+      copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, n_block),
+           tVsV(_, state.index()));
+      ++state;
+    }
+    timeline.stamp(0, kLoadsIssued);
+  }
+};
+
+}  // namespace flash_cutlass::sm90

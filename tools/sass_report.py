@@ -30,13 +30,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Head dims of each (direction, kernel path).
-HEAD_DIMS = {
-    ("forward", "sm80"): (32, 64, 96, 128, 192, 256),
-    ("forward", "sm90"): (64, 96, 128, 192, 256),
-    ("backward", "sm80"): (32, 64, 96, 128, 192, 256),
-    ("backward", "sm90"): (64, 128),
-}
+_SPEC = importlib.util.spec_from_file_location("flash_cutlass_catalogue", ROOT / "csrc" / "catalogue.py")
+catalogue = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = catalogue  # dataclasses look their module up by name
+_SPEC.loader.exec_module(catalogue)
 TARGETS = {"sm80": "-gencode=arch=compute_80,code=sm_80", "sm90": "-gencode=arch=compute_90a,code=sm_90a"}
 COUNTED = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU.EX2", "BAR.SYNC", "LDL", "STL", "SHFL")
 SEQUENCE = re.compile(r"(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR\.LE gsb0, 0x[0-9a-f]+|MUFU\.EX2|HGMMA)")
@@ -85,7 +82,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sass", type=Path, metavar="PATH",
                         help="also write the whole SASS here (to diff two versions of a kernel)")
     args = parser.parse_args(argv)
-    head_dims = HEAD_DIMS.get((args.direction, args.path), ())
+    head_dims = catalogue.HEAD_DIMS.get((args.direction, args.path), ())
     if not head_dims:
         parser.error(f"there is no {args.direction} kernel of the {args.path} path")
     if args.head_dim not in head_dims:
@@ -99,7 +96,9 @@ def main(argv=None) -> int:
     mask_kind = {"none": "kNone", "causal": "kCausal", "local": "kLocal"}[args.mask]
     extension = {"none": "kNone", "score_mods": "kScoreMods", "dropout": "kDropout"}[args.extension]
     with tempfile.TemporaryDirectory() as tmp:
-        # One instantiation alone (csrc/instantiations groups every dtype and mask of a head dim).
+        # One instantiation alone (a build's files group every dtype and mask of a head dim), with
+        # the default build's flash_cutlass/compiled.h, which the launch headers include.
+        catalogue.generate(catalogue.BuildSelection(), Path(tmp))
         source = Path(tmp) / f"{name}.cu"
         source.write_text(
             f'#include "flash_cutlass/{args.path}/{short}_launch.h"\n'
@@ -109,7 +108,8 @@ def main(argv=None) -> int:
             f"flash_cutlass::{params} const&, cudaStream_t);\n")
         cubin = Path(tmp) / "kernel.cubin"
         nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", TARGETS[args.path], "-O3", "--use_fast_math",
-                "--expt-relaxed-constexpr", "-std=c++17", f"-I{ROOT / 'include'}", f"-I{cutlass_include()}",
+                "--expt-relaxed-constexpr", "-std=c++17", f"-I{ROOT / 'include'}", f"-I{Path(tmp) / 'include'}",
+                f"-I{cutlass_include()}",
                 *(f"-D{macro}" for macro in args.define), "-Xptxas=-v", str(source), "-o", str(cubin)]
         build = subprocess.run(nvcc, capture_output=True, text=True)
         if build.returncode != 0:

@@ -47,7 +47,7 @@ CAUSAL_NARROW_TILES_MAX_SEQLEN_Q = 2048  # fwd_launch.h: kCausalNarrowTilesMaxSe
 
 
 def tile_shape(head_dim: int, causal: bool, seqlen_q: int) -> tuple[int, int, bool]:
-    """(block_m, block_n, persistent) of the kernel the call runs (sm90/kernel_traits.h,
+    """(block_m, block_n, persistent) of the kernel the call runs (sm90/tile_config.h,
     sm90/fwd_launch.h: kernels without runtime options)."""
     if head_dim == 64:
         if causal and seqlen_q <= CAUSAL_NARROW_TILES_MAX_SEQLEN_Q:

@@ -1,5 +1,5 @@
 // Torch-free, kernel-free declarations of the forward and backward entry points: what the host file
-// (csrc/flash_api.cpp) sees. Each instantiation lives in its own file under csrc/instantiations/.
+// (csrc/flash_api.cpp) sees. Each instantiation lives in a file csrc/catalogue.py generates.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -20,16 +20,19 @@ struct KernelSelection {
   std::string error;    // why the call cannot run; empty when it can
 };
 
-// Causal calls of up to this many query rows keep the Hopper forward's narrow tiles where a head
-// dim has wide ones (sm90/kernel_traits.h): at 2k the wide ones compute 11% more of the masked
-// diagonal and measured 12% slower, at 3k 7-10% faster (docs/PERFORMANCE.md). Window and option
-// kernels always keep the narrow tiles.
+// The Hopper forward's tiles (sm90/tile_config.h): a head dim with wide tiles (FwdWideTileSizes)
+// runs them in its kernels without runtime options (no window, no extension), except causal calls
+// of up to kSm90CausalNarrowTilesMaxSeqlenQ query rows (the longest sequence in a variable-length
+// call): at 2k the wide tiles compute 11% more of the masked diagonal and measured 12% slower, at
+// 3k 7-10% faster (docs/PERFORMANCE.md).
 inline constexpr int kSm90CausalNarrowTilesMaxSeqlenQ = 2048;
 
-constexpr bool sm90_forward_uses_wide_tiles(bool head_dim_has_wide_tiles, MaskKind mask, Extension extension,
-                                            int seqlen_q) {
-  return head_dim_has_wide_tiles && extension == Extension::kNone && mask != MaskKind::kLocal &&
-         !(mask == MaskKind::kCausal && seqlen_q <= kSm90CausalNarrowTilesMaxSeqlenQ);
+constexpr bool sm90_forward_has_wide_tiles(bool head_dim_has_wide_tiles, MaskKind mask, Extension extension) {
+  return head_dim_has_wide_tiles && extension == Extension::kNone && mask != MaskKind::kLocal;
+}
+
+constexpr bool sm90_forward_uses_wide_tiles(MaskKind mask, int seqlen_q) {
+  return !(mask == MaskKind::kCausal && seqlen_q <= kSm90CausalNarrowTilesMaxSeqlenQ);
 }
 
 // Why the Hopper path cannot run a call of this direction and head dim on a GPU of compute

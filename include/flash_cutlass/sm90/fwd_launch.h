@@ -8,6 +8,7 @@
 
 #include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/fwd_api.h"
+#include "flash_cutlass/select.h"
 #include "flash_cutlass/sm90/fwd_kernel.h"
 
 namespace flash_cutlass::sm90 {
@@ -81,30 +82,19 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
                        kernel_params, stream);
 }
 
-// Causal calls of up to this many query rows keep the narrow tiles (tile_config.h): at 2k the
-// wide ones compute 11% more of the masked diagonal and measured 12% slower, at 3k 7-10% faster
-// (docs/PERFORMANCE.md).
-constexpr int kCausalNarrowTilesMaxSeqlenQ = 2048;
-
-// The launch for a head dim and dtype: its traits from FwdTileSizes, or FwdWideTileSizes where the
-// head dim has them, for the kernels without runtime options: every call without a mask, and causal
-// calls of more than kCausalNarrowTilesMaxSeqlenQ query rows (the longest sequence in a
-// variable-length call). Window and option kernels keep FwdTileSizes.
+// The launch for a head dim and dtype: its traits from FwdTileSizes, or FwdWideTileSizes where
+// select.h says the call runs them.
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
   using Narrow = FwdTraitsFor<kHeadDim, Element>;
-  constexpr bool kWideTiles = FwdWideTileSizes<kHeadDim>::kAvailable && kExtension == Extension::kNone &&
-                              kMaskKind != MaskKind::kLocal;
-  if constexpr (kWideTiles) {
+  if constexpr (sm90_forward_has_wide_tiles(FwdWideTileSizes<kHeadDim>::kAvailable, kMaskKind, kExtension)) {
     using Wide = FwdTraitsFor<kHeadDim, Element, FwdWideTileSizes<kHeadDim>>;
-    if constexpr (kMaskKind == MaskKind::kCausal) {
-      if (params.seqlen_q <= kCausalNarrowTilesMaxSeqlenQ) return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
+    if (sm90_forward_uses_wide_tiles(kMaskKind, params.seqlen_q)) {
+      return run_fwd_with_traits<Wide, kMaskKind, kExtension>(params, stream);
     }
-    return run_fwd_with_traits<Wide, kMaskKind, kExtension>(params, stream);
-  } else {
-    return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
   }
+  return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
 }
 
 }  // namespace flash_cutlass::sm90

@@ -31,8 +31,9 @@ constexpr bool sm90_forward_has_wide_tiles(bool head_dim_has_wide_tiles, MaskKin
   return head_dim_has_wide_tiles && extension == Extension::kNone && mask != MaskKind::kLocal;
 }
 
-constexpr bool sm90_forward_uses_wide_tiles(MaskKind mask, int seqlen_q) {
-  return !(mask == MaskKind::kCausal && seqlen_q <= kSm90CausalNarrowTilesMaxSeqlenQ);
+// A causal call of an instantiation that has them decides at run time (the others always run them).
+constexpr bool sm90_causal_forward_uses_wide_tiles(int seqlen_q) {
+  return seqlen_q > kSm90CausalNarrowTilesMaxSeqlenQ;
 }
 
 // Why the Hopper path cannot run a call of this direction and head dim on a GPU of compute

@@ -90,11 +90,15 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Narrow = FwdTraitsFor<kHeadDim, Element>;
   if constexpr (sm90_forward_has_wide_tiles(FwdWideTileSizes<kHeadDim>::kAvailable, kMaskKind, kExtension)) {
     using Wide = FwdTraitsFor<kHeadDim, Element, FwdWideTileSizes<kHeadDim>>;
-    if (sm90_forward_uses_wide_tiles(kMaskKind, params.seqlen_q)) {
-      return run_fwd_with_traits<Wide, kMaskKind, kExtension>(params, stream);
+    if constexpr (kMaskKind == MaskKind::kCausal) {
+      if (!sm90_causal_forward_uses_wide_tiles(params.seqlen_q)) {
+        return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
+      }
     }
+    return run_fwd_with_traits<Wide, kMaskKind, kExtension>(params, stream);
+  } else {
+    return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
   }
-  return run_fwd_with_traits<Narrow, kMaskKind, kExtension>(params, stream);
 }
 
 }  // namespace flash_cutlass::sm90

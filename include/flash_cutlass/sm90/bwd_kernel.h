@@ -25,6 +25,7 @@
 #include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
+#include "flash_cutlass/sm90/bulk_copy.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
@@ -95,6 +96,8 @@ struct BwdKernelTraits {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutdSt>> ds;
     alignas(16) float stats[2][2][kBlockM];  // [buffer][lse, D][query row]
+    // A query block's dQ (rows of kHeadDim), staged for the bulk reduce into dq_accum.
+    alignas(128) cute::array_aligned<float, kBlockM * kHeadDim> dq;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
@@ -298,14 +301,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   if (m_block_begin < m_block_end) load_query_block(m_block_begin, 0);
   cp_async_fence();
 
+  // dQ leaves the math warps through shared memory: each thread stores its part of a query block's
+  // dQ into storage.dq, and after the next CTA barrier one thread has the bulk copy engine add the
+  // block's rows to dq_accum (fp32 reduce-add in L2), instead of every thread issuing atomics.
+  float* sdq = storage.dq.data();
+  auto reduce_dq = [&](int row_start) {
+    if (tidx == 0) {
+      const int rows = min(kBlockM, sequence.seqlen_q - row_start);
+      bulk_reduce_add(dq_accum + int64_t(row_start) * kHeadDim, sdq, rows * kHeadDim * int(sizeof(float)));
+      tma_store_arrive();
+    }
+  };
+
   for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
     const int buffer = (m_block - m_block_begin) & 1;
     const int row_start = m_block * kBlockM;
     // This block's operands have landed (and are visible to wgmma's async proxy); every thread is
-    // done with the previous step's dS and its buffers, so the next block loads into them.
+    // done with the previous step's dS and its buffers, so the next block loads into them; the
+    // previous block's dQ is in shared memory, visible to the bulk copy engine.
     cp_async_wait<0>();
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
+    if (m_block > m_block_begin) reduce_dq(row_start - kBlockM);
     if (m_block + 1 < m_block_end) {
       load_query_block(m_block + 1, buffer ^ 1);
       cp_async_fence();
@@ -339,7 +356,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     issue_gemm_wgmma<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, buffer), acc_dv);
     issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, buffer), acc_dk);
 
-    // dQ = dS K once both warpgroups' dS^T is in shared memory (dV and dK run meanwhile).
+    // dQ = dS K once both warpgroups' dS^T is in shared memory (dV and dK run meanwhile); the
+    // previous block's dQ reduce has read storage.dq.
+    if (tidx == 0) tma_store_wait<0>();
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
     Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
@@ -350,8 +369,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     warpgroup_fence_operand(acc_dq);
     warpgroup_fence_operand(pt);
     warpgroup_fence_operand(dst);
-    atomic_add_rows(dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
-                          sequence.seqlen_q - row_start);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 2) {
+      const int row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
+      *reinterpret_cast<float2*>(sdq + row * kHeadDim + col) = make_float2(acc_dq(i), acc_dq(i + 1));
+    }
+  }
+  if (m_block_begin < m_block_end) {
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+    reduce_dq((m_block_end - 1) * kBlockM);
+    if (tidx == 0) tma_store_wait<0>();  // storage.dq must outlive its last read
   }
 
   // dK (times the softmax scale) and dV of this key block, as in the sm80 path.

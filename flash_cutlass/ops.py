@@ -58,6 +58,8 @@ def _setup_context(ctx, inputs, output):
     # The options' tensors (slopes, lengths, rng_state) are inputs that get no gradient.
     ctx.options = AttentionOptions.from_op_args(option_args)
     ctx.mark_non_differentiable(lse)
+    # lse gets no gradient: without this autograd would allocate and zero-fill one for every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _gradients(ctx, grad_out, _grad_lse):

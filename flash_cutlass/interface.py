@@ -266,7 +266,7 @@ def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool
     options = forward_options(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, generator=generator,
                               rng_state=rng_state, kernel=kernel, deterministic=deterministic)
-    out, lse = ops.forward_op(q, k, v, *options.op_args())
+    out, lse = ops.attention(q, k, v, options)
     return (out, lse) if return_lse else out
 
 
@@ -284,5 +284,5 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                       generator=generator, rng_state=rng_state, kernel=kernel,
                                       deterministic=deterministic)
-    out, lse = ops.forward_op(q, k, v, *options.op_args())
+    out, lse = ops.attention(q, k, v, options)
     return (out, lse) if return_lse else out

@@ -51,9 +51,7 @@ def _backward_fake(dout, q, k, v, out, lse, *option_args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, *option_args = inputs
-    out, lse = output
+def _save_for_backward(ctx, q, k, v, option_args, out, lse) -> None:
     ctx.save_for_backward(q, k, v, out, lse)
     # The options' tensors (slopes, lengths, rng_state) are inputs that get no gradient.
     ctx.options = AttentionOptions.from_op_args(option_args)
@@ -62,12 +60,43 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _setup_context(ctx, inputs, output):
+    q, k, v, *option_args = inputs
+    _save_for_backward(ctx, q, k, v, option_args, *output)
+
+
 def _gradients(ctx, grad_out, _grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     # The backward picks its own kernel: flash_attention's kernel= is the forward's.
-    options = ctx.options.replace(kernel=check_kernel(None, "backward"))
+    options, kernel = ctx.options, check_kernel(None, "backward")
+    if kernel != options.kernel:
+        options = options.replace(kernel=kernel)
     dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, *options.op_args())
     return (dq, dk, dv) + _NO_OPTION_GRADIENTS
 
 
 torch.library.register_autograd("flash_cutlass::forward", _gradients, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """The forward op and its gradient as an autograd.Function, for eager calls: the same
+    context and formula as the op's registered autograd, without torch.library's per-call walk
+    over the schema (fill_defaults: about 60 us a call for the forward op's 17 arguments)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *option_args):
+        out, lse = forward_op(q, k, v, *option_args)
+        _save_for_backward(ctx, q, k, v, option_args, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _gradients(ctx, grad_out, grad_lse)
+
+
+def attention(q, k, v, options: AttentionOptions):
+    """(out, lse) of flash_attention: differentiable in q, k and v. torch.compile traces the op
+    with its registered autograd; eager calls take the autograd.Function."""
+    if torch.compiler.is_compiling():
+        return forward_op(q, k, v, *options.op_args())
+    return _Attention.apply(q, k, v, *options.op_args())

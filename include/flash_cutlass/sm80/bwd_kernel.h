@@ -212,17 +212,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 
   const auto work = key_block_work_of_this_cta<kBlockM, kBlockN, kMaskKind>(params);
   if (!work.in_sequence()) return;
-  const int head = work.tile.head, batch = work.tile.batch;
-  const int head_k = kv_head_of(head, params);
+  const int head_k = kv_head_of(work.tile.head, params);
   const int tidx = threadIdx.x;
-  const Sequence& sequence = work.sequence;
-  const ScoreMods<kExtended> score_mods =
-      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
-  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
-  const int rows_left_k = sequence.seqlen_k - work.key_start;
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
+                                                                   work.sequence.seqlen_q, work.sequence.seqlen_k);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, work.tile.batch, work.tile.head);
+  const int rows_left_k = work.sequence.seqlen_k - work.key_start;
 
   const auto tiles = bwd_key_block_tiles<Element, kHeadDim>(params, work, head_k);
-  const QueryRowBuffers query_rows = query_row_buffers<kHeadDim>(params, sequence, head);
+  const QueryRowBuffers query_rows = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head);
 
   extern __shared__ __align__(128) char smem[];
   Element* smem_q = reinterpret_cast<Element*>(smem);  // two buffers
@@ -262,19 +260,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   Tensor col_ok = columns_below(tQcQ, params.head_dim);
   auto load_q = [&](int m_block, int buffer) {
     copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), gmem_thr_copy.partition_D(sQ_buffer(buffer)),
-                          tQcQ, col_ok, sequence.seqlen_q - m_block * kBlockM);
+                          tQcQ, col_ok, work.sequence.seqlen_q - m_block * kBlockM);
   };
   // The LSE and D of a query block's rows, rows past seqlen_q zero-filled.
   auto load_stats = [&](int m_block, int buffer) {
     if (tidx < 2 * kBlockM) {
       const int row = m_block * kBlockM + tidx % kBlockM;
-      const float* src = (tidx < kBlockM ? query_rows.lse : query_rows.dsum) + min(row, sequence.seqlen_q - 1);
-      cp_async_4(smem_stats + buffer * 2 * kBlockM + tidx, src, row < sequence.seqlen_q ? 4 : 0);
+      const float* src = (tidx < kBlockM ? query_rows.lse : query_rows.dsum) + min(row, work.sequence.seqlen_q - 1);
+      cp_async_4(smem_stats + buffer * 2 * kBlockM + tidx, src, row < work.sequence.seqlen_q ? 4 : 0);
     }
   };
   auto load_do = [&](int m_block) {
     copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO, tQcQ, col_ok,
-                          sequence.seqlen_q - m_block * kBlockM);
+                          work.sequence.seqlen_q - m_block * kBlockM);
   };
 
   typename Traits::TiledMmaSdP mma_sdp;
@@ -368,7 +366,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
                    thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
     const float* stats_buffer = smem_stats + buffer * 2 * kBlockM;
-    const auto stats = load_row_stats(tScS, row_start, sequence.seqlen_q, stats_buffer, stats_buffer + kBlockM);
+    const auto stats = load_row_stats(tScS, row_start, work.sequence.seqlen_q, stats_buffer, stats_buffer + kBlockM);
     probabilities_and_ds(s, dp, stats, scale_log2, score_mods, dropout, tScS, row_start, work.key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_s, sP, tidx);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
@@ -390,7 +388,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
       gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,
                      thr_copy_b_dq);
       atomic_add_rows(query_rows.dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
-                      sequence.seqlen_q - row_start);
+                      work.sequence.seqlen_q - row_start);
     }
   }
 

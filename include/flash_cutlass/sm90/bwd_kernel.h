@@ -200,17 +200,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
 
   const auto work = key_block_work_of_this_cta<kBlockM, kBlockN, kMaskKind>(params);
   if (!work.in_sequence()) return;
-  const int head = work.tile.head, batch = work.tile.batch;
-  const int head_k = kv_head_of(head, params);
+  const int head_k = kv_head_of(work.tile.head, params);
   const int tidx = threadIdx.x;
-  const Sequence& sequence = work.sequence;
-  const ScoreMods<kExtended> score_mods =
-      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
-  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
-  const int rows_left_k = sequence.seqlen_k - work.key_start;
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
+                                                                   work.sequence.seqlen_q, work.sequence.seqlen_k);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, work.tile.batch, work.tile.head);
+  const int rows_left_k = work.sequence.seqlen_k - work.key_start;
 
   const auto tiles = bwd_key_block_tiles<Element, kHeadDim>(params, work, head_k);
-  const QueryRowBuffers query_rows = query_row_buffers<kHeadDim>(params, sequence, head);
+  const QueryRowBuffers query_rows = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head);
 
   Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQt{});
@@ -237,15 +235,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   Tensor col_ok = columns_below(tQcQ, params.head_dim);
   // Q, dO, LSE and D of a query block into `buffer`; rows past seqlen_q zero-filled.
   auto load_query_block = [&](int m_block, int buffer) {
-    const int rows_left = sequence.seqlen_q - m_block * kBlockM;
+    const int rows_left = work.sequence.seqlen_q - m_block * kBlockM;
     copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ(_, _, _, buffer), tQcQ, col_ok,
                                 rows_left);
     copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, buffer), tQcQ, col_ok,
                                 rows_left);
     if (tidx < 2 * kBlockM) {
       const int row = m_block * kBlockM + tidx % kBlockM;
-      const float* src = (tidx < kBlockM ? query_rows.lse : query_rows.dsum) + min(row, sequence.seqlen_q - 1);
-      cp_async_4(&storage.stats[buffer][tidx / kBlockM][tidx % kBlockM], src, row < sequence.seqlen_q ? 4 : 0);
+      const float* src = (tidx < kBlockM ? query_rows.lse : query_rows.dsum) + min(row, work.sequence.seqlen_q - 1);
+      cp_async_4(&storage.stats[buffer][tidx / kBlockM][tidx % kBlockM], src, row < work.sequence.seqlen_q ? 4 : 0);
     }
   };
 
@@ -334,7 +332,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     warpgroup_fence_operand(pt);
     warpgroup_fence_operand(dst);
     atomic_add_rows(query_rows.dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
-                          sequence.seqlen_q - row_start);
+                          work.sequence.seqlen_q - row_start);
   }
 
   Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));

@@ -55,8 +55,7 @@ __device__ __forceinline__ auto bwd_key_block_tiles(BwdParams const& params,
   using namespace cute;
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  const auto matrices =
-      bwd_head_matrices<Element, kHeadDim>(params, work.sequence, work.tile.head, head_k);
+  const auto matrices = bwd_head_matrices<Element, kHeadDim>(params, work.sequence, work.tile.head, head_k);
   using QueryTiles = decltype(local_tile(matrices.q, TileQ{}, make_coord(_, 0)));
   using KeyTile = decltype(local_tile(matrices.k, TileKV{}, make_coord(work.tile.n_block, 0)));
   return BwdKeyBlockTiles<QueryTiles, KeyTile>{local_tile(matrices.q, TileQ{}, make_coord(_, 0)),

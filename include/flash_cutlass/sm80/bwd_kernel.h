@@ -430,19 +430,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   const int rows_left_q = sequence.seqlen_q - row_start;
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
-  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, sequence.q_offset(params.q_batch_stride, params.q_row_stride),
-                                             head, params.q_head_stride, sequence.seqlen_q, params.q_row_stride);
-  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));
-  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout,
-                                              sequence.q_offset(params.dout_batch_stride, params.dout_row_stride), head,
-                                              params.dout_head_stride, sequence.seqlen_q, params.dout_row_stride);
-  Tensor gdO = local_tile(mdO, TileQ{}, make_coord(m_block, 0));
-  Tensor mK = head_matrix<Element, kHeadDim>(params.k, sequence.k_offset(params.k_batch_stride, params.k_row_stride),
-                                             head_k, params.k_head_stride, sequence.seqlen_k, params.k_row_stride);
-  Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));
-  Tensor mV = head_matrix<Element, kHeadDim>(params.v, sequence.k_offset(params.v_batch_stride, params.v_row_stride),
-                                             head_k, params.v_head_stride, sequence.seqlen_k, params.v_row_stride);
-  Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
+  const auto operands = bwd_head_matrices<Element, kHeadDim>(params, sequence, head, head_k);
+  Tensor gQ = local_tile(operands.q, TileQ{}, make_coord(m_block, 0));
+  Tensor gdO = local_tile(operands.dout, TileQ{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(operands.k, TileKV{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n_blocks)
+  Tensor gV = local_tile(operands.v, TileKV{}, make_coord(_, 0));
   const int64_t row_offset = query_stats_index(params, sequence, head);
 
   extern __shared__ __align__(128) char smem[];

@@ -19,6 +19,7 @@
 #include <cute/tensor.hpp>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/bwd_key_block.h"
 #include "flash_cutlass/common/copy.h"
 #include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/mask.h"
@@ -211,35 +212,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 
   const auto work = key_block_work_of_this_cta<kBlockM, kBlockN, kMaskKind>(params);
   if (!work.in_sequence()) return;
-  const int n_block = work.tile.n_block, head = work.tile.head, batch = work.tile.batch;
-  const int head_k = kv_head_of(head, params);
+  const int head_k = kv_head_of(work.tile.head, params);
   const int tidx = threadIdx.x;
-  const Sequence& sequence = work.sequence;
-  const KeyMask<kMaskKind>& mask = work.mask;
-  const ScoreMods<kExtended> score_mods =
-      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
-  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
-  const int key_start = work.key_start;
-  const int rows_left_k = sequence.seqlen_k - key_start;
-  const int m_block_begin = work.m_block_begin, m_block_end = work.m_block_end;
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
+                                                                   work.sequence.seqlen_q, work.sequence.seqlen_k);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, work.tile.batch, work.tile.head);
+  const int rows_left_k = work.sequence.seqlen_k - work.key_start;
 
-  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, sequence.q_offset(params.q_batch_stride, params.q_row_stride),
-                                             head, params.q_head_stride, sequence.seqlen_q, params.q_row_stride);
-  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
-  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout,
-                                              sequence.q_offset(params.dout_batch_stride, params.dout_row_stride), head,
-                                              params.dout_head_stride, sequence.seqlen_q, params.dout_row_stride);
-  Tensor gdO = local_tile(mdO, TileQ{}, make_coord(_, 0));
-  Tensor mK = head_matrix<Element, kHeadDim>(params.k, sequence.k_offset(params.k_batch_stride, params.k_row_stride),
-                                             head_k, params.k_head_stride, sequence.seqlen_k, params.k_row_stride);
-  Tensor gK = local_tile(mK, TileKV{}, make_coord(n_block, 0));
-  Tensor mV = head_matrix<Element, kHeadDim>(params.v, sequence.k_offset(params.v_batch_stride, params.v_row_stride),
-                                             head_k, params.v_head_stride, sequence.seqlen_k, params.v_row_stride);
-  Tensor gV = local_tile(mV, TileKV{}, make_coord(n_block, 0));
-  const int64_t row_offset = query_stats_index(params, sequence, head);
-  const float* lse_row = params.lse + row_offset;
-  const float* dsum_row = params.dsoftmax_sum + row_offset;
-  float* dq_accum = params.dq_accum + row_offset * kHeadDim;
+  const auto tiles = bwd_key_block_tiles<Element, kHeadDim>(params, work, head_k);
+  const QueryRowBuffers query_rows = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head);
 
   extern __shared__ __align__(128) char smem[];
   Element* smem_q = reinterpret_cast<Element*>(smem);  // two buffers
@@ -267,31 +248,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 
   typename Traits::GmemTiledCopy gmem_tiled_copy;
   auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
-  Tensor tQgQ = gmem_thr_copy.partition_S(gQ);
-  Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);
+  Tensor tQgQ = gmem_thr_copy.partition_S(tiles.q);
+  Tensor tdOgdO = gmem_thr_copy.partition_S(tiles.dout);
   Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);
-  Tensor tKgK = gmem_thr_copy.partition_S(gK);
+  Tensor tKgK = gmem_thr_copy.partition_S(tiles.k);
   Tensor tKsK = gmem_thr_copy.partition_D(sK);
-  Tensor tVgV = gmem_thr_copy.partition_S(gV);
+  Tensor tVgV = gmem_thr_copy.partition_S(tiles.v);
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
   Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
   Tensor col_ok = columns_below(tQcQ, params.head_dim);
   auto load_q = [&](int m_block, int buffer) {
     copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), gmem_thr_copy.partition_D(sQ_buffer(buffer)),
-                          tQcQ, col_ok, sequence.seqlen_q - m_block * kBlockM);
+                          tQcQ, col_ok, work.sequence.seqlen_q - m_block * kBlockM);
   };
   // The LSE and D of a query block's rows, rows past seqlen_q zero-filled.
   auto load_stats = [&](int m_block, int buffer) {
     if (tidx < 2 * kBlockM) {
       const int row = m_block * kBlockM + tidx % kBlockM;
-      const float* src = (tidx < kBlockM ? lse_row : dsum_row) + min(row, sequence.seqlen_q - 1);
-      cp_async_4(smem_stats + buffer * 2 * kBlockM + tidx, src, row < sequence.seqlen_q ? 4 : 0);
+      const float* src = (tidx < kBlockM ? query_rows.lse : query_rows.dsum) + min(row, work.sequence.seqlen_q - 1);
+      cp_async_4(smem_stats + buffer * 2 * kBlockM + tidx, src, row < work.sequence.seqlen_q ? 4 : 0);
     }
   };
   auto load_do = [&](int m_block) {
     copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO, tQcQ, col_ok,
-                          sequence.seqlen_q - m_block * kBlockM);
+                          work.sequence.seqlen_q - m_block * kBlockM);
   };
 
   typename Traits::TiledMmaSdP mma_sdp;
@@ -347,21 +328,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   // and dO.
   copy_tile_async<true>(gmem_tiled_copy, tKgK, tKsK, tKVcKV, col_ok, rows_left_k);
   copy_tile_async<true>(gmem_tiled_copy, tVgV, tVsV, tKVcKV, col_ok, rows_left_k);
-  if (m_block_begin < m_block_end) {
-    load_q(m_block_begin, 0);
-    load_stats(m_block_begin, 0);
-    load_do(m_block_begin);
+  if (work.m_block_begin < work.m_block_end) {
+    load_q(work.m_block_begin, 0);
+    load_stats(work.m_block_begin, 0);
+    load_do(work.m_block_begin);
   }
   cp_async_fence();
 
-  for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
-    const int buffer = (m_block - m_block_begin) & 1;
+  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
+    const int buffer = (m_block - work.m_block_begin) & 1;
     const int row_start = m_block * kBlockM;
     // This block's Q and dO have landed, and every warp is done with the previous step's P, dS
     // and Q buffer: the next Q goes into that buffer while this step computes.
     cp_async_wait<0>();
     __syncthreads();
-    if (m_block + 1 < m_block_end) {
+    if (m_block + 1 < work.m_block_end) {
       load_q(m_block + 1, buffer ^ 1);
       load_stats(m_block + 1, buffer ^ 1);
       cp_async_fence();
@@ -376,15 +357,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
                    copy_b_sdp, thr_copy_b_sdp);
     Tensor s = as_rows_cols(acc_s);
     if constexpr (kExtended) score_mods.cap(s);
-    if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
+    if (work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN)) {
+      work.mask.apply(s, tScS, row_start, work.key_start);
+    }
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
                    thr_copy_b_sdp);
     Tensor dp = as_rows_cols(acc_dp);
     const float* stats_buffer = smem_stats + buffer * 2 * kBlockM;
-    const auto stats = load_row_stats(tScS, row_start, sequence.seqlen_q, stats_buffer, stats_buffer + kBlockM);
-    probabilities_and_ds(s, dp, stats, scale_log2, score_mods, dropout, tScS, row_start, key_start);
+    const auto stats = load_row_stats(tScS, row_start, work.sequence.seqlen_q, stats_buffer, stats_buffer + kBlockM);
+    probabilities_and_ds(s, dp, stats, scale_log2, score_mods, dropout, tScS, row_start, work.key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_s, sP, tidx);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
@@ -393,7 +376,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
                    thr_copy_b_dkv);
     // Every warp is done with this dO: load the next one.
     __syncthreads();
-    if (m_block + 1 < m_block_end) {
+    if (m_block + 1 < work.m_block_end) {
       load_do(m_block + 1);
       cp_async_fence();
     }
@@ -404,28 +387,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
       clear(acc_dq);
       gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,
                      thr_copy_b_dq);
-      atomic_add_rows(dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
-                      sequence.seqlen_q - row_start);
+      atomic_add_rows(query_rows.dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
+                      work.sequence.seqlen_q - row_start);
     }
   }
 
-  // dK (times the softmax scale) and dV of this key block: straight into dk and dv in the inputs'
-  // dtype, or, with GQA, per query head in fp32 for the caller to sum over each group.
   Tensor tKVc = thr_mma_dkv.partition_C(make_identity_tensor(TileKV{}));
-  if (params.dk != nullptr) {
-    const int64_t offset = sequence.k_offset(params.dkv_batch_stride, params.dkv_row_stride) +
-                           int64_t(key_start) * params.dkv_row_stride +
-                           int64_t(head) * params.dkv_head_stride;
-    store_rows(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale, tKVc,
-               rows_left_k, params.head_dim);
-    store_rows(static_cast<Element*>(params.dv) + offset, params.dkv_row_stride, acc_dv, 1.f, tKVc, rows_left_k,
-               params.head_dim);
-  } else {
-    const int64_t row_stride = int64_t(params.heads) * kHeadDim;
-    const int64_t offset = (key_accum_row(params, sequence) + key_start) * row_stride + int64_t(head) * kHeadDim;
-    store_rows(params.dk_accum + offset, row_stride, acc_dk, 1.f, tKVc, rows_left_k, kHeadDim);
-    store_rows(params.dv_accum + offset, row_stride, acc_dv, 1.f, tKVc, rows_left_k, kHeadDim);
-  }
+  store_dk_dv<Element, kHeadDim>(params, work, rows_left_k, acc_dk, acc_dv, tKVc);
 }
 
 // Deterministic dQ: one CTA per (query block, head, batch) keeps Q and dO in shared memory, walks
@@ -462,19 +430,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   const int rows_left_q = sequence.seqlen_q - row_start;
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
-  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, sequence.q_offset(params.q_batch_stride, params.q_row_stride),
-                                             head, params.q_head_stride, sequence.seqlen_q, params.q_row_stride);
-  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));
-  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout,
-                                              sequence.q_offset(params.dout_batch_stride, params.dout_row_stride), head,
-                                              params.dout_head_stride, sequence.seqlen_q, params.dout_row_stride);
-  Tensor gdO = local_tile(mdO, TileQ{}, make_coord(m_block, 0));
-  Tensor mK = head_matrix<Element, kHeadDim>(params.k, sequence.k_offset(params.k_batch_stride, params.k_row_stride),
-                                             head_k, params.k_head_stride, sequence.seqlen_k, params.k_row_stride);
-  Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));
-  Tensor mV = head_matrix<Element, kHeadDim>(params.v, sequence.k_offset(params.v_batch_stride, params.v_row_stride),
-                                             head_k, params.v_head_stride, sequence.seqlen_k, params.v_row_stride);
-  Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
+  const auto operands = bwd_head_matrices<Element, kHeadDim>(params, sequence, head, head_k);
+  Tensor gQ = local_tile(operands.q, TileQ{}, make_coord(m_block, 0));
+  Tensor gdO = local_tile(operands.dout, TileQ{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(operands.k, TileKV{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n_blocks)
+  Tensor gV = local_tile(operands.v, TileKV{}, make_coord(_, 0));
   const int64_t row_offset = query_stats_index(params, sequence, head);
 
   extern __shared__ __align__(128) char smem[];

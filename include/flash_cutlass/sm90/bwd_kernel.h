@@ -19,6 +19,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/bwd_key_block.h"
 #include "flash_cutlass/common/copy.h"
 #include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/mask.h"
@@ -202,35 +203,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
 
   const auto work = key_block_work_of_this_cta<kBlockM, kBlockN, kMaskKind>(params);
   if (!work.in_sequence()) return;
-  const int n_block = work.tile.n_block, head = work.tile.head, batch = work.tile.batch;
-  const int head_k = kv_head_of(head, params);
+  const int head_k = kv_head_of(work.tile.head, params);
   const int tidx = threadIdx.x;
-  const Sequence& sequence = work.sequence;
-  const KeyMask<kMaskKind>& mask = work.mask;
-  const ScoreMods<kExtended> score_mods =
-      score_mods_of<kExtended>(params, batch, head, sequence.seqlen_q, sequence.seqlen_k);
-  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, batch, head);
-  const int key_start = work.key_start;
-  const int rows_left_k = sequence.seqlen_k - key_start;
-  const int m_block_begin = work.m_block_begin, m_block_end = work.m_block_end;
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
+                                                                   work.sequence.seqlen_q, work.sequence.seqlen_k);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, work.tile.batch, work.tile.head);
+  const int rows_left_k = work.sequence.seqlen_k - work.key_start;
 
-  Tensor mQ = head_matrix<Element, kHeadDim>(params.q, sequence.q_offset(params.q_batch_stride, params.q_row_stride),
-                                             head, params.q_head_stride, sequence.seqlen_q, params.q_row_stride);
-  Tensor mdO = head_matrix<Element, kHeadDim>(params.dout,
-                                              sequence.q_offset(params.dout_batch_stride, params.dout_row_stride), head,
-                                              params.dout_head_stride, sequence.seqlen_q, params.dout_row_stride);
-  Tensor mK = head_matrix<Element, kHeadDim>(params.k, sequence.k_offset(params.k_batch_stride, params.k_row_stride),
-                                             head_k, params.k_head_stride, sequence.seqlen_k, params.k_row_stride);
-  Tensor mV = head_matrix<Element, kHeadDim>(params.v, sequence.k_offset(params.v_batch_stride, params.v_row_stride),
-                                             head_k, params.v_head_stride, sequence.seqlen_k, params.v_row_stride);
-  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
-  Tensor gdO = local_tile(mdO, TileQ{}, make_coord(_, 0));
-  Tensor gK = local_tile(mK, TileKV{}, make_coord(n_block, 0));
-  Tensor gV = local_tile(mV, TileKV{}, make_coord(n_block, 0));
-  const int64_t row_offset = query_stats_index(params, sequence, head);
-  const float* lse_row = params.lse + row_offset;
-  const float* dsum_row = params.dsoftmax_sum + row_offset;
-  float* dq_accum = params.dq_accum + row_offset * kHeadDim;
+  const auto tiles = bwd_key_block_tiles<Element, kHeadDim>(params, work, head_k);
+  const QueryRowBuffers query_rows = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head);
 
   Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQt{});
@@ -244,28 +225,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
 
   typename Traits::GmemTiledCopy gmem_tiled_copy;
   auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
-  Tensor tQgQ = gmem_thr_copy.partition_S(gQ);    // (CPY, CPY_M, CPY_K, m_blocks)
-  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);    // (CPY, CPY_M, CPY_K, buffer)
-  Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);
+  Tensor tQgQ = gmem_thr_copy.partition_S(tiles.q);  // (CPY, CPY_M, CPY_K, m_blocks)
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);       // (CPY, CPY_M, CPY_K, buffer)
+  Tensor tdOgdO = gmem_thr_copy.partition_S(tiles.dout);
   Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);
-  Tensor tKgK = gmem_thr_copy.partition_S(gK);
+  Tensor tKgK = gmem_thr_copy.partition_S(tiles.k);
   Tensor tKsK = gmem_thr_copy.partition_D(sK);
-  Tensor tVgV = gmem_thr_copy.partition_S(gV);
+  Tensor tVgV = gmem_thr_copy.partition_S(tiles.v);
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
   Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
   Tensor col_ok = columns_below(tQcQ, params.head_dim);
   // Q, dO, LSE and D of a query block into `buffer`; rows past seqlen_q zero-filled.
   auto load_query_block = [&](int m_block, int buffer) {
-    const int rows_left = sequence.seqlen_q - m_block * kBlockM;
+    const int rows_left = work.sequence.seqlen_q - m_block * kBlockM;
     copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ(_, _, _, buffer), tQcQ, col_ok,
                                 rows_left);
     copy_tile_async<true>(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, buffer), tQcQ, col_ok,
                                 rows_left);
     if (tidx < 2 * kBlockM) {
       const int row = m_block * kBlockM + tidx % kBlockM;
-      const float* src = (tidx < kBlockM ? lse_row : dsum_row) + min(row, sequence.seqlen_q - 1);
-      cp_async_4(&storage.stats[buffer][tidx / kBlockM][tidx % kBlockM], src, row < sequence.seqlen_q ? 4 : 0);
+      const float* src = (tidx < kBlockM ? query_rows.lse : query_rows.dsum) + min(row, work.sequence.seqlen_q - 1);
+      cp_async_4(&storage.stats[buffer][tidx / kBlockM][tidx % kBlockM], src, row < work.sequence.seqlen_q ? 4 : 0);
     }
   };
 
@@ -298,7 +279,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   // K and V once (rows past seqlen_k zero-filled), with the first query block.
   copy_tile_async<true>(gmem_tiled_copy, tKgK, tKsK, tKVcKV, col_ok, rows_left_k);
   copy_tile_async<true>(gmem_tiled_copy, tVgV, tVsV, tKVcKV, col_ok, rows_left_k);
-  if (m_block_begin < m_block_end) load_query_block(m_block_begin, 0);
+  if (work.m_block_begin < work.m_block_end) load_query_block(work.m_block_begin, 0);
   cp_async_fence();
 
   // dQ leaves the math warps through shared memory: each thread stores its part of a query block's
@@ -307,14 +288,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
   float* sdq = storage.dq.data();
   auto reduce_dq = [&](int row_start) {
     if (tidx == 0) {
-      const int rows = min(kBlockM, sequence.seqlen_q - row_start);
-      bulk_reduce_add(dq_accum + int64_t(row_start) * kHeadDim, sdq, rows * kHeadDim * int(sizeof(float)));
+      const int rows = min(kBlockM, work.sequence.seqlen_q - row_start);
+      bulk_reduce_add(query_rows.dq_accum + int64_t(row_start) * kHeadDim, sdq,
+                      rows * kHeadDim * int(sizeof(float)));
       tma_store_arrive();
     }
   };
 
-  for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
-    const int buffer = (m_block - m_block_begin) & 1;
+  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
+    const int buffer = (m_block - work.m_block_begin) & 1;
     const int row_start = m_block * kBlockM;
     // This block's operands have landed (and are visible to wgmma's async proxy); every thread is
     // done with the previous step's dS and its buffers, so the next block loads into them; the
@@ -322,8 +304,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     cp_async_wait<0>();
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
-    if (m_block > m_block_begin) reduce_dq(row_start - kBlockM);
-    if (m_block + 1 < m_block_end) {
+    if (m_block > work.m_block_begin) reduce_dq(row_start - kBlockM);
+    if (m_block + 1 < work.m_block_end) {
       load_query_block(m_block + 1, buffer ^ 1);
       cp_async_fence();
     }
@@ -339,12 +321,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
     Tensor dpt = as_rows_cols(acc_dp);
     const float* lse = storage.stats[buffer][0];
     const float* dsum = storage.stats[buffer][1];
-    if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) {
-      probabilities_and_ds_transposed<true>(st, dpt, tScS, key_start, row_start, mask, score_mods, dropout,
-                                            params.exp2_scale, lse, dsum);
+    if (work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN)) {
+      probabilities_and_ds_transposed<true>(st, dpt, tScS, work.key_start, row_start, work.mask, score_mods,
+                                            dropout, params.exp2_scale, lse, dsum);
     } else {
-      probabilities_and_ds_transposed<false>(st, dpt, tScS, key_start, row_start, mask, score_mods, dropout,
-                                             params.exp2_scale, lse, dsum);
+      probabilities_and_ds_transposed<false>(st, dpt, tScS, work.key_start, row_start, work.mask, score_mods,
+                                             dropout, params.exp2_scale, lse, dsum);
     }
     // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared
     // memory for dQ.
@@ -375,29 +357,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90(__grid_con
       *reinterpret_cast<float2*>(sdq + row * kHeadDim + col) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
   }
-  if (m_block_begin < m_block_end) {
+  if (work.m_block_begin < work.m_block_end) {
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
-    reduce_dq((m_block_end - 1) * kBlockM);
+    reduce_dq((work.m_block_end - 1) * kBlockM);
     if (tidx == 0) tma_store_wait<0>();  // storage.dq must outlive its last read
   }
 
-  // dK (times the softmax scale) and dV of this key block, as in the sm80 path.
   Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
-  if (params.dk != nullptr) {
-    const int64_t offset = sequence.k_offset(params.dkv_batch_stride, params.dkv_row_stride) +
-                           int64_t(key_start) * params.dkv_row_stride +
-                           int64_t(head) * params.dkv_head_stride;
-    store_rows(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale,
-                     tKVc, rows_left_k, params.head_dim);
-    store_rows(static_cast<Element*>(params.dv) + offset, params.dkv_row_stride, acc_dv, 1.f, tKVc,
-                     rows_left_k, params.head_dim);
-  } else {
-    const int64_t row_stride = int64_t(params.heads) * kHeadDim;
-    const int64_t offset = (key_accum_row(params, sequence) + key_start) * row_stride + int64_t(head) * kHeadDim;
-    store_rows(params.dk_accum + offset, row_stride, acc_dk, 1.f, tKVc, rows_left_k, kHeadDim);
-    store_rows(params.dv_accum + offset, row_stride, acc_dv, 1.f, tKVc, rows_left_k, kHeadDim);
-  }
+  store_dk_dv<Element, kHeadDim>(params, work, rows_left_k, acc_dk, acc_dv, tKVc);
 #endif  // Other targets get an empty body: the host launches this kernel only on sm_90.
 }
 

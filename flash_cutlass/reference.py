@@ -428,6 +428,8 @@ def check_window_size(window_size: object) -> tuple[int, int]:
     left, right = (int(side) for side in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {(left, right)}")
+    if left >= 2**31 or right >= 2**31:
+        raise ValueError(f"window_size entries must be below 2^31 (-1: unbounded), got {(left, right)}")
     return left, right
 
 

@@ -63,6 +63,8 @@ def test_cpu_entry_points_take_window_size(gen):
 @pytest.mark.parametrize("window,error,match", [
     ((-2, 0), ValueError, r"window_size entries must be >= -1"),
     ((0, -5), ValueError, r"window_size entries must be >= -1"),
+    ((2**63, 2**63), ValueError, r"window_size entries must be below 2\^31"),
+    ((0, 2**31), ValueError, r"window_size entries must be below 2\^31"),
     ((1, 2, 3), TypeError, r"window_size must be a \(left, right\) tuple of two ints"),
     ((1.0, 2), TypeError, r"window_size must be a \(left, right\) tuple of two ints"),
     ((True, 2), TypeError, r"window_size must be a \(left, right\) tuple of two ints"),

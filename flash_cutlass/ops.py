@@ -1,6 +1,7 @@
 """The forward and the backward as torch.library custom ops, their fake (meta) implementations and
-the forward's autograd formula (the backward op): what flash_cutlass.flash_attention and
-flash_attention_varlen call, so that torch.compile traces through them without graph breaks.
+the forward's autograd formula (the backward op), so that torch.compile traces
+flash_cutlass.flash_attention and flash_attention_varlen without graph breaks; attention() is what
+those call (eager calls through an autograd.Function with the same context and formula).
 
 Both ops take their tensors, then the fields of an AttentionOptions (flash_cutlass.options) as
 their schema's trailing arguments; the options come already checked by the public entry points.

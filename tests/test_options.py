@@ -112,3 +112,35 @@ def test_flash_attention_backward_runs_with_the_forward_options(gen):
                                          window_size=(6, -1))
     for actual, expected in zip((q.grad, k.grad, v.grad), grads):
         assert torch.equal(actual, expected)
+
+
+def test_eager_flash_attention_takes_the_autograd_function_and_gets_no_lse_gradient(gen, monkeypatch):
+    """Eager calls go through ops._Attention (not torch.library's per-call autograd wrapper), and
+    the backward receives no zero-filled gradient for the non-differentiable lse."""
+    received = []
+    original = ops._gradients
+
+    def recording(ctx, grad_out, grad_lse):
+        received.append(grad_lse)
+        return original(ctx, grad_out, grad_lse)
+
+    monkeypatch.setattr(ops, "_gradients", recording)
+    q, k, v = qkv(gen, requires_grad=True)
+    out = flash_cutlass.flash_attention(q, k, v, causal=True)
+    assert type(out.grad_fn).__name__ == "_AttentionBackward"
+    out.sum().backward()
+    assert received == [None]
+
+
+def test_a_copy_without_the_compiled_module_says_so(monkeypatch, tmp_path):
+    from flash_cutlass import backend
+
+    monkeypatch.setattr(backend, "_C", None)
+    monkeypatch.setattr(backend, "_EXTENSION_ERROR", ImportError("cannot import name '_C'"))
+    monkeypatch.setattr(backend, "__file__", str(tmp_path / "backend.py"))
+    with pytest.raises(RuntimeError, match=r"has no compiled _C module: build it in place with pip install "
+                                           r"--no-build-isolation -e \."):
+        backend._extension()
+    (tmp_path / "_C.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
+    with pytest.raises(RuntimeError, match=r"its _C module failed to load \(cannot import name '_C'\)"):
+        backend._extension()

@@ -295,26 +295,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
   Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);
 
-  auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
-  auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
-  auto thr_copy_a_sdp = copy_a_sdp.get_thread_slice(tidx);
-  auto thr_copy_b_sdp = copy_b_sdp.get_thread_slice(tidx);
-  auto thr_copy_a_dkv = copy_a_dkv.get_thread_slice(tidx);
-  auto thr_copy_b_dkv = copy_b_dkv.get_thread_slice(tidx);
-  auto thr_copy_a_dq = copy_a_dq.get_thread_slice(tidx);
-  auto thr_copy_b_dq = copy_b_dq.get_thread_slice(tidx);
-  Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
-  Tensor tdPsdO = thr_copy_a_sdp.partition_S(sdO);
-  Tensor tdPsV = thr_copy_b_sdp.partition_S(sV);
-  Tensor tdVsPt = thr_copy_a_dkv.partition_S(sPt);
-  Tensor tdVsdOt = thr_copy_b_dkv.partition_S(sdOt);
-  Tensor tdKsdSt = thr_copy_a_dkv.partition_S(sdSt);
-  Tensor tdQsdS = thr_copy_a_dq.partition_S(sdS);
-  Tensor tdQsKt = thr_copy_b_dq.partition_S(sKt);
+  using Copy = typename Traits::SmemCopyAtom;
+  using CopyTransposed = typename Traits::SmemCopyAtomTransposed;
+  const auto copies_sdp = operand_copies<Copy, Copy>(mma_sdp, tidx);
+  const auto copies_dkv = operand_copies<CopyTransposed, CopyTransposed>(mma_dkv, tidx);
+  const auto copies_dq = operand_copies<Copy, CopyTransposed>(mma_dq, tidx);
+  Tensor tSsK = copies_sdp.thread_b.partition_S(sK);
+  Tensor tdPsdO = copies_sdp.thread_a.partition_S(sdO);
+  Tensor tdPsV = copies_sdp.thread_b.partition_S(sV);
+  Tensor tdVsPt = copies_dkv.thread_a.partition_S(sPt);
+  Tensor tdVsdOt = copies_dkv.thread_b.partition_S(sdOt);
+  Tensor tdKsdSt = copies_dkv.thread_a.partition_S(sdSt);
+  Tensor tdQsdS = copies_dq.thread_a.partition_S(sdS);
+  Tensor tdQsKt = copies_dq.thread_b.partition_S(sKt);
 
   Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
@@ -353,8 +346,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     // P = exp(scale * S - lse), from the forward's log-sum-exp.
     Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_s);
-    gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, thr_copy_a_sdp.partition_S(sQ), tSsK, copy_a_sdp, thr_copy_a_sdp,
-                   copy_b_sdp, thr_copy_b_sdp);
+    gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, copies_sdp.thread_a.partition_S(sQ), tSsK, copies_sdp);
     Tensor s = as_rows_cols(acc_s);
     if constexpr (kExtended) score_mods.cap(s);
     if (work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN)) {
@@ -362,8 +354,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     }
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
-    gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
-                   thr_copy_b_sdp);
+    gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copies_sdp);
     Tensor dp = as_rows_cols(acc_dp);
     const float* stats_buffer = smem_stats + buffer * 2 * kBlockM;
     const auto stats = load_row_stats(tScS, row_start, work.sequence.seqlen_q, stats_buffer, stats_buffer + kBlockM);
@@ -372,21 +363,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
 
-    gemm_smem_smem(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_a_dkv, thr_copy_a_dkv, copy_b_dkv,
-                   thr_copy_b_dkv);
+    gemm_smem_smem(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copies_dkv);
     // Every warp is done with this dO: load the next one.
     __syncthreads();
     if (m_block + 1 < work.m_block_end) {
       load_do(m_block + 1);
       cp_async_fence();
     }
-    gemm_smem_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, thr_copy_b_dkv.partition_S(sQt), copy_a_dkv,
-                   thr_copy_a_dkv, copy_b_dkv, thr_copy_b_dkv);
+    gemm_smem_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, copies_dkv.thread_b.partition_S(sQt), copies_dkv);
     if constexpr (kAccumulateDq) {
       Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
       clear(acc_dq);
-      gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,
-                     thr_copy_b_dq);
+      gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copies_dq);
       atomic_add_rows(query_rows.dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
                       work.sequence.seqlen_q - row_start);
     }
@@ -474,20 +462,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
   Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
   Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);
-  auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
-  auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
-  auto thr_copy_a_sdp = copy_a_sdp.get_thread_slice(tidx);
-  auto thr_copy_b_sdp = copy_b_sdp.get_thread_slice(tidx);
-  auto thr_copy_a_dq = copy_a_dq.get_thread_slice(tidx);
-  auto thr_copy_b_dq = copy_b_dq.get_thread_slice(tidx);
-  Tensor tSsQ = thr_copy_a_sdp.partition_S(sQ);
-  Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
-  Tensor tdPsdO = thr_copy_a_sdp.partition_S(sdO);
-  Tensor tdPsV = thr_copy_b_sdp.partition_S(sV);
-  Tensor tdQsdS = thr_copy_a_dq.partition_S(sdS);
-  Tensor tdQsKt = thr_copy_b_dq.partition_S(sKt);
+  using Copy = typename Traits::SmemCopyAtom;
+  const auto copies_sdp = operand_copies<Copy, Copy>(mma_sdp, tidx);
+  const auto copies_dq = operand_copies<Copy, typename Traits::SmemCopyAtomTransposed>(mma_dq, tidx);
+  Tensor tSsQ = copies_sdp.thread_a.partition_S(sQ);
+  Tensor tSsK = copies_sdp.thread_b.partition_S(sK);
+  Tensor tdPsdO = copies_sdp.thread_a.partition_S(sdO);
+  Tensor tdPsV = copies_sdp.thread_b.partition_S(sV);
+  Tensor tdQsdS = copies_dq.thread_a.partition_S(sdS);
+  Tensor tdQsKt = copies_dq.thread_b.partition_S(sKt);
   Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(TileS{})));
   Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
   clear(acc_dq);
@@ -510,21 +493,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_s);
-    gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp, thr_copy_b_sdp);
+    gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copies_sdp);
     Tensor s = as_rows_cols(acc_s);
     if constexpr (kExtended) score_mods.cap(s);
     if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
-    gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, thr_copy_a_sdp, copy_b_sdp,
-                   thr_copy_b_sdp);
+    gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copies_sdp);
     Tensor dp = as_rows_cols(acc_dp);
     probabilities_and_ds(s, dp, stats, params.exp2_scale, score_mods, dropout, tScS, row_start,
                          key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
-    gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_copy_a_dq, copy_b_dq,
-                   thr_copy_b_dq);
+    gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copies_dq);
   }
 
   Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(TileQ{}));

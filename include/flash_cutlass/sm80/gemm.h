@@ -6,6 +6,26 @@
 
 namespace flash_cutlass::sm80 {
 
+// The ldmatrix copies of one GEMM's A and B operands out of shared memory (atoms AtomA and AtomB,
+// laid out for TiledMma), and one thread's slices of them.
+template <class AtomA, class AtomB, class TiledMma>
+struct OperandCopies {
+  using CopyA = decltype(cute::make_tiled_copy_A(AtomA{}, TiledMma{}));
+  using CopyB = decltype(cute::make_tiled_copy_B(AtomB{}, TiledMma{}));
+  CopyA a;
+  CopyB b;
+  decltype(CopyA{}.get_thread_slice(0)) thread_a;
+  decltype(CopyB{}.get_thread_slice(0)) thread_b;
+};
+
+template <class AtomA, class AtomB, class TiledMma>
+__device__ __forceinline__ OperandCopies<AtomA, AtomB, TiledMma> operand_copies(TiledMma const& tiled_mma,
+                                                                                int thread_idx) {
+  auto a = cute::make_tiled_copy_A(AtomA{}, tiled_mma);
+  auto b = cute::make_tiled_copy_B(AtomB{}, tiled_mma);
+  return {a, b, a.get_thread_slice(thread_idx), b.get_thread_slice(thread_idx)};
+}
+
 // acc += A * B with both operands in shared memory.
 template <class TiledMma, class Acc, class FragA, class FragB, class SmemA, class SmemB,
           class CopyA, class ThrCopyA, class CopyB, class ThrCopyB>
@@ -27,6 +47,14 @@ __device__ __forceinline__ void gemm_smem_smem(TiledMma& tiled_mma, Acc& acc, Fr
     }
     gemm(tiled_mma, frag_a(_, _, k), frag_b(_, _, k), acc);
   }
+}
+
+// The same with the copies of one OperandCopies.
+template <class TiledMma, class Acc, class FragA, class FragB, class SmemA, class SmemB, class Copies>
+__device__ __forceinline__ void gemm_smem_smem(TiledMma& tiled_mma, Acc& acc, FragA& frag_a, FragB& frag_b,
+                                               SmemA const& smem_a, SmemB const& smem_b, Copies const& copies) {
+  gemm_smem_smem(tiled_mma, acc, frag_a, frag_b, smem_a, smem_b, copies.a, copies.thread_a, copies.b,
+                 copies.thread_b);
 }
 
 // acc += A * B with A already in registers and B in shared memory.

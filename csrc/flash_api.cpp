@@ -262,11 +262,11 @@ void set_extended_params(FwdParams& params, AttentionOptions const& options, con
 // non-decreasing, ending at the totals, the longest lengths at least every length) are checked by
 // flash_cutlass/backend.py, which reads them on the host. Turns params set for the (1, total, ...)
 // views into a variable-length call's.
-void set_varlen_params(FwdParams& params, AttentionOptions const& varlen, const at::Tensor& q) {
-  FLASH_CHECK(varlen.cu_seqlens_k.has_value() && varlen.cu_seqlens_k->defined(),
+void set_varlen_params(FwdParams& params, AttentionOptions const& options, const at::Tensor& q) {
+  FLASH_CHECK(options.cu_seqlens_k.has_value() && options.cu_seqlens_k->defined(),
                "cu_seqlens_q and cu_seqlens_k go together");
-  const at::Tensor& cu_q = *varlen.cu_seqlens_q;
-  const at::Tensor& cu_k = *varlen.cu_seqlens_k;
+  const at::Tensor& cu_q = *options.cu_seqlens_q;
+  const at::Tensor& cu_k = *options.cu_seqlens_k;
   for (const at::Tensor* cu : {&cu_q, &cu_k}) {
     FLASH_CHECK(cu->scalar_type() == at::kInt && cu->device() == q.device() && cu->dim() == 1 && cu->is_contiguous(),
                  "cu_seqlens_q and cu_seqlens_k must be contiguous 1-D int32 tensors on q's device");
@@ -274,16 +274,16 @@ void set_varlen_params(FwdParams& params, AttentionOptions const& varlen, const 
   FLASH_CHECK(cu_q.numel() == cu_k.numel() && cu_q.numel() >= 1,
                "cu_seqlens_q and cu_seqlens_k must have the same number (batch + 1 >= 1) of entries");
   FLASH_CHECK(params.batch == 1, "a variable-length call takes (1, total, heads, head_dim) views");
-  FLASH_CHECK(varlen.max_seqlen_q >= 0 && varlen.max_seqlen_k >= 0 && varlen.max_seqlen_q < (int64_t(1) << 31) &&
-                   varlen.max_seqlen_k < (int64_t(1) << 31),
+  FLASH_CHECK(options.max_seqlen_q >= 0 && options.max_seqlen_k >= 0 && options.max_seqlen_q < (int64_t(1) << 31) &&
+                   options.max_seqlen_k < (int64_t(1) << 31),
                "max_seqlen_q and max_seqlen_k must be in [0, 2^31)");
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.total_q = params.seqlen_q;
   params.total_k = params.seqlen_k;
   params.batch = static_cast<int>(cu_q.numel() - 1);
-  params.seqlen_q = static_cast<int>(varlen.max_seqlen_q);
-  params.seqlen_k = static_cast<int>(varlen.max_seqlen_k);
+  params.seqlen_q = static_cast<int>(options.max_seqlen_q);
+  params.seqlen_k = static_cast<int>(options.max_seqlen_k);
   params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.out_batch_stride = 0;
 }
 

@@ -62,6 +62,12 @@ constexpr int kernel_head_dim(int head_dim) {
   return detail::smallest_at_least(CompiledHeadDims<kDirection, kPath>{}, head_dim);
 }
 
+// Whether a path compiled any head dim of a direction.
+template <Direction kDirection, KernelPath kPath>
+constexpr bool has_compiled_head_dims() {
+  return kernel_head_dim<kDirection, kPath>(1) != 0;
+}
+
 template <Direction kDirection, KernelPath kPath>
 std::vector<int64_t> compiled_head_dims() {
   return detail::values_of(CompiledHeadDims<kDirection, kPath>{});

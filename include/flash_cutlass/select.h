@@ -41,7 +41,7 @@ constexpr bool sm90_causal_forward_uses_wide_tiles(int seqlen_q) {
 template <Direction kDirection>
 std::string sm90_unavailable_reason(int head_dim, int major, int minor, bool deterministic) {
   constexpr const char* kName = kDirection == Direction::kForward ? "forward" : "backward";
-  if (compiled_head_dims<kDirection, KernelPath::kSm90>().empty()) {
+  if constexpr (!has_compiled_head_dims<kDirection, KernelPath::kSm90>()) {
     return std::string("the Hopper ") + kName +
            " was not built (it needs 90 in FLASH_CUTLASS_CUDA_ARCHS and FLASH_CUTLASS_SM90 not 0)";
   }

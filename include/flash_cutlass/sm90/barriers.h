@@ -1,6 +1,6 @@
-// The named barriers of the Hopper-path forward kernel and the helpers that sync, arrive and vote
-// on them. Barrier 0 is __syncthreads; the ids below are the ones the consumer warpgroups use among
-// themselves while the producer warp runs on.
+// The named barriers of the Hopper-path kernels and the helpers that sync, arrive and vote on them.
+// Barrier 0 is __syncthreads; the ids below are the ones a kernel's roles use among themselves
+// while the others run on.
 #pragma once
 
 #include <cstdint>
@@ -16,13 +16,22 @@ enum class FwdBarrier : int {
   kWarpgroupVote = 5,
 };
 
-// bar.sync / bar.arrive with the id as an immediate.
-template <FwdBarrier kId, int kOffset, int kThreads>
+enum class BwdBarrier : int {
+  // Every consumer thread: both warpgroups' dS^T of a query block is in shared memory.
+  kDsReady = 1,
+  // The consumers and the dQ warp: a query block's dQ is in shared memory (kDqFull), and the dQ
+  // warp's bulk reduce has read it, so the next one may be written (kDqEmpty).
+  kDqFull = 2,
+  kDqEmpty = 3,
+};
+
+// bar.sync / bar.arrive with the id (a FwdBarrier or a BwdBarrier) as an immediate.
+template <auto kId, int kOffset, int kThreads>
 __device__ __forceinline__ void named_barrier_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(int(kId) + kOffset), "n"(kThreads) : "memory");
 }
 
-template <FwdBarrier kId, int kOffset, int kThreads>
+template <auto kId, int kOffset, int kThreads>
 __device__ __forceinline__ void named_barrier_arrive() {
   asm volatile("bar.arrive %0, %1;" ::"n"(int(kId) + kOffset), "n"(kThreads) : "memory");
 }

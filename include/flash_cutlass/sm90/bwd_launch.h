@@ -1,4 +1,5 @@
-// Host-side launch of the Hopper-path backward; included only by the instantiation files.
+// Host-side launch of the Hopper-path backward: builds the TMA descriptors of Q, dO, K and V from
+// the call's pointers and strides; included only by the instantiation files.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -7,20 +8,46 @@
 #include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm90/bwd_kernel.h"
+#include "flash_cutlass/sm90/tma_views.h"
 
 namespace flash_cutlass::sm90 {
 
-// The preprocess, the Hopper main kernel (dK, dV, dQ by atomics), the postprocess
+// The preprocess, the Hopper main kernel (dK, dV; dQ by bulk reduce), the postprocess
 // (common/bwd_stages.h). Deterministic dQ is the sm80 path's (the host routes those calls there).
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
+  using namespace cute;
   using Element = typename ElementOf<kDType>::type;
-  using Traits = BwdKernelTraits<kHeadDim, Element>;
+  using Traits = BwdTraitsFor<kHeadDim, Element>;
   if (params.deterministic) return cudaErrorNotSupported;
+  const TmaExtents extents = tma_extents(params);
+  const auto q = gmem_tensor<Traits>(static_cast<Element const*>(params.q), extents.rows_q, params.head_dim,
+                                     params.heads, extents.batch, params.q_row_stride, params.q_head_stride,
+                                     params.q_batch_stride);
+  const auto dout = gmem_tensor<Traits>(static_cast<Element const*>(params.dout), extents.rows_q, params.head_dim,
+                                        params.heads, extents.batch, params.dout_row_stride, params.dout_head_stride,
+                                        params.dout_batch_stride);
+  const auto k = gmem_tensor<Traits>(static_cast<Element const*>(params.k), extents.rows_k, params.head_dim,
+                                     params.heads_k, extents.batch, params.k_row_stride, params.k_head_stride,
+                                     params.k_batch_stride);
+  const auto v = gmem_tensor<Traits>(static_cast<Element const*>(params.v), extents.rows_k, params.head_dim,
+                                     params.heads_k, extents.batch, params.v_row_stride, params.v_head_stride,
+                                     params.v_batch_stride);
+  using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
+  using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
+  const auto smem_q_stage = take<0, 2>(typename Traits::SmemLayoutQ{});
+  const BwdKernelParams<Traits> kernel_params{
+      params,
+      make_tma_copy(SM90_TMA_LOAD{}, q, smem_q_stage, TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q_stage, TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+  };
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
     const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension>, num_n_blocks * int64_t(params.batch) * params.heads,
-                         Traits::kThreads, Traits::kSmemBytes, params, stream);
+    return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension>,
+                         num_n_blocks * int64_t(params.batch) * params.heads, Traits::kThreads, Traits::kSmemBytes,
+                         kernel_params, stream);
   });
 }
 

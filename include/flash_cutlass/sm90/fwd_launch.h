@@ -13,17 +13,6 @@
 
 namespace flash_cutlass::sm90 {
 
-// (seqlen, head_dim, heads, batch) over base, head_dim contiguous: Element const* for the loads,
-// Element* for the store.
-template <class Traits, class Pointer>
-auto gmem_tensor(Pointer base, int seqlen, int head_dim, int heads, int batch, int64_t row_stride,
-                 int64_t head_stride, int64_t batch_stride) {
-  using namespace cute;
-  return make_tensor(make_gmem_ptr(base), typename Traits::GmemLayout{make_shape(seqlen, head_dim, heads, batch),
-                                                                      make_stride(row_stride, _1{}, head_stride,
-                                                                                  batch_stride)});
-}
-
 // The launch for one set of kernel traits (tile sizes, stages, schedule).
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {

@@ -1,0 +1,18 @@
+// What the Hopper-path backward kernel receives (built by bwd_launch.h): the call and the TMA
+// descriptors of Q, dO, K and V built from it on the host.
+#pragma once
+
+#include "flash_cutlass/params.h"
+
+namespace flash_cutlass::sm90 {
+
+template <class Traits>
+struct BwdKernelParams {
+  BwdParams call;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaQ tma_dout;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+};
+
+}  // namespace flash_cutlass::sm90

@@ -1,0 +1,260 @@
+// The consumers of the Hopper-path backward: two warpgroups of 64 keys each walk the query blocks
+// that see their CTA's key block. Per query block (Q, dO, LSE and D from the loader's stage):
+//   S^T = K Q^T, then dP^T = V dO^T          (wgmma, both operands in shared memory)
+//   P^T = exp2(S^T scale - lse)              (while dP^T is still in the tensor cores)
+//   dS^T = P^T (dP^T - D)                    (registers)
+//   dV += P^T dO, dK += dS^T Q               (wgmma, P^T and dS^T straight from the accumulators)
+//   dQ = dS K                                (wgmma from both warpgroups' dS^T in shared memory)
+// and each block's dQ goes to shared memory for the dQ warp's bulk reduce (bwd_producer.h).
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/bwd_key_block.h"
+#include "flash_cutlass/common/dropout.h"
+#include "flash_cutlass/common/mask.h"
+#include "flash_cutlass/common/score_mods.h"
+#include "flash_cutlass/common/utils.h"
+#include "flash_cutlass/params.h"
+#include "flash_cutlass/sm90/barriers.h"
+#include "flash_cutlass/sm90/wgmma.h"
+
+namespace flash_cutlass::sm90 {
+
+// In place on S^T as (keys, queries): P^T = exp2(scale S^T - lse), the queries' LSE in log2 units
+// from shared memory (+inf past the sequence: P = 0 there). With kApplyMask, keys past seqlen_k and
+// keys outside a query's causal mask or window get P = 0.
+template <bool kApplyMask, MaskKind kMaskKind, class TensorS, class Coords>
+__device__ __forceinline__ void probabilities_transposed(TensorS& st, Coords const& coords, int key_start, int row_start,
+                                                         KeyMask<kMaskKind> const& mask, float scale_log2,
+                                                         const float* lse_log2) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(st); ++c) {
+    const int local_query = get<1>(coords(0, c));
+    const float row_lse = lse_log2[local_query];
+    const int query = row_start + local_query;
+    const int key_begin = mask.key_begin(query);
+    const int key_limit = mask.key_limit(query);
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(st); ++r) {
+      float s = st(r, c) * scale_log2;
+      if constexpr (kApplyMask) {
+        const int key = key_start + get<0>(coords(r, c));
+        if (key >= key_limit || (KeyMask<kMaskKind>::kLocal && key < key_begin)) s = -INFINITY;
+      }
+      st(r, c) = exp2f(s - row_lse);
+    }
+  }
+}
+
+// In place on dP^T: dS^T = P^T (dP^T - D), D per query from shared memory (0 past the sequence).
+template <class TensorP, class TensorDP, class Coords>
+__device__ __forceinline__ void ds_transposed(TensorP const& pt, TensorDP& dpt, Coords const& coords,
+                                              const float* dsum) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(dpt); ++c) {
+    const float row_dsum = dsum[get<1>(coords(0, c))];
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(dpt); ++r) dpt(r, c) = pt(r, c) * (dpt(r, c) - row_dsum);
+  }
+}
+
+// Both at once for the extended kernels: the scores are capped and biased first, dS^T carries the
+// cap's derivative (common/score_mods.h), and with dropout (common/dropout.h) P^T ends dropped and
+// rescaled, as dV needs it, and dS^T = P^T (dropped, rescaled dP^T - D).
+template <bool kApplyMask, bool kDropout, MaskKind kMaskKind, class TensorS, class TensorDP, class Coords>
+__device__ __forceinline__ void extended_probabilities_and_ds_transposed(
+    TensorS& st, TensorDP& dpt, Coords const& coords, int key_start, int row_start, KeyMask<kMaskKind> const& mask,
+    ScoreMods<true> const& score_mods, Dropout<kDropout> const& dropout, float scale_log2, const float* lse_log2,
+    const float* dsum) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(st); c += 2) {
+    // Queries c and c + 1 are neighbours (the wgmma C layout of S^T), each with its own stats.
+    float row_lse[2], row_dsum[2];
+    int query[2], key_begin[2], key_limit[2];
+    CUTE_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const int local_query = get<1>(coords(0, c + i));
+      query[i] = row_start + local_query;
+      row_lse[i] = lse_log2[local_query];
+      row_dsum[i] = dsum[local_query];
+      key_begin[i] = mask.key_begin(query[i]);
+      key_limit[i] = mask.key_limit(query[i]);
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(st); ++r) {
+      const int key = key_start + get<0>(coords(r, c));
+      bool keep[2] = {true, true};
+      if constexpr (kDropout) dropout.keep_row_pair(query[0], key, keep[0], keep[1]);
+      CUTE_UNROLL
+      for (int i = 0; i < 2; ++i) {
+        float score = st(r, c + i);
+        if (score_mods.softcap_input_scale != 0.f) score = tanh_approx(score * score_mods.softcap_input_scale);
+        float s = (score + score_mods.bias(query[i], key)) * scale_log2;
+        if constexpr (kApplyMask) {
+          if (key >= key_limit[i] || (KeyMask<kMaskKind>::kLocal && key < key_begin[i])) s = -INFINITY;
+        }
+        const float p = exp2f(s - row_lse[i]);
+        float dp_kept = dpt(r, c + i);
+        float p_kept = p;
+        if constexpr (kDropout) {
+          dp_kept = keep[i] ? dp_kept * dropout.keep_scale : 0.f;
+          p_kept = keep[i] ? p * dropout.keep_scale : 0.f;
+        }
+        dpt(r, c + i) = p * (dp_kept - row_dsum[i]) * score_mods.derivative(score);
+        st(r, c + i) = p_kept;
+      }
+    }
+  }
+}
+
+// The consumer warpgroups' whole walk over a CTA's query blocks, then dK and dV out.
+// consumer_idx: the thread's index among the consumer threads.
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
+__device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
+                                                     KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
+                                                     typename Traits::SharedStorage& storage, int consumer_idx) {
+  using namespace cute;
+  constexpr bool kExtended = kExtension != Extension::kNone;
+  constexpr bool kDropout = kExtension == Extension::kDropout;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kDqThreads = Traits::kConsumerThreads + 32;  // the consumers and the dQ warp
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileSt = Shape<Int<kBlockN>, Int<kBlockM>>;
+
+  const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
+                                                                   work.sequence.seqlen_q, work.sequence.seqlen_k);
+  const Dropout<kDropout> dropout = dropout_of<kDropout>(params, work.tile.batch, work.tile.head);
+
+  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdOt = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sdSt = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdSt{});
+  Tensor sdS = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdS{});
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(consumer_idx);
+  auto thr_dkv = mma_dkv.get_thread_slice(consumer_idx);
+  auto thr_dq = mma_dq.get_thread_slice(consumer_idx);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // descriptors
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, dS buffer)
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  auto smem_tiled_copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
+  auto smem_thr_copy_ds = smem_tiled_copy_ds.get_thread_slice(consumer_idx);
+  Tensor tdSsdS = smem_thr_copy_ds.partition_D(sdSt);   // (CPY, CPY_M, CPY_N, dS buffer)
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
+  clear(acc_dk);
+  clear(acc_dv);
+  // (key, query) of every S^T accumulator element inside its tile.
+  Tensor tScS = as_rows_cols(thr_sdp.partition_C(make_identity_tensor(TileSt{})));
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
+  float* sdq = storage.dq.data();
+
+  if (work.m_block_begin < work.m_block_end) storage.kv_full.wait(0);
+  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
+    const int step = m_block - work.m_block_begin;
+    const int stage = step % kStages;
+    const int ds_buffer = step & 1;
+    const int row_start = m_block * kBlockM;
+    storage.query_full[stage].wait((step / kStages) & 1);
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
+    issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+    issue_gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
+    Tensor st = as_rows_cols(acc_s);
+    Tensor dpt = as_rows_cols(acc_dp);
+    const float* lse_log2 = storage.lse_log2[stage];
+    const float* dsum = storage.dsum[stage];
+    const bool needs_mask = work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN);
+    if constexpr (kExtended) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(acc_dp);
+      if (needs_mask) {
+        extended_probabilities_and_ds_transposed<true>(st, dpt, tScS, work.key_start, row_start, work.mask,
+                                                       score_mods, dropout, params.exp2_scale, lse_log2, dsum);
+      } else {
+        extended_probabilities_and_ds_transposed<false>(st, dpt, tScS, work.key_start, row_start, work.mask,
+                                                        score_mods, dropout, params.exp2_scale, lse_log2, dsum);
+      }
+    } else {
+      // P^T while dP^T is still computed.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_s);
+      if (needs_mask) {
+        probabilities_transposed<true>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
+      } else {
+        probabilities_transposed<false>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dp);
+      ds_transposed(st, dpt, tScS, dsum);
+    }
+    // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared
+    // memory for dQ.
+    Tensor pt = convert_fragment<Element>(acc_s);
+    Tensor tdVrPt = make_tensor(pt.data(), acc_layout_as_operand_a(pt.layout()));
+    issue_gemm_wgmma<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
+    Tensor dst = convert_fragment<Element>(acc_dp);
+    copy(smem_tiled_copy_ds, smem_thr_copy_ds.retile_S(dst), tdSsdS(_, _, _, ds_buffer));
+    Tensor tdKrdSt = make_tensor(dst.data(), acc_layout_as_operand_a(dst.layout()));
+    issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
+
+    // dQ = dS K once both warpgroups' dS^T is in shared memory (dV and dK run meanwhile). The other
+    // dS buffer may still be read by the step before's dQ GEMM of the other warpgroup until it
+    // reaches this barrier.
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
+    Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
+    issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt, acc_dq);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_fence_operand(acc_dk);
+    warpgroup_fence_operand(acc_dq);
+    warpgroup_fence_operand(pt);
+    warpgroup_fence_operand(dst);
+    // This thread's GEMMs are done with the stage's Q and dO.
+    storage.query_empty[stage].arrive();
+
+    // The dQ warp has read the block before's dQ out of shared memory; this block's goes in.
+    if (step > 0) named_barrier_sync<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 2) {
+      const int row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
+      *reinterpret_cast<float2*>(sdq + row * kHeadDim + col) = make_float2(acc_dq(i), acc_dq(i + 1));
+    }
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_arrive<BwdBarrier::kDqFull, 0, kDqThreads>();
+  }
+
+  Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
+  store_dk_dv<Element, kHeadDim>(params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);
+}
+
+}  // namespace flash_cutlass::sm90

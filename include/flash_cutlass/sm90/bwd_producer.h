@@ -1,0 +1,125 @@
+// The producer warpgroup of the Hopper-path backward: warp 0 loads, warp 1 writes dQ.
+// - The loader brings the CTA's K and V into shared memory once, then each query block's Q and dO
+//   with TMA and its LSE and D with the warp's own loads, through kStages stages: a stage is full
+//   when the TMA bytes have landed and the warp has stored the statistics, empty when every
+//   consumer thread is done with it. Rows past the sequence read LSE +inf and D 0, so that the
+//   consumers need no bounds there.
+// - The dQ warp adds each query block's dQ, which the consumers leave in shared memory, to dq_accum
+//   with one bulk reduce (cp.reduce.async.bulk, fp32 add in L2), off the consumers' path.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/bwd_key_block.h"
+#include "flash_cutlass/params.h"
+#include "flash_cutlass/sm90/barriers.h"
+#include "flash_cutlass/sm90/bulk_copy.h"
+#include "flash_cutlass/sm90/bwd_kernel_params.h"
+#include "flash_cutlass/sm90/tma_views.h"
+
+namespace flash_cutlass::sm90 {
+
+// Run by the 32 lanes of the loader warp.
+template <class Traits, MaskKind kMaskKind>
+__device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& kernel_params,
+                                               KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
+                                               typename Traits::SharedStorage& storage, int lane) {
+  using namespace cute;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kStages = Traits::kStages;
+  using TileQ = Shape<Int<kBlockM>, Int<Traits::kHeadDim>>;
+  using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
+  if (work.m_block_begin >= work.m_block_end) return;
+  BwdParams const& params = kernel_params.call;
+  const int head = work.tile.head;
+  const int head_k = kv_head_of(head, params);
+
+  // TMA views (rows, head_dim, heads, batch): rows and columns past the tensor arrive as zeros; in a
+  // variable-length call rows past a sequence are the next one's (P = 0 and dS = 0 there).
+  const TmaExtents extents = tma_extents(params);
+  const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
+  Tensor mQ = kernel_params.tma_q.get_tma_tensor(make_shape(extents.rows_q, params.head_dim, params.heads, extents.batch));
+  Tensor mdO =
+      kernel_params.tma_dout.get_tma_tensor(make_shape(extents.rows_q, params.head_dim, params.heads, extents.batch));
+  Tensor mK = kernel_params.tma_k.get_tma_tensor(make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
+  Tensor mV = kernel_params.tma_v.get_tma_tensor(make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
+  const auto q_rows = make_coord(work.sequence.q_start, _0{});
+  const auto k_rows = make_coord(work.sequence.k_start, _0{});
+  Tensor gQ = local_tile(domain_offset(q_rows, mQ(_, _, head, tma_batch)), TileQ{}, make_coord(_, _0{}));
+  Tensor gdO = local_tile(domain_offset(q_rows, mdO(_, _, head, tma_batch)), TileQ{}, make_coord(_, _0{}));
+  Tensor gK = local_tile(domain_offset(k_rows, mK(_, _, head_k, tma_batch)), TileKV{}, make_coord(work.tile.n_block, _0{}));
+  Tensor gV = local_tile(domain_offset(k_rows, mV(_, _, head_k, tma_batch)), TileKV{}, make_coord(work.tile.n_block, _0{}));
+  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
+  auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+  auto [tdOgdO, tdOsdO] =
+      tma_partition(kernel_params.tma_dout, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+  auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+  auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+  if (lane == 0) {
+    storage.kv_full.arrive_and_expect_tx(2 * Traits::kBytesKV);
+    copy(kernel_params.tma_k.with(reinterpret_cast<uint64_t&>(storage.kv_full)), tKgK, tKsK);
+    copy(kernel_params.tma_v.with(reinterpret_cast<uint64_t&>(storage.kv_full)), tVgV, tVsV);
+  }
+  const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, head);
+  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
+    const int step = m_block - work.m_block_begin;
+    const int stage = step % kStages;
+    // The stage's previous block is done (the first kStages steps find it free).
+    storage.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
+    if (lane == 0) {
+      storage.query_full[stage].arrive_and_expect_tx(2 * Traits::kBytesQ);
+      copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.query_full[stage])), tQgQ(_, m_block),
+           tQsQ(_, stage));
+      copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(storage.query_full[stage])), tdOgdO(_, m_block),
+           tdOsdO(_, stage));
+    }
+    CUTE_UNROLL
+    for (int local_row = lane; local_row < kBlockM; local_row += 32) {
+      const int row = m_block * kBlockM + local_row;
+      float lse = INFINITY, dsum = 0.f;
+      if (row < work.sequence.seqlen_q) {
+        lse = query_rows.lse[row];
+        dsum = query_rows.dsum[row];
+        if (lse == -INFINITY) lse = INFINITY;  // a row that sees no key: P = 0, not exp(-inf + inf)
+      }
+      storage.lse_log2[stage][local_row] = lse * float(M_LOG2E);
+      storage.dsum[stage][local_row] = dsum;
+    }
+    __syncwarp();
+    if (lane == 0) storage.query_full[stage].arrive();
+  }
+}
+
+// Run by the 32 lanes of the dQ warp: one bulk reduce per query block, in the consumers' order.
+template <class Traits, MaskKind kMaskKind>
+__device__ __forceinline__ void write_dq(BwdParams const& params,
+                                         KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
+                                         typename Traits::SharedStorage& storage, int lane) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kDqThreads = Traits::kConsumerThreads + 32;
+  const QueryRowBuffers query_rows = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head);
+  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
+    named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
+    if (lane == 0) {
+      const int row_start = m_block * kBlockM;
+      const int rows = min(kBlockM, work.sequence.seqlen_q - row_start);
+      bulk_reduce_add(query_rows.dq_accum + int64_t(row_start) * kHeadDim, storage.dq.data(),
+                      rows * kHeadDim * int(sizeof(float)));
+      cute::tma_store_arrive();
+      cute::tma_store_wait<0>();  // the bulk copy engine has read storage.dq
+    }
+    __syncwarp();
+    if (m_block + 1 < work.m_block_end) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+  }
+}
+
+}  // namespace flash_cutlass::sm90

@@ -1,0 +1,126 @@
+// Everything the Hopper-path backward kernel derives from (head dim, tile sizes, stages, dtype):
+// the CTA's roles and register budgets, the warpgroup MMAs of its five GEMMs, the swizzled
+// shared-memory layouts, the barriers and the TMA copy types.
+#pragma once
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+
+namespace flash_cutlass::sm90 {
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
+struct BwdKernelTraits {
+  using Element = Element_;
+  static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per step of a CTA's walk
+  static constexpr int kBlockN = kBlockN_;  // keys of a CTA: 64 per consumer warpgroup
+  static constexpr int kStages = kStages_;  // query blocks (Q, dO, LSE, D) in flight
+  static_assert(kBlockM == 64 && kBlockN % 64 == 0, "64 query rows a step, 64 keys a consumer warpgroup");
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "rows of 128-byte swizzle atoms; registers");
+
+  // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory (bulk
+  // reduce); warps 2 and 3 exit at once. Warpgroups 1.. are the consumers, 64 keys each.
+  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(kConsumerWarpgroups == 2);
+  static_assert(kLaunchRegisters - kProducerRegisters ==
+                kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
+
+  // S^T = K Q^T and dP^T = V dO^T: (keys, queries, head dim), the warpgroups split the keys.
+  using TileShapeSdP = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::Int<kHeadDim>>;
+  // dV = P^T dO and dK = dS^T Q: (keys, head dim, queries), A from registers.
+  using TileShapedKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kBlockM>>;
+  // dQ = dS K: (queries, head dim, keys), the warpgroups split the head dim.
+  using TileShapedQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBlockN>>;
+  using TileShapedQPerWarpgroup =
+      cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>>;
+  using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
+  using WarpgroupsAlongN = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;
+
+  using TiledMmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShapeSdP>(), WarpgroupsAlongM{}));
+  using TiledMmadKV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, TileShapedKV, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      WarpgroupsAlongM{}));
+  using TiledMmadQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShapedQPerWarpgroup, cute::GMMA::Major::MN,
+                                 cute::GMMA::Major::MN>(),
+      WarpgroupsAlongN{}));
+
+  // 128-byte-swizzled rows of 64 elements, the head dim (or, for dS^T, the queries) contiguous: the
+  // layout TMA writes and wgmma reads.
+  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  // Q and dO: one buffer a stage.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
+                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
+                                                cute::Step<cute::_2, cute::_1>{})));
+  // dS^T (keys, queries), queries contiguous, two buffers (a step's dQ GEMM may still read one while
+  // the other warpgroup writes the next step's); seen as dS (queries, keys) it is the MN-major A of dQ.
+  using SmemLayoutdSt = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::_2>{}));
+  using SmemLayoutdS = decltype(cute::composition(
+      SmemLayoutdSt{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{},
+                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemCopyAtomdS = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutdSt>> ds;
+    // A query block's dQ (rows of kHeadDim), staged for the bulk reduce into dq_accum.
+    alignas(128) cute::array_aligned<float, kBlockM * kHeadDim> dq;
+    // Per stage and query row: the log-sum-exp in log2 units (+inf past the sequence, so that P = 0
+    // there) and D (0 past the sequence).
+    alignas(16) float lse_log2[kStages][kBlockM];
+    alignas(16) float dsum[kStages][kBlockM];
+    cutlass::arch::ClusterTransactionBarrier kv_full;
+    // A stage is full when its Q and dO have landed (TMA transaction bytes) and the loader's warp
+    // has stored its LSE and D (a second arrival); empty when every consumer thread is done with it.
+    cutlass::arch::ClusterTransactionBarrier query_full[kStages];
+    cutlass::arch::ClusterBarrier query_empty[kStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);    // one stage of Q (or dO)
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // K (or V)
+
+  // Global tensors as TMA sees them: (seqlen, head_dim, heads, batch), head_dim contiguous.
+  using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
+                                  cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                GmemLayout{}));
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                            cute::take<0, 2>(SmemLayoutQ{}),
+                                            cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}, cute::_1{}));
+  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
+                                             cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}, cute::_1{}));
+};
+
+// Tile sizes per head dim.
+template <int kHeadDim>
+struct BwdTileSizes {
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+};
+
+template <int kHeadDim, class Element, class Sizes = BwdTileSizes<kHeadDim>>
+using BwdTraitsFor = BwdKernelTraits<kHeadDim, Sizes::kBlockM, Sizes::kBlockN, Sizes::kStages, Element>;
+
+}  // namespace flash_cutlass::sm90

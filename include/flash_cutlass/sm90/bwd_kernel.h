@@ -2,7 +2,7 @@
 // K and V in shared memory and walks the query blocks that see them, accumulating dK and dV in
 // registers and adding each query block's dQ to an fp32 accumulator in global memory.
 // Warpgroup 0 produces (bwd_producer.h): warp 0 loads Q, dO, LSE and D through a multi-stage
-// pipeline, warp 1 adds dQ with the bulk reduce; the consumer warpgroups, 64 keys each, run the
+// pipeline, warp 1 adds dQ with TMA's reduce-add; the consumer warpgroups, 64 keys each, run the
 // five GEMMs and the softmax gradient (bwd_mainloop.h). Tile sizes, layouts and shared memory:
 // bwd_tile_config.h; named barriers: barriers.h. The preprocess (D, dq_accum zeroed) and the
 // postprocess (dQ scaled, converted) are both paths' (common/bwd_stages.h).
@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(kernel_params.tma_dout.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kernel_params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kernel_params.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kernel_params.tma_dq.get_tma_descriptor());
     storage.kv_full.init(1);
     CUTE_UNROLL
     for (int stage = 0; stage < Traits::kStages; ++stage) {
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0) {
       load_key_block<Traits, kMaskKind>(kernel_params, work, storage, lane);
     } else if (warp == 1) {
-      write_dq<Traits, kMaskKind>(params, work, storage, lane);
+      write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
     }
     return;
   }

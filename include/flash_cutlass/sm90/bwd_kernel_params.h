@@ -1,5 +1,5 @@
 // What the Hopper-path backward kernel receives (built by bwd_launch.h): the call and the TMA
-// descriptors of Q, dO, K and V built from it on the host.
+// descriptors of Q, dO, K, V and the dQ accumulator built from it on the host.
 #pragma once
 
 #include "flash_cutlass/params.h"
@@ -13,6 +13,7 @@ struct BwdKernelParams {
   typename Traits::TmaQ tma_dout;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
+  typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum
 };
 
 }  // namespace flash_cutlass::sm90

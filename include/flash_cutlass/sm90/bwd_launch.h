@@ -12,7 +12,7 @@
 
 namespace flash_cutlass::sm90 {
 
-// The preprocess, the Hopper main kernel (dK, dV; dQ by bulk reduce), the postprocess
+// The preprocess, the Hopper main kernel (dK, dV; dQ by TMA reduce-add), the postprocess
 // (common/bwd_stages.h). Deterministic dQ is the sm80 path's (the host routes those calls there).
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
@@ -33,6 +33,12 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const auto v = gmem_tensor<Traits>(static_cast<Element const*>(params.v), extents.rows_k, params.head_dim,
                                      params.heads_k, extents.batch, params.v_row_stride, params.v_head_stride,
                                      params.v_batch_stride);
+  // dq_accum: (batch, heads, seqlen_q, kHeadDim), or (heads, total_q, kHeadDim) in a variable-length call.
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  const int64_t dq_head_stride = int64_t(extents.rows_q) * kHeadDim;
+  const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads, extents.batch,
+                                            int64_t(kHeadDim), dq_head_stride,
+                                            varlen ? int64_t(0) : dq_head_stride * params.heads);
   using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
   using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
   const auto smem_q_stage = take<0, 2>(typename Traits::SmemLayoutQ{});
@@ -42,6 +48,7 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q_stage, TileQ{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, TileQ{}, _1{}),
   };
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
     const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;

@@ -115,6 +115,15 @@ __device__ __forceinline__ void extended_probabilities_and_ds_transposed(
   }
 }
 
+// The element offset of (row, col) in a GMMA-swizzled shared-memory layout of T: the swizzle acts
+// on byte addresses. (Indexing a cute tensor over it gives the same element through a swizzled
+// generic pointer, which compiled to 64-bit address arithmetic and generic stores.)
+template <class T, class SwizzledLayout>
+__device__ __forceinline__ int swizzled_offset(SwizzledLayout layout, int row, int col) {
+  const int bytes = int(cute::get_nonswizzle_portion(layout)(row, col)) * int(sizeof(T));
+  return cute::get_swizzle_portion(layout)(bytes) / int(sizeof(T));
+}
+
 // The consumer warpgroups' whole walk over a CTA's query blocks, then dK and dV out.
 // consumer_idx: the thread's index among the consumer threads.
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
@@ -247,7 +256,9 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
       const int row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
-      *reinterpret_cast<float2*>(sdq + row * kHeadDim + col) = make_float2(acc_dq(i), acc_dq(i + 1));
+      // Columns col and col + 1 stay neighbours under the swizzle (it permutes 16-byte units).
+      const int offset = swizzled_offset<float>(typename Traits::SmemLayoutdQ{}, row, col);
+      *reinterpret_cast<float2*>(sdq + offset) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
     cutlass::arch::fence_view_async_shared();
     named_barrier_arrive<BwdBarrier::kDqFull, 0, kDqThreads>();

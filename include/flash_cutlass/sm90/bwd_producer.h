@@ -5,7 +5,7 @@
 //   consumer thread is done with it. Rows past the sequence read LSE +inf and D 0, so that the
 //   consumers need no bounds there.
 // - The dQ warp adds each query block's dQ, which the consumers leave in shared memory, to dq_accum
-//   with one bulk reduce (cp.reduce.async.bulk, fp32 add in L2), off the consumers' path.
+//   with TMA's reduce-add (fp32 add in L2), off the consumers' path.
 #pragma once
 
 #include <cmath>
@@ -17,7 +17,6 @@
 #include "flash_cutlass/common/bwd_key_block.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
-#include "flash_cutlass/sm90/bulk_copy.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
 #include "flash_cutlass/sm90/tma_views.h"
 
@@ -98,24 +97,32 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   }
 }
 
-// Run by the 32 lanes of the dQ warp: one bulk reduce per query block, in the consumers' order.
+// Run by the dQ warp: the query blocks in the consumers' order, one TMA reduce-add each. Rows past
+// the tensor are not written; in a variable-length call the rows past a sequence are the next
+// one's, and this block's dQ is 0 there (dS = 0 past the sequence).
 template <class Traits, MaskKind kMaskKind>
-__device__ __forceinline__ void write_dq(BwdParams const& params,
+__device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_params,
                                          KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
                                          typename Traits::SharedStorage& storage, int lane) {
-  constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kHeadDim = Traits::kHeadDim;
+  using namespace cute;
   constexpr int kDqThreads = Traits::kConsumerThreads + 32;
-  const QueryRowBuffers query_rows = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head);
+  using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  BwdParams const& params = kernel_params.call;
+  const TmaExtents extents = tma_extents(params);
+  const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
+  Tensor mdQ = kernel_params.tma_dq.get_tma_tensor(
+      make_shape(extents.rows_q, Int<Traits::kHeadDim>{}, params.heads, extents.batch));
+  Tensor gdQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mdQ(_, _, work.tile.head, tma_batch)),
+                          TileQ{}, make_coord(_, _0{}));
+  Tensor sdQ = make_tensor(make_smem_ptr(storage.dq.data()), typename Traits::SmemLayoutdQ{});
+  auto [tdQgdQ, tdQsdQ] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
+                                        group_modes<0, 2>(gdQ));
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
     if (lane == 0) {
-      const int row_start = m_block * kBlockM;
-      const int rows = min(kBlockM, work.sequence.seqlen_q - row_start);
-      bulk_reduce_add(query_rows.dq_accum + int64_t(row_start) * kHeadDim, storage.dq.data(),
-                      rows * kHeadDim * int(sizeof(float)));
-      cute::tma_store_arrive();
-      cute::tma_store_wait<0>();  // the bulk copy engine has read storage.dq
+      copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block));
+      tma_store_arrive();
+      tma_store_wait<0>();  // the TMA unit has read storage.dq
     }
     __syncwarp();
     if (m_block + 1 < work.m_block_end) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();

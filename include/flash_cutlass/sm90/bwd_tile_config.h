@@ -76,7 +76,15 @@ struct BwdKernelTraits {
   using SmemLayoutdS = decltype(cute::composition(
       SmemLayoutdSt{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{},
                                                  cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  using SmemCopyAtomdS = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  // dS^T from the accumulators to shared memory with stmatrix: four 8x8 tiles an instruction (the
+  // 32-bit generic stores before took 16 instructions a thread, each with its own swizzled address).
+  using SmemCopyAtomdS = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
+  // A query block's dQ in fp32, 128-byte swizzled (columns in chunks of 32): the layout the TMA
+  // reduce-add reads, on which a warp's 64-bit stores of an accumulator (8 rows of 32 bytes) hit
+  // every bank once per 128 bytes; unswizzled rows of kHeadDim floats put all 8 rows on the same
+  // 8 banks.
+  using SmemLayoutdQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{},
+                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
@@ -84,8 +92,8 @@ struct BwdKernelTraits {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutdSt>> ds;
-    // A query block's dQ (rows of kHeadDim), staged for the bulk reduce into dq_accum.
-    alignas(128) cute::array_aligned<float, kBlockM * kHeadDim> dq;
+    // A query block's dQ, staged for the dQ warp.
+    alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>> dq;
     // Per stage and query row: the log-sum-exp in log2 units (+inf past the sequence, so that P = 0
     // there) and D (0 past the sequence).
     alignas(16) float lse_log2[kStages][kBlockM];
@@ -112,6 +120,10 @@ struct BwdKernelTraits {
                                             cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}, cute::_1{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
                                              cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}, cute::_1{}));
+  // dq_accum as (rows, kHeadDim, heads, batch) fp32, added to with TMA's reduce-add.
+  using GmemTensordQ = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<float*>(nullptr)), GmemLayout{}));
+  using TmadQ = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutdQ{},
+                                             cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}, cute::_1{}));
 };
 
 // Tile sizes per head dim.

@@ -40,7 +40,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     storage.kv_full.init(1);
     CUTE_UNROLL
     for (int stage = 0; stage < Traits::kStages; ++stage) {
-      storage.query_full[stage].init(2);  // the TMA transaction's arrival, the statistics' arrival
+      // The TMA transaction's arrival and one a loader lane (its LSE and D stores).
+      storage.query_full[stage].init(1 + 32);
       storage.query_empty[stage].init(Traits::kConsumerThreads);
     }
     cutlass::arch::fence_barrier_init();

@@ -1,7 +1,7 @@
 // The producer warpgroup of the Hopper-path backward: warp 0 loads, warp 1 writes dQ.
 // - The loader brings the CTA's K and V into shared memory once, then each query block's Q and dO
 //   with TMA and its LSE and D with the warp's own loads, through kStages stages: a stage is full
-//   when the TMA bytes have landed and the warp has stored the statistics, empty when every
+//   when the TMA bytes have landed and every lane has stored its statistics, empty when every
 //   consumer thread is done with it. Rows past the sequence read LSE +inf and D 0, so that the
 //   consumers need no bounds there.
 // - The dQ warp adds each query block's dQ, which the consumers leave in shared memory, to dq_accum
@@ -92,8 +92,8 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
       storage.lse_log2[stage][local_row] = lse * float(M_LOG2E);
       storage.dsum[stage][local_row] = dsum;
     }
-    __syncwarp();
-    if (lane == 0) storage.query_full[stage].arrive();
+    // Each lane releases its own stores (the stage counts 1 + 32 arrivals).
+    storage.query_full[stage].arrive();
   }
 }
 

@@ -99,8 +99,9 @@ struct BwdKernelTraits {
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float dsum[kStages][kBlockM];
     cutlass::arch::ClusterTransactionBarrier kv_full;
-    // A stage is full when its Q and dO have landed (TMA transaction bytes) and the loader's warp
-    // has stored its LSE and D (a second arrival); empty when every consumer thread is done with it.
+    // A stage is full when its Q and dO have landed (TMA transaction bytes) and every lane of the
+    // loader warp has stored its LSE and D (an arrival each); empty when every consumer thread is
+    // done with it.
     cutlass::arch::ClusterTransactionBarrier query_full[kStages];
     cutlass::arch::ClusterBarrier query_empty[kStages];
   };

@@ -20,7 +20,7 @@ enum class BwdBarrier : int {
   // Every consumer thread: both warpgroups' dS^T of a query block is in shared memory.
   kDsReady = 1,
   // The consumers and the dQ warp: a query block's dQ is in shared memory (kDqFull), and the dQ
-  // warp's bulk reduce has read it, so the next one may be written (kDqEmpty).
+  // warp's TMA reduce-add has read it, so the next one may be written (kDqEmpty).
   kDqFull = 2,
   kDqEmpty = 3,
 };

@@ -5,7 +5,7 @@
 //   dS^T = P^T (dP^T - D)                    (registers)
 //   dV += P^T dO, dK += dS^T Q               (wgmma, P^T and dS^T straight from the accumulators)
 //   dQ = dS K                                (wgmma from both warpgroups' dS^T in shared memory)
-// and each block's dQ goes to shared memory for the dQ warp's bulk reduce (bwd_producer.h).
+// and each block's dQ goes to shared memory for the dQ warp's TMA reduce-add (bwd_producer.h).
 #pragma once
 
 #include <cmath>

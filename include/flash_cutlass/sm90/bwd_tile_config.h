@@ -22,8 +22,8 @@ struct BwdKernelTraits {
   static_assert(kBlockM == 64 && kBlockN % 64 == 0, "64 query rows a step, 64 keys a consumer warpgroup");
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "rows of 128-byte swizzle atoms; registers");
 
-  // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory (bulk
-  // reduce); warps 2 and 3 exit at once. Warpgroups 1.. are the consumers, 64 keys each.
+  // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory (TMA
+  // reduce-add); warps 2 and 3 exit at once. Warpgroups 1.. are the consumers, 64 keys each.
   static constexpr int kConsumerWarpgroups = kBlockN / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;

@@ -39,8 +39,8 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads, extents.batch,
                                             int64_t(kHeadDim), dq_head_stride,
                                             varlen ? int64_t(0) : dq_head_stride * params.heads);
-  using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
-  using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
+  using TileQ = typename Traits::TileQ;
+  using TileKV = typename Traits::TileKV;
   const auto smem_q_stage = take<0, 2>(typename Traits::SmemLayoutQ{});
   const BwdKernelParams<Traits> kernel_params{
       params,

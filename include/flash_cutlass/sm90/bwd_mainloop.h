@@ -134,14 +134,10 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
   constexpr bool kExtended = kExtension != Extension::kNone;
   constexpr bool kDropout = kExtension == Extension::kDropout;
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kBlockN = Traits::kBlockN;
-  constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kStages = Traits::kStages;
+  using TileQ = typename Traits::TileQ;
+  using TileKV = typename Traits::TileKV;
+  using TileSt = typename Traits::TileSt;
   constexpr int kDqThreads = Traits::kConsumerThreads + 32;  // the consumers and the dQ warp
-  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  using TileSt = Shape<Int<kBlockN>, Int<kBlockM>>;
 
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
                                                                    work.sequence.seqlen_q, work.sequence.seqlen_k);
@@ -187,10 +183,10 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
   if (work.m_block_begin < work.m_block_end) storage.kv_full.wait(0);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
-    const int stage = step % kStages;
+    const int stage = step % Traits::kStages;
     const int ds_buffer = step & 1;
-    const int row_start = m_block * kBlockM;
-    storage.query_full[stage].wait((step / kStages) & 1);
+    const int row_start = m_block * Traits::kBlockM;
+    storage.query_full[stage].wait((step / Traits::kStages) & 1);
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
@@ -200,7 +196,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
     Tensor dpt = as_rows_cols(acc_dp);
     const float* lse_log2 = storage.lse_log2[stage];
     const float* dsum = storage.dsum[stage];
-    const bool needs_mask = work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN);
+    const bool needs_mask = work.mask.tile_needs_mask(row_start, Traits::kBlockM, work.key_start, Traits::kBlockN);
     if constexpr (kExtended) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
@@ -265,7 +261,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
   }
 
   Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
-  store_dk_dv<Element, kHeadDim>(params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);
+  store_dk_dv<Element, Traits::kHeadDim>(params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);
 }
 
 }  // namespace flash_cutlass::sm90

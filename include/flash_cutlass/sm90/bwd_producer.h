@@ -30,8 +30,8 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   using namespace cute;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kStages = Traits::kStages;
-  using TileQ = Shape<Int<kBlockM>, Int<Traits::kHeadDim>>;
-  using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
+  using TileQ = typename Traits::TileQ;
+  using TileKV = typename Traits::TileKV;
   if (work.m_block_begin >= work.m_block_end) return;
   BwdParams const& params = kernel_params.call;
   const int head = work.tile.head;
@@ -106,7 +106,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
                                          typename Traits::SharedStorage& storage, int lane) {
   using namespace cute;
   constexpr int kDqThreads = Traits::kConsumerThreads + 32;
-  using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  using TileQ = typename Traits::TileQ;
   BwdParams const& params = kernel_params.call;
   const TmaExtents extents = tma_extents(params);
   const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;

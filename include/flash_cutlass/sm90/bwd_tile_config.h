@@ -34,6 +34,11 @@ struct BwdKernelTraits {
   static_assert(kLaunchRegisters - kProducerRegisters ==
                 kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
 
+  // A query block's tile (Q, dO, dQ), the key block's (K, V, dK, dV), and S^T's (keys, queries).
+  using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
+  using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+  using TileSt = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>;
+
   // S^T = K Q^T and dP^T = V dO^T: (keys, queries, head dim), the warpgroups split the keys.
   using TileShapeSdP = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::Int<kHeadDim>>;
   // dV = P^T dO and dK = dS^T Q: (keys, head dim, queries), A from registers.
@@ -117,14 +122,13 @@ struct BwdKernelTraits {
   using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
                                                 GmemLayout{}));
   using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
-                                            cute::take<0, 2>(SmemLayoutQ{}),
-                                            cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}, cute::_1{}));
-  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
-                                             cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}, cute::_1{}));
+                                            cute::take<0, 2>(SmemLayoutQ{}), TileQ{}, cute::_1{}));
+  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{},
+                                             cute::_1{}));
   // dq_accum as (rows, kHeadDim, heads, batch) fp32, added to with TMA's reduce-add.
   using GmemTensordQ = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<float*>(nullptr)), GmemLayout{}));
-  using TmadQ = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutdQ{},
-                                             cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}, cute::_1{}));
+  using TmadQ = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutdQ{}, TileQ{},
+                                             cute::_1{}));
 };
 
 // Tile sizes per head dim.

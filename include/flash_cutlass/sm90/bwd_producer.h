@@ -38,7 +38,8 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   const int head_k = kv_head_of(head, params);
 
   // TMA views (rows, head_dim, heads, batch): rows and columns past the tensor arrive as zeros; in a
-  // variable-length call rows past a sequence are the next one's (P = 0 and dS = 0 there).
+  // variable-length call rows past a sequence are the next one's (P = 0 and dS = 0 there, so they
+  // add nothing as long as they are finite: a NaN or Inf there reaches this sequence's gradients).
   const TmaExtents extents = tma_extents(params);
   const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
   Tensor mQ = kernel_params.tma_q.get_tma_tensor(make_shape(extents.rows_q, params.head_dim, params.heads, extents.batch));

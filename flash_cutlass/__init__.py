@@ -29,6 +29,7 @@ from flash_cutlass.interface import (
     flash_forward_varlen,
 )
 from flash_cutlass.options import AttentionOptions
+from flash_cutlass.sdpa import scaled_dot_product_attention
 
 __all__ = [
     "__version__",
@@ -49,4 +50,5 @@ __all__ = [
     "flash_backward_varlen",
     "flash_forward",
     "flash_forward_varlen",
+    "scaled_dot_product_attention",
 ]

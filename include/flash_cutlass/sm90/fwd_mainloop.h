@@ -1,12 +1,12 @@
 // The consumer warpgroups of the Hopper-path forward, one tile at a time: S = Q K^T over the tile's
 // key blocks (from the last to the first, the order the producer loads them in), the online softmax
 // in registers, O += P V, the warpgroups taking turns at the tensor cores (barriers.h: the
-// ping-pong), then the epilogue: O through shared memory and a TMA store, or from registers, and
-// the log-sum-exp.
+// ping-pong), then O, normalized and in the inputs' dtype, and the log-sum-exp handed to the
+// epilogue (fwd_epilogue.h), which stores them.
 //
-// The epilogue stays in FwdConsumer::compute_tile rather than in a function of its own: as one,
-// ptxas assigned the log-sum-exp's registers in another order at head dims 64 and 256 (the same
-// instructions), and this split keeps the machine code of every kernel unchanged.
+// O's conversion to the inputs' dtype stays here rather than in the epilogue: there, ptxas assigned
+// the log-sum-exp's registers in another order at head dims 64 and 256 (the same instructions), and
+// this split keeps the machine code of every kernel unchanged.
 #pragma once
 
 #include <cmath>
@@ -22,7 +22,6 @@
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
-#include "flash_cutlass/sm90/fwd_kernel_params.h"
 #include "flash_cutlass/sm90/tile_config.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/timeline.h"
@@ -34,7 +33,7 @@ namespace flash_cutlass::sm90 {
 // shared-memory fragments, O's accumulator, the K/V pipeline's read stage, the count of Q tiles
 // consumed, the timeline) is the kernel's; FwdConsumer refers to it.
 template <class Traits, MaskKind kMaskKind, Extension kExtension, class SmemQ, class FragQ, class FragK, class FragVt,
-          class AccO, class AccORowsCols, class CoordsS, class CoordsO>
+          class AccO, class AccORowsCols, class CoordsS>
 struct FwdConsumer {
   using Element = typename Traits::Element;
   using PipelineKV = typename Traits::PipelineKV;
@@ -66,10 +65,10 @@ struct FwdConsumer {
   typename Traits::TiledMmaPV& mma_pv_;
   FragVt& tOrVt_;
   AccORowsCols& acc_o_rc_;
-  CoordsO& tOcO_;
-  FwdKernelParams<Traits> const& kernel_params_;
 
-  __device__ __forceinline__ void compute_tile(QueryTile tile) {
+  // The tile's O and log-sum-exp go to epilogue.store_tile (fwd_epilogue.h).
+  template <class Epilogue>
+  __device__ __forceinline__ void compute_tile(QueryTile tile, Epilogue& epilogue) {
     using namespace cute;
     // Local names for the kernel's objects: the lambdas below capture the objects themselves, as
     // they did when this body was a lambda of the kernel. Reaching them through `this` instead
@@ -92,8 +91,6 @@ struct FwdConsumer {
     auto& mma_pv = mma_pv_;
     auto& tOrVt = tOrVt_;
     auto& acc_o_rc = acc_o_rc_;
-    auto& tOcO = tOcO_;
-    auto& kernel_params = kernel_params_;
     const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
     if (!work.in_sequence()) return;
     timeline.stamp(warpgroup, kTileStart);
@@ -379,64 +376,8 @@ struct FwdConsumer {
     }
 
     timeline.stamp(warpgroup, kFinalized);
-    // Epilogue: O through shared memory and a TMA store (which leaves out rows and columns past the
-    // tensor), or from registers; the log-sum-exp from registers, one thread per row.
-    const int row_start = m_block * kBlockM;
-    auto store_lse = [&]() __attribute__((always_inline)) {
-      float* lse_row = params.lse + query_stats_index(params, sequence, head);
-      CUTE_UNROLL
-      for (int r = 0; r < kRowsPerThread; ++r) {
-        const int row = row_start + get<0>(tOcO(r, 0));
-        if (row < sequence.seqlen_q && get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
-      }
-    };
     Tensor o = convert_fragment<Element>(acc_o);
-    if (Traits::kTmaStoreO && kernel_params.store_o_with_tma) {
-      Tensor sO = make_tensor(make_smem_ptr(Traits::kOwnBufferO ? storage.o.data() : storage.q.data()),
-                              typename Traits::SmemLayoutQ{});
-      if (consumer_idx == 0) tma_store_wait<0>();  // the previous tile's store has read sO
-      sync_consumers<Traits::kConsumerThreads>();
-      // stmatrix: 8x8 blocks of 16-bit values, a row of each per lane, into the swizzled tile.
-      auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
-      auto thr_copy_o = copy_o.get_thread_slice(consumer_idx);
-      copy(copy_o, thr_copy_o.retile_S(o), thr_copy_o.partition_D(sO));
-      tma_store_fence();  // the writes above, visible to the TMA unit
-      sync_consumers<Traits::kConsumerThreads>();
-      timeline.stamp(warpgroup, kOStaged);
-      if (consumer_idx == 0) {
-        Tensor mO = kernel_params.tma_o.get_tma_tensor(
-            make_shape(sequence.seqlen_q, params.head_dim, params.heads, params.batch));
-        Tensor gO = local_tile(mO(_, _, head, batch), select<0, 2>(TileShape{}), make_coord(m_block, _0{}));
-        auto [tOgO, tOsO] = tma_partition(kernel_params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
-                                          group_modes<0, 2>(gO));
-        copy(kernel_params.tma_o, tOsO, tOgO);
-        tma_store_arrive();
-      }
-      timeline.stamp(warpgroup, kOStoreIssued);
-      store_lse();  // after O's store: the fence before it would wait for these global stores
-      return;
-    }
-    // Every epilogue syncs the consumers: the ping-pong's turns across tiles rely on it (above).
-    sync_consumers<Traits::kConsumerThreads>();
-    store_lse();
-    Element* out = static_cast<Element*>(params.out) + sequence.q_offset(params.out_batch_stride, params.out_row_stride) +
-                   int64_t(head) * params.out_head_stride;
-    Tensor o_rc = as_rows_cols(o);
-    CUTE_UNROLL
-    for (int r = 0; r < kRowsPerThread; ++r) {
-      const int row = row_start + get<0>(tOcO(r, 0));
-      if (row >= sequence.seqlen_q) continue;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); c += 2) {
-        const int col = get<1>(tOcO(r, c));
-        if (col < params.head_dim) {
-          cutlass::Array<Element, 2> pair;
-          pair[0] = o_rc(r, c);
-          pair[1] = o_rc(r, c + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + int64_t(row) * params.out_row_stride + col) = pair;
-        }
-      }
-    }
+    epilogue.store_tile(work, o, lse);
   }
 };
 

@@ -72,7 +72,10 @@ struct FwdConsumer {
     using namespace cute;
     // Local names for the kernel's objects: the lambdas below capture the objects themselves, as
     // they did when this body was a lambda of the kernel. Reaching them through `this` instead
-    // adds a load to every capture and changed the machine code (registers, order).
+    // adds a load to every capture and changed the machine code (registers, order). The steps that
+    // close over the tile's state (softmax, mask, P's registers, the stage tokens) stay lambdas for
+    // that reason: as member functions, even stamp_step and test_next_stages changed the uniform
+    // registers of the kernels built with FLASH_CUTLASS_TIMELINE.
     auto& params = params_;
     auto& timeline = timeline_;
     auto& warpgroup = warpgroup_;
@@ -186,18 +189,6 @@ struct FwdConsumer {
         if constexpr (kDropout) dropout.apply(s, coords, m_block * kBlockM, n_block * kBlockN);
         warpgroup_fence_operand(scores);
       };
-      // P of the tile just scored, in the inputs' dtype. A half block's scores are the first half
-      // of P's registers (an accumulator's values run over its column groups last); the rest is 0.
-      auto store_probabilities = [&](auto const& scores) __attribute__((always_inline)) {
-        constexpr int kScored = decltype(size(scores))::value;
-        constexpr int kSize = decltype(size(p))::value;
-        static_assert(kSize % kScored == 0);
-        *reinterpret_cast<cutlass::Array<Element, kScored>*>(p.data()) =
-            *reinterpret_cast<cutlass::Array<Element, kScored> const*>(convert_fragment<Element>(scores).data());
-        if constexpr (kScored < kSize) {
-          reinterpret_cast<cutlass::Array<Element, kSize - kScored>*>(p.data() + kScored)->clear();
-        }
-      };
       // Whether the next step's K and V stages have landed, tested (mbarrier test_wait, which does
       // not block) at the end of a softmax so that the test's latency hides behind the wait for P V
       // there; a stage found ready skips its wait at the next step's start
@@ -247,7 +238,7 @@ struct FwdConsumer {
         warpgroup_fence_operand(tOrP);
         pipeline_v.consumer_release(state_v);
         if (rescale_o) softmax.rescale(acc_o_rc, correction);
-        store_probabilities(acc_s);
+        store_probabilities(p, acc_s);
         stamp_step(probed, kStepDone);
       };
       // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
@@ -267,15 +258,7 @@ struct FwdConsumer {
         const int warpgroup_end = (max(0, warpgroup_key_limit) + kBlockN - 1) / kBlockN;
         skipped_blocks = max(0, min(key_blocks.end - warpgroup_end, key_blocks.end - 1 - key_blocks.begin));
       }
-      for (int skipped = 0; skipped < skipped_blocks; ++skipped) {
-        pipeline_k.consumer_wait(state);
-        pipeline_v.consumer_wait(state);
-        wait_for_turn<kConsumers>(consumer);
-        hand_over_turn<kConsumers>(consumer);
-        pipeline_k.consumer_release(state);
-        pipeline_v.consumer_release(state);
-        ++state;
-      }
+      skip_key_blocks(skipped_blocks, consumer);
       const int last = key_blocks.end - 1 - skipped_blocks;
       // The first block visited starts the softmax. With Traits::kHalvesFirstKeyBlock and a causal
       // mask it is scored on its first half of keys only where this warpgroup's rows see none of the
@@ -306,7 +289,7 @@ struct FwdConsumer {
           timeline.stamp(warpgroup, kFirstScoresLanded);
           if constexpr (kQInRegisters) release_q();
           softmax_scores(acc_s_half, tScS_half, last, cute::true_type{}, cute::true_type{});
-          store_probabilities(acc_s_half);
+          store_probabilities(p, acc_s_half);
         } else {
           wait_for_turn<kConsumers>(consumer);
           issue_scores();
@@ -321,7 +304,7 @@ struct FwdConsumer {
           } else {
             softmax_scores(acc_s, tScS, last, cute::true_type{}, cute::true_type{});
           }
-          store_probabilities(acc_s);
+          store_probabilities(p, acc_s);
         }
         test_next_stages();
         timeline.stamp(warpgroup, kFirstBlockDone);
@@ -378,6 +361,34 @@ struct FwdConsumer {
     timeline.stamp(warpgroup, kFinalized);
     Tensor o = convert_fragment<Element>(acc_o);
     epilogue.store_tile(work, o, lse);
+  }
+
+  // Takes this warpgroup's turns for `count` key blocks and releases their stages without computing
+  // them (the causal blocks past the diagonal for all of its rows).
+  __device__ __forceinline__ void skip_key_blocks(int count, int consumer) {
+    for (int skipped = 0; skipped < count; ++skipped) {
+      pipeline_k_.consumer_wait(state_);
+      pipeline_v_.consumer_wait(state_);
+      wait_for_turn<Traits::kConsumerWarpgroups>(consumer);
+      hand_over_turn<Traits::kConsumerWarpgroups>(consumer);
+      pipeline_k_.consumer_release(state_);
+      pipeline_v_.consumer_release(state_);
+      ++state_;
+    }
+  }
+
+  // P of the tile just scored, in the inputs' dtype. A half block's scores are the first half of P's
+  // registers (an accumulator's values run over its column groups last); the rest is 0.
+  template <class P, class Scores>
+  __device__ __forceinline__ static void store_probabilities(P& p, Scores const& scores) {
+    constexpr int kScored = decltype(cute::size(scores))::value;
+    constexpr int kSize = decltype(cute::size(p))::value;
+    static_assert(kSize % kScored == 0);
+    *reinterpret_cast<cutlass::Array<Element, kScored>*>(p.data()) =
+        *reinterpret_cast<cutlass::Array<Element, kScored> const*>(convert_fragment<Element>(scores).data());
+    if constexpr (kScored < kSize) {
+      reinterpret_cast<cutlass::Array<Element, kSize - kScored>*>(p.data() + kScored)->clear();
+    }
   }
 };
 

@@ -40,8 +40,8 @@ struct FwdConsumer {
   using TileShape = typename Traits::TileShape;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
-  static constexpr bool kExtended = kExtension != Extension::kNone;
-  static constexpr bool kDropout = kExtension == Extension::kDropout;
+  static constexpr bool kExtended = carries_score_mods(kExtension);
+  static constexpr bool kDropout = carries_dropout(kExtension);
   // S = Q K^T with Q from registers (tile_config.h).
   static constexpr bool kQInRegisters =
       Traits::kQInRegisters || (kMaskKind == MaskKind::kCausal && Traits::kQInRegistersWhenCausal);

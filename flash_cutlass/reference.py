@@ -28,6 +28,9 @@ Layout and conventions shared by every function here:
   ``floor(dropout_p * 2^32)`` and scales the kept ones by ``1 / (1 - dropout_p)`` on their way
   into the output; the log-sum-exp stays that of the undropped softmax. The words are the
   kernels' (``include/flash_cutlass/common/dropout.h``): :func:`dropout_keep_mask`.
+* ``window_size``, ``softcap``, ``alibi_slopes``, ``dropout_p`` and ``rng_state`` are keywords of
+  every function here, as is ``batch_start``: the call's index of the first batch entry, for
+  dropout's words (the variable-length functions run their sequences one at a time).
 * A query row that may attend no key gets output 0 and log-sum-exp ``-inf``.
 * The log-sum-exp is the natural logarithm of ``sum_j exp(scaled score_j)``,
   shaped ``(batch, heads, seqlen_q)``.
@@ -42,8 +45,10 @@ what PyTorch achieves in a given dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -99,12 +104,7 @@ def attention_forward(
     softmax_scale: float,
     causal: bool,
     block_size: int = 128,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    batch_start: int = 0,
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled online-softmax attention forward.
 
@@ -113,41 +113,19 @@ def attention_forward(
     accumulator whenever the maximum grows, as the CUDA kernels do. Extra memory
     is linear in the sequence lengths: one block of scores at a time, never the
     full score matrix, and K/V are never repeated across query heads.
+    ``options``: the keywords of the module docstring's options.
 
     Returns ``(out, lse)``: ``out`` is ``(batch, seqlen_q, heads, head_dim)`` in
     ``q.dtype``; ``lse`` is ``(batch, heads, seqlen_q)`` in fp32 (fp64 for fp64
     inputs).
     """
-    scale = _check_inputs(q, k, v, softmax_scale)
-    if not _is_int(block_size) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-
-    batch, sq, heads, _ = q.shape
-    sk, kv_heads = k.shape[1], k.shape[2]
-    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-
-    group = heads // kv_heads
-    qg = _group_queries(q.to(compute_dtype), kv_heads)
-    rows = qg.shape[2]
-    row_max = qg.new_full((batch, kv_heads, rows), float("-inf"))
-    row_sum = qg.new_zeros((batch, kv_heads, rows))
-    acc = qg.new_zeros((batch, kv_heads, rows, v.shape[-1]))
-    window_size = check_window_size(window_size)
-    alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
-    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, compute_dtype, batch_start)
-
-    for start in range(0, sk, block_size):
-        end = min(start + block_size, sk)
-        k_blk = k[:, start:end].to(compute_dtype).permute(0, 2, 3, 1)
-        v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
-        scores = _softcapped(torch.matmul(qg, k_blk) * scale, softcap)
-        if alibi_slopes is not None:
-            scores = scores + _grouped(alibi_bias(alibi_slopes, batch, sq, sk, start, end, compute_dtype), kv_heads)
-        # This block's columns of the mask, built per block: no (sq, sk) matrix.
-        keep = keep_mask(sq, sk, causal, window_size, start, end, q.device)
-        if keep is not None:
-            scores = _apply_keep(scores, keep, group)
-
+    blocks = _KeyBlocks(q, k, v, softmax_scale, causal, block_size, options)
+    rows = blocks.queries.shape[:3]  # (b, kv_heads, group * sq)
+    row_max = blocks.queries.new_full(rows, float("-inf"))
+    row_sum = blocks.queries.new_zeros(rows)
+    acc = blocks.queries.new_zeros((*rows, v.shape[-1]))
+    for block in blocks:
+        scores = block.scores
         new_max = torch.maximum(row_max, scores.amax(dim=-1))
         # Rows that have seen no key yet keep a -inf maximum; subtracting 0
         # instead makes their exponentials exp(-inf) = 0 rather than NaN.
@@ -155,14 +133,15 @@ def attention_forward(
         probs = torch.exp(scores - shift.unsqueeze(-1))
         correction = torch.exp(row_max - shift)
         row_sum = row_sum * correction + probs.sum(dim=-1)
-        acc = acc * correction.unsqueeze(-1) + torch.matmul(dropout.applied(probs, start, end), v_blk)
+        kept = blocks.dropout.applied(probs, block.start, block.end)
+        acc = acc * correction.unsqueeze(-1) + torch.matmul(kept, block.values)
         row_max = new_max
 
     # Testing the maximum rather than the sum keeps NaN inputs visible as NaN.
     has_key = ~torch.isneginf(row_max)
     out = acc / torch.where(has_key, row_sum, 1.0).unsqueeze(-1)
     lse = torch.where(has_key, row_max + torch.log(row_sum), float("-inf"))
-    return _ungroup_out(out, group, sq).to(q.dtype), lse.reshape(batch, heads, sq)
+    return _ungroup_out(out, blocks.group, blocks.sq).to(q.dtype), lse.reshape(blocks.batch, blocks.heads, blocks.sq)
 
 
 def attention_backward(
@@ -175,12 +154,7 @@ def attention_backward(
     softmax_scale: float,
     causal: bool,
     block_size: int = 128,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    batch_start: int = 0,
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled gradient of :func:`attention_forward` with respect to ``q``, ``k`` and ``v``.
 
@@ -191,58 +165,39 @@ def attention_backward(
     ``dK += scale * dS^T q``, summing over the query heads that share a kv head.
     Computes in fp32 (fp64 for fp64 inputs); extra memory is linear in the
     sequence lengths. Rows with ``lse = -inf`` (no visible key) get zero gradients.
+    ``options``: the keywords of the module docstring's options.
 
     Returns ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k`` and ``v``.
     """
-    scale = _check_inputs(q, k, v, softmax_scale)
-    if not _is_int(block_size) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    blocks = _KeyBlocks(q, k, v, softmax_scale, causal, block_size, options)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape:
             raise ValueError(f"{name} must be a tensor shaped like q {tuple(q.shape)}")
-    batch, sq, heads, _ = q.shape
-    sk, kv_heads = k.shape[1], k.shape[2]
+    batch, heads, sq, kv_heads, dtype = blocks.batch, blocks.heads, blocks.sq, blocks.kv_heads, blocks.dtype
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (batch, heads, sq):
         raise ValueError(f"lse must be a tensor shaped (batch, heads, seqlen_q) = {(batch, heads, sq)}")
-    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
-    group = heads // kv_heads
-    qg = _group_queries(q.to(compute_dtype), kv_heads)  # (b, kv_heads, rows, d)
-    dog = _group_queries(dout.to(compute_dtype), kv_heads)
-    delta = (dog * _group_queries(out.to(compute_dtype), kv_heads)).sum(dim=-1, keepdim=True)
-    lse_g = lse.to(compute_dtype).reshape(batch, kv_heads, group * sq, 1)
+    dog = _group_queries(dout.to(dtype), kv_heads)
+    delta = (dog * _group_queries(out.to(dtype), kv_heads)).sum(dim=-1, keepdim=True)
+    lse_g = lse.to(dtype).reshape(batch, kv_heads, blocks.group * sq, 1)
     # Rows without a visible key have lse = -inf; their P must be 0, not exp(-inf + inf).
     lse_g = torch.where(torch.isneginf(lse_g), float("inf"), lse_g)
-    dq = torch.zeros_like(qg)
-    dk = torch.zeros(batch, sk, kv_heads, k.shape[-1], dtype=compute_dtype, device=q.device)
-    dv = torch.zeros(batch, sk, kv_heads, v.shape[-1], dtype=compute_dtype, device=q.device)
-    window_size = check_window_size(window_size)
-    alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
-    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, compute_dtype, batch_start)
-
-    for start in range(0, sk, block_size):
-        end = min(start + block_size, sk)
-        k_blk = k[:, start:end].to(compute_dtype).transpose(1, 2)  # (b, kv_heads, n, d)
-        v_blk = v[:, start:end].to(compute_dtype).transpose(1, 2)
-        scores = torch.matmul(qg, k_blk.transpose(-1, -2)) * scale
-        if softcap > 0:
-            capped = torch.tanh(scores / softcap)
-            scores = softcap * capped
-        if alibi_slopes is not None:
-            scores = scores + _grouped(alibi_bias(alibi_slopes, batch, sq, sk, start, end, compute_dtype), kv_heads)
-        keep = keep_mask(sq, sk, causal, window_size, start, end, q.device)
-        if keep is not None:
-            scores = _apply_keep(scores, keep, group)
-        probs = torch.exp(scores - lse_g)
-        dv[:, start:end] = torch.matmul(dropout.applied(probs, start, end).transpose(-1, -2), dog).transpose(1, 2)
-        dprobs = dropout.applied(torch.matmul(dog, v_blk.transpose(-1, -2)), start, end)
+    dq = torch.zeros_like(blocks.queries)
+    dk = torch.zeros(batch, blocks.sk, kv_heads, k.shape[-1], dtype=dtype, device=q.device)
+    dv = torch.zeros(batch, blocks.sk, kv_heads, v.shape[-1], dtype=dtype, device=q.device)
+    for block in blocks:
+        start, end = block.start, block.end
+        probs = torch.exp(block.scores - lse_g)
+        dv[:, start:end] = torch.matmul(blocks.dropout.applied(probs, start, end).transpose(-1, -2),
+                                        dog).transpose(1, 2)
+        dprobs = blocks.dropout.applied(torch.matmul(dog, block.values.transpose(-1, -2)), start, end)
         dscores = probs * (dprobs - delta)
-        if softcap > 0:
-            dscores = dscores * (1 - capped * capped)
-        dq += torch.matmul(dscores, k_blk) * scale
-        dk[:, start:end] = (torch.matmul(dscores.transpose(-1, -2), qg) * scale).transpose(1, 2)
+        if block.softcap_slope is not None:
+            dscores = dscores * block.softcap_slope
+        dq += torch.matmul(dscores, block.keys) * blocks.scale
+        dk[:, start:end] = (torch.matmul(dscores.transpose(-1, -2), blocks.queries) * blocks.scale).transpose(1, 2)
 
-    return _ungroup_out(dq, group, sq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _ungroup_out(dq, blocks.group, sq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def naive_attention(
@@ -252,12 +207,7 @@ def naive_attention(
     softmax_scale: float,
     causal: bool,
     compute_dtype: torch.dtype | None = None,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    batch_start: int = 0,
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with the full score matrix materialized.
 
@@ -266,6 +216,7 @@ def naive_attention(
     softmax after it, which run in fp32 at least. With ``compute_dtype=None``
     the inputs' own dtype is used, which gives the error PyTorch itself makes
     in that precision (the baseline of the FlashAttention-2 pass rule).
+    ``options``: the keywords of the module docstring's options.
 
     Returns ``(out, lse)``: ``out`` is ``(batch, seqlen_q, heads, head_dim)`` in
     the compute dtype; ``lse`` is ``(batch, heads, seqlen_q)`` in fp32 (fp64 when
@@ -279,18 +230,19 @@ def naive_attention(
     batch, sq, heads, _ = q.shape
     sk, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
+    options = _ScoreOptions.checked(batch, heads, options)
     qg = _group_queries(q.to(dtype), kv_heads)
     kt = k.to(dtype).permute(0, 2, 3, 1)
     vt = v.to(dtype).transpose(1, 2)
 
-    scores = _softcapped(torch.matmul(qg, kt) * scale, softcap)
-    alibi_slopes = check_alibi_slopes(alibi_slopes, batch, heads)
-    if alibi_slopes is not None:
+    scores = _softcapped(torch.matmul(qg, kt) * scale, options.softcap)
+    if options.alibi_slopes is not None:
         # The bias in fp32 at least, as FlashAttention-2's reference adds it: distances of
         # thousands times a slope would lose their units in fp16/bf16.
         bias_dtype = torch.promote_types(dtype, torch.float32)
-        scores = scores.to(bias_dtype) + _grouped(alibi_bias(alibi_slopes, batch, sq, sk, 0, sk, bias_dtype), kv_heads)
-    keep = keep_mask(sq, sk, causal, check_window_size(window_size), device=q.device)
+        bias = alibi_bias(options.alibi_slopes, batch, sq, sk, 0, sk, bias_dtype)
+        scores = scores.to(bias_dtype) + _grouped(bias, kv_heads)
+    keep = keep_mask(sq, sk, causal, options.window_size, device=q.device)
     if keep is not None:
         scores = _apply_keep(scores, keep, group)
     lse = torch.logsumexp(scores, dim=-1)
@@ -299,7 +251,7 @@ def naive_attention(
         # softmax of an all -inf row is NaN; such a row attends nothing.
         has_key = keep.any(dim=-1).repeat(group)
         probs = torch.where(has_key.unsqueeze(-1), probs, 0.0)
-    dropout = _Dropout(dropout_p, rng_state, batch, heads, sq, kv_heads, probs.dtype, batch_start)
+    dropout = _Dropout(options, batch, heads, sq, kv_heads, probs.dtype)
     out = torch.matmul(dropout.applied(probs, 0, sk).to(dtype), vt)
 
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -518,19 +470,43 @@ def _dropout_threshold(dropout_p: float) -> int:
     return math.floor(dropout_p * 2**32)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ScoreOptions:
+    """The keyword options of every function here (module docstring), checked once per call."""
+
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    rng_state: torch.Tensor | None = None
+    batch_start: int = 0
+
+    @classmethod
+    def checked(cls, batch: int, heads: int, options: dict) -> "_ScoreOptions":
+        """The options of a call on ``batch`` x ``heads`` queries; raises naming the argument."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the options are {', '.join(names)}")
+        given = cls(**options)
+        window_size = check_window_size(given.window_size)
+        alibi_slopes = check_alibi_slopes(given.alibi_slopes, batch, heads)
+        if not 0 <= given.dropout_p < 1:
+            raise ValueError(f"dropout_p must be in [0, 1), got {given.dropout_p}")
+        if _dropout_threshold(given.dropout_p) > 0 and not isinstance(given.rng_state, torch.Tensor):
+            raise ValueError("dropout_p > 0 needs rng_state, an int64 (seed, offset) tensor")
+        return dataclasses.replace(given, window_size=window_size, alibi_slopes=alibi_slopes)
+
+
 class _Dropout:
     """The dropout of one call on grouped probabilities (b, kv_heads, group * sq, n)."""
 
-    def __init__(self, dropout_p, rng_state, batch, heads, sq, kv_heads, dtype, batch_start=0):
-        if not 0 <= dropout_p < 1:
-            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-        self.active = _dropout_threshold(dropout_p) > 0
-        if self.active and not isinstance(rng_state, torch.Tensor):
-            raise ValueError("dropout_p > 0 needs rng_state, an int64 (seed, offset) tensor")
-        self.dropout_p, self.rng_state = dropout_p, rng_state
+    def __init__(self, options: _ScoreOptions, batch, heads, sq, kv_heads, dtype):
+        self.active = _dropout_threshold(options.dropout_p) > 0
+        self.dropout_p, self.rng_state = options.dropout_p, options.rng_state
         self.batch, self.heads, self.sq, self.kv_heads = batch, heads, sq, kv_heads
-        self.scale = 1.0 / (1.0 - dropout_p)
-        self.batch_start = batch_start
+        self.scale = 1.0 / (1.0 - options.dropout_p)
+        self.batch_start = options.batch_start
 
     def applied(self, probs: torch.Tensor, key_start: int, key_end: int) -> torch.Tensor:
         """probs with the dropped entries of keys [key_start, key_end) zeroed and the rest scaled."""
@@ -539,6 +515,55 @@ class _Dropout:
         keep = dropout_keep_mask(self.rng_state, self.dropout_p, self.batch, self.heads, self.sq, key_start, key_end,
                                  probs.device, self.batch_start)
         return torch.where(_grouped(keep, self.kv_heads), probs * self.scale, 0.0)
+
+
+class _KeyBlock(NamedTuple):
+    start: int
+    end: int
+    keys: torch.Tensor  # (b, kv_heads, n, d) in the compute dtype
+    values: torch.Tensor
+    scores: torch.Tensor  # (b, kv_heads, group * sq, n): scaled, soft-capped, biased and masked
+    softcap_slope: torch.Tensor | None  # d score / d scaled score under the soft cap; None without one
+
+
+class _KeyBlocks:
+    """What the tiled forward and backward share: the checked call, the queries grouped by kv head
+    in the compute dtype (fp32, fp64 for fp64 inputs), the dropout, and, iterated, each block of
+    ``block_size`` keys with its scores."""
+
+    def __init__(self, q, k, v, softmax_scale, causal, block_size, options: dict):
+        self.scale = _check_inputs(q, k, v, softmax_scale)
+        if not _is_int(block_size) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.batch, self.sq, self.heads, _ = q.shape
+        self.sk, self.kv_heads = k.shape[1], k.shape[2]
+        self.group = self.heads // self.kv_heads
+        self.dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.options = _ScoreOptions.checked(self.batch, self.heads, options)
+        self.queries = _group_queries(q.to(self.dtype), self.kv_heads)
+        self.dropout = _Dropout(self.options, self.batch, self.heads, self.sq, self.kv_heads, self.dtype)
+        self.k, self.v, self.causal, self.block_size = k, v, causal, block_size
+
+    def __iter__(self) -> Iterator[_KeyBlock]:
+        options = self.options
+        for start in range(0, self.sk, self.block_size):
+            end = min(start + self.block_size, self.sk)
+            keys = self.k[:, start:end].to(self.dtype).transpose(1, 2)
+            values = self.v[:, start:end].to(self.dtype).transpose(1, 2)
+            scores = torch.matmul(self.queries, keys.transpose(-1, -2)) * self.scale
+            softcap_slope = None
+            if options.softcap > 0:
+                capped = torch.tanh(scores / options.softcap)
+                scores = options.softcap * capped
+                softcap_slope = 1 - capped * capped
+            if options.alibi_slopes is not None:
+                bias = alibi_bias(options.alibi_slopes, self.batch, self.sq, self.sk, start, end, self.dtype)
+                scores = scores + _grouped(bias, self.kv_heads)
+            # This block's columns of the mask, built per block: no (sq, sk) matrix.
+            keep = keep_mask(self.sq, self.sk, self.causal, options.window_size, start, end, self.queries.device)
+            if keep is not None:
+                scores = _apply_keep(scores, keep, self.group)
+            yield _KeyBlock(start, end, keys, values, scores, softcap_slope)
 
 
 def _grouped(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:

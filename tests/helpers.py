@@ -42,6 +42,26 @@ except RuntimeError:
     COMPILED_DTYPES = tuple(getattr(torch, name) for _, name in catalogue.DTYPES.values())
 
 
+def has_kernels(compiled) -> bool:
+    """compiled() of the extension (flash_cutlass.compiled_alibi, compiled_window, ...): whether this
+    build has those kernels; True without an extension, whose GPU tests skip anyway."""
+    try:
+        return compiled()
+    except RuntimeError:
+        return True
+
+
+def over_compiled_kernels(test):
+    """Parametrizes a GPU test over (kernel, dtype, head_dim): both paths, fp16 and bf16 (a dtype the
+    build left out skips) and every compiled head dim."""
+    dtypes = [pytest.param(dtype, id=name, marks=pytest.mark.skipif(
+        dtype not in COMPILED_DTYPES, reason=f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)"))
+        for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"))]
+    test = pytest.mark.parametrize("kernel", ("sm80", "sm90"))(test)
+    test = pytest.mark.parametrize("dtype", dtypes)(test)
+    return pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)(test)
+
+
 def load_script(folder: str, name: str):
     """<folder>/<name>.py (benchmarks/ or tools/) imported as the module `name` (the scripts are not
     a package)."""

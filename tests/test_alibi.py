@@ -15,8 +15,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
-                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, make_qkv_fp64,
-                     requires_cuda)
+                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, has_kernels,
+                     make_qkv_fp64, over_compiled_kernels, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -98,26 +98,16 @@ GPU_CASES = [(False, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, True), (False,
              (True, (-1, -1), 30.0, False)]
 GPU_SEQLENS = [(113, 255), (256, 256), (1023, 1023), (2049, 17)]
 HEADS = 8
-
-
-def alibi_compiled() -> bool:
-    try:
-        return flash_cutlass.compiled_alibi()
-    except RuntimeError:  # no extension: the GPU tests skip anyway
-        return True
+ALIBI_COMPILED = has_kernels(flash_cutlass.compiled_alibi)
 
 
 @requires_cuda
-@pytest.mark.skipif(not alibi_compiled(), reason="ALiBi was left out of this build (FLASH_CUTLASS_ALIBI=0)")
+@pytest.mark.skipif(not ALIBI_COMPILED, reason="ALiBi was left out of this build (FLASH_CUTLASS_ALIBI=0)")
 @pytest.mark.parametrize("seqlen_q,seqlen_k", GPU_SEQLENS)
 @pytest.mark.parametrize("causal,window,softcap,per_batch", GPU_CASES)
-@pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=["fp16", "bf16"])
-@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+@over_compiled_kernels
 def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, causal, window, softcap, per_batch,
                                            seqlen_q, seqlen_k):
-    if dtype not in COMPILED_DTYPES:
-        pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     heads_k = 2 if seqlen_q != seqlen_k else HEADS
     q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, HEADS, heads_k, head_dim)
     batch = q.shape[0]
@@ -137,7 +127,7 @@ def test_alibi_slopes_on_another_device_are_rejected(cuda_gen):
 
 
 @requires_cuda
-@pytest.mark.skipif(alibi_compiled(), reason="this build has ALiBi")
+@pytest.mark.skipif(ALIBI_COMPILED, reason="this build has ALiBi")
 def test_alibi_without_its_kernels_names_the_build_flag(cuda_gen):
     q = torch.randn(1, 64, 4, COMPILED_HEAD_DIMS[0], generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     with pytest.raises(RuntimeError, match="FLASH_CUTLASS_ALIBI=0"):

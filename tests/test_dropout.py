@@ -18,8 +18,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, dropout_keep_mask, naive_attention, philox4x32_10
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
-                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, kernel_unavailable,
-                     make_qkv_fp64, requires_backward, requires_cuda)
+                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, has_kernels,
+                     kernel_unavailable, make_qkv_fp64, over_compiled_kernels, requires_backward, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -150,14 +150,8 @@ def test_backward_with_dropout_needs_rng_state_and_forward_one_source():
 # GPU ----------------------------------------------------------------------------------------
 
 
-def dropout_compiled() -> bool:
-    try:
-        return flash_cutlass.compiled_dropout()
-    except RuntimeError:  # no extension: the GPU tests skip anyway
-        return True
-
-
-requires_dropout = pytest.mark.skipif(not dropout_compiled(),
+DROPOUT_COMPILED = has_kernels(flash_cutlass.compiled_dropout)
+requires_dropout = pytest.mark.skipif(not DROPOUT_COMPILED,
                                       reason="dropout was left out of this build (FLASH_CUTLASS_DROPOUT=0)")
 
 
@@ -214,12 +208,8 @@ HEADS = 8
 @requires_dropout
 @pytest.mark.parametrize("seqlen_q,seqlen_k", GPU_SEQLENS)
 @pytest.mark.parametrize("case", range(len(GPU_CASES)))
-@pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=["fp16", "bf16"])
-@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+@over_compiled_kernels
 def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, case, seqlen_q, seqlen_k):
-    if dtype not in COMPILED_DTYPES:
-        pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     causal, window, extra = GPU_CASES[case]
     heads_k = 2 if seqlen_q != seqlen_k else HEADS
     q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, HEADS, heads_k, head_dim)
@@ -267,7 +257,7 @@ def test_default_generator_advances_between_calls(cuda_gen):
 
 
 @requires_cuda
-@pytest.mark.skipif(dropout_compiled(), reason="this build has dropout")
+@pytest.mark.skipif(DROPOUT_COMPILED, reason="this build has dropout")
 def test_dropout_without_its_kernels_names_the_build_flag(cuda_gen):
     q = torch.randn(1, 64, 4, COMPILED_HEAD_DIMS[0], generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     with pytest.raises(RuntimeError, match="FLASH_CUTLASS_DROPOUT=0"):

@@ -14,8 +14,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
-                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, make_qkv_fp64,
-                     requires_cuda)
+                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, has_kernels,
+                     make_qkv_fp64, over_compiled_kernels, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -75,34 +75,24 @@ def test_bad_softcap_is_rejected_by_every_entry_point(softcap, error, match):
 GPU_CASES = [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 5))]
 GPU_SEQLENS = [(113, 255), (256, 256), (1023, 1023), (2049, 17)]
 HEADS = 8
-
-
-def softcap_kernels_compiled() -> bool:
-    try:
-        return flash_cutlass.compiled_softcap()
-    except RuntimeError:  # no extension: the GPU tests skip anyway
-        return True
+SOFTCAP_COMPILED = has_kernels(flash_cutlass.compiled_softcap)
 
 
 @requires_cuda
-@pytest.mark.skipif(not softcap_kernels_compiled(), reason="the soft-capping kernels were left out")
+@pytest.mark.skipif(not SOFTCAP_COMPILED, reason="the soft-capping kernels were left out")
 @pytest.mark.parametrize("seqlen_q,seqlen_k", GPU_SEQLENS)
 @pytest.mark.parametrize("causal,window", GPU_CASES)
 @pytest.mark.parametrize("softcap", [5.0, 30.0])
-@pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=["fp16", "bf16"])
-@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+@over_compiled_kernels
 def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, softcap, causal, window, seqlen_q,
                                            seqlen_k):
-    if dtype not in COMPILED_DTYPES:
-        pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     heads_k = 2 if seqlen_q != seqlen_k else HEADS
     q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, HEADS, heads_k, head_dim, spread=3.0)
     check_kernels_against_oracle(kernel, q, k, v, dout, causal, window_size=window, softcap=softcap)
 
 
 @requires_cuda
-@pytest.mark.skipif(softcap_kernels_compiled(), reason="this build has the soft-capping kernels")
+@pytest.mark.skipif(SOFTCAP_COMPILED, reason="this build has the soft-capping kernels")
 def test_softcap_without_its_kernels_names_the_build_flag(cuda_gen):
     q = torch.randn(1, 64, 4, COMPILED_HEAD_DIMS[0], generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     with pytest.raises(RuntimeError, match="FLASH_CUTLASS_SOFTCAP=0"):

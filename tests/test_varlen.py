@@ -19,7 +19,7 @@ import flash_cutlass
 from flash_cutlass.reference import (attention_backward, attention_backward_varlen, attention_forward_varlen,
                                      dropout_keep_mask, naive_attention)
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, fa2_check, kernel_unavailable, options_left_out,
-                     requires_backward, requires_cuda, worse_baseline)
+                     over_compiled_kernels, requires_backward, requires_cuda, worse_baseline)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -226,12 +226,8 @@ HEADS = 4
 @requires_backward
 @pytest.mark.parametrize("lengths", range(len(GPU_LENGTHS)))
 @pytest.mark.parametrize("case", range(len(GPU_CASES)))
-@pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=["fp16", "bf16"])
-@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+@over_compiled_kernels
 def test_varlen_matches_per_sequence_calls_and_oracle(cuda_gen, kernel, dtype, head_dim, case, lengths):
-    if dtype not in COMPILED_DTYPES:
-        pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     causal, window, alibi, softcap, dropout_p = GPU_CASES[case]
     left_out = options_left_out(window, softcap, alibi, dropout_p)
     if left_out:

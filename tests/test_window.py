@@ -12,8 +12,8 @@ import torch
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
-                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, make_qkv_fp64,
-                     requires_backward, requires_cuda)
+                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, has_kernels,
+                     make_qkv_fp64, over_compiled_kernels, requires_backward, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 # (left, right); -1 is unbounded. (0, 0) keeps only the diagonal.
@@ -78,17 +78,9 @@ def test_bad_window_size_is_rejected_by_every_entry_point(window, error, match):
 GPU_WINDOWS = [(0, 0), (17, -1), (-1, 33), (100, 5), (300, 0)]
 GPU_SEQLENS = [(113, 255), (255, 113), (256, 256), (1023, 1023), (2049, 17), (1, 2049)]
 HEADS = 8
-
-
-def window_kernels_compiled() -> bool:
-    try:
-        return flash_cutlass.compiled_window()
-    except RuntimeError:  # no extension: the GPU tests skip anyway
-        return True
-
-
+WINDOW_COMPILED = has_kernels(flash_cutlass.compiled_window)
 requires_window_kernels = pytest.mark.skipif(
-    not window_kernels_compiled(), reason="the sliding-window kernels were left out (FLASH_CUTLASS_WINDOW=0)")
+    not WINDOW_COMPILED, reason="the sliding-window kernels were left out (FLASH_CUTLASS_WINDOW=0)")
 
 
 @requires_cuda
@@ -96,12 +88,8 @@ requires_window_kernels = pytest.mark.skipif(
 @pytest.mark.parametrize("seqlen_q,seqlen_k", GPU_SEQLENS)
 @pytest.mark.parametrize("window", GPU_WINDOWS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=["fp16", "bf16"])
-@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+@over_compiled_kernels
 def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, causal, window, seqlen_q, seqlen_k):
-    if dtype not in COMPILED_DTYPES:
-        pytest.skip(f"{dtype} was not compiled into this build (FLASH_CUTLASS_DTYPES)")
     heads_k = 2 if (seqlen_q + seqlen_k) % 2 else HEADS  # GQA on some shapes
     q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, HEADS, heads_k, head_dim)
     check_kernels_against_oracle(kernel, q, k, v, dout, causal, window_size=window)
@@ -121,7 +109,7 @@ def test_deterministic_backward_with_window_is_bitwise_reproducible(cuda_gen):
 
 
 @requires_cuda
-@pytest.mark.skipif(window_kernels_compiled(), reason="this build has the sliding-window kernels")
+@pytest.mark.skipif(WINDOW_COMPILED, reason="this build has the sliding-window kernels")
 def test_window_without_its_kernels_names_the_build_flag(cuda_gen):
     q, k, v, _ = cuda_inputs(cuda_gen, COMPILED_DTYPES[-1], 64, 64, HEADS, HEADS, COMPILED_HEAD_DIMS[0])
     with pytest.raises(RuntimeError, match="FLASH_CUTLASS_WINDOW=0"):
@@ -141,7 +129,7 @@ def test_window_wider_than_the_sequence_equals_full_attention(cuda_gen):
     # Windows that reach every key run the kernels without a window: bitwise the same results.
     for a, b in ((full, wide), (causal, causal_wide)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    if window_kernels_compiled():
+    if WINDOW_COMPILED:
         # (unbounded, 0) without causal is the causal mask, computed by the window kernel.
         local = flash_cutlass.flash_forward(q, k, v, window_size=(5000, 0))
         torch.testing.assert_close(local[0], causal[0], atol=0, rtol=0)

@@ -19,6 +19,11 @@ enum class MaskKind { kNone, kCausal, kLocal };
 // for its registers.
 enum class Extension { kNone, kScoreMods, kDropout };
 
+// What an instantiation of `extension` carries: the score options in both extensions, dropout in
+// kDropout's.
+constexpr bool carries_score_mods(Extension extension) { return extension != Extension::kNone; }
+constexpr bool carries_dropout(Extension extension) { return extension == Extension::kDropout; }
+
 struct FwdParams {
   // Q: (batch, seqlen_q, heads, head_dim); K, V: (batch, seqlen_k, heads_k, head_dim);
   // out like Q. The last dimension is contiguous; every other stride is a multiple of 8

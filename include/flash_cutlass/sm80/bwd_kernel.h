@@ -41,7 +41,7 @@ using WarpGridMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>,
 // warp grid: kWarpsMSdP warps along the query rows of S and dP, kWarpsNdKV along the keys of dK
 // and dV, kWarpsMdQ along the query rows of dQ (the other warps split the second dimension).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ, class Element_>
-struct BwdKernelTraits {
+struct BwdKernelTraits : TileShapes<kBlockM_, kBlockN_, kHeadDim_> {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -200,15 +200,12 @@ __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, S
 template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kAccumulateDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
-  constexpr bool kExtended = kExtension != Extension::kNone;
-  constexpr bool kDropout = kExtension == Extension::kDropout;
+  constexpr bool kExtended = carries_score_mods(kExtension);
+  constexpr bool kDropout = carries_dropout(kExtension);
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
 
   const auto work = key_block_work_of_this_cta<kBlockM, kBlockN, kMaskKind>(params);
   if (!work.in_sequence()) return;
@@ -255,8 +252,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   Tensor tKsK = gmem_thr_copy.partition_D(sK);
   Tensor tVgV = gmem_thr_copy.partition_S(tiles.v);
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
-  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
-  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(typename Traits::TileQ{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(typename Traits::TileKV{}));
   Tensor col_ok = columns_below(tQcQ, params.head_dim);
   auto load_q = [&](int m_block, int buffer) {
     copy_tile_async<true>(gmem_tiled_copy, tQgQ(_, _, _, m_block), gmem_thr_copy.partition_D(sQ_buffer(buffer)),
@@ -309,12 +306,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   Tensor tdQsdS = copies_dq.thread_a.partition_S(sdS);
   Tensor tdQsKt = copies_dq.thread_b.partition_S(sKt);
 
-  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
-  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dk = partition_fragment_C(mma_dkv, typename Traits::TileKV{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, typename Traits::TileKV{});
   clear(acc_dk);
   clear(acc_dv);
-  Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(TileS{})));
-  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(TileQ{}));
+  Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(typename Traits::TileS{})));
+  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(typename Traits::TileQ{}));
   const float scale_log2 = params.exp2_scale;
 
   // K and V once, rows past seqlen_k zero-filled (0 * NaN must not reach dQ), with the first Q
@@ -344,7 +341,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     Tensor sQt = sQt_buffer(buffer);
 
     // P = exp(scale * S - lse), from the forward's log-sum-exp.
-    Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
+    Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::TileS{});
     clear(acc_s);
     gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, copies_sdp.thread_a.partition_S(sQ), tSsK, copies_sdp);
     Tensor s = as_rows_cols(acc_s);
@@ -352,7 +349,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     if (work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN)) {
       work.mask.apply(s, tScS, row_start, work.key_start);
     }
-    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileS{});
     clear(acc_dp);
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copies_sdp);
     Tensor dp = as_rows_cols(acc_dp);
@@ -372,7 +369,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     }
     gemm_smem_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, copies_dkv.thread_b.partition_S(sQt), copies_dkv);
     if constexpr (kAccumulateDq) {
-      Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
+      Tensor acc_dq = partition_fragment_C(mma_dq, typename Traits::TileQ{});
       clear(acc_dq);
       gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copies_dq);
       atomic_add_rows(query_rows.dq_accum + int64_t(row_start) * kHeadDim, kHeadDim, acc_dq, tdQcdQ,
@@ -380,7 +377,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     }
   }
 
-  Tensor tKVc = thr_mma_dkv.partition_C(make_identity_tensor(TileKV{}));
+  Tensor tKVc = thr_mma_dkv.partition_C(make_identity_tensor(typename Traits::TileKV{}));
   store_dk_dv<Element, kHeadDim>(params, work, rows_left_k, acc_dk, acc_dv, tKVc);
 }
 
@@ -390,15 +387,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_constant__ const BwdParams params) {
   using namespace cute;
-  constexpr bool kExtended = kExtension != Extension::kNone;
-  constexpr bool kDropout = kExtension == Extension::kDropout;
+  constexpr bool kExtended = carries_score_mods(kExtension);
+  constexpr bool kDropout = carries_dropout(kExtension);
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
 
   const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;  // of the longest sequence
   const int m_block = int(blockIdx.x % num_m_blocks);
@@ -419,10 +413,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   const KeyBlockRange key_blocks = key_block_range<kBlockM, kBlockN>(mask, m_block);
 
   const auto operands = bwd_head_matrices<Element, kHeadDim>(params, sequence, head, head_k);
-  Tensor gQ = local_tile(operands.q, TileQ{}, make_coord(m_block, 0));
-  Tensor gdO = local_tile(operands.dout, TileQ{}, make_coord(m_block, 0));
-  Tensor gK = local_tile(operands.k, TileKV{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n_blocks)
-  Tensor gV = local_tile(operands.v, TileKV{}, make_coord(_, 0));
+  Tensor gQ = local_tile(operands.q, typename Traits::TileQ{}, make_coord(m_block, 0));
+  Tensor gdO = local_tile(operands.dout, typename Traits::TileQ{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(operands.k, typename Traits::TileKV{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n_blocks)
+  Tensor gV = local_tile(operands.v, typename Traits::TileKV{}, make_coord(_, 0));
   const int64_t row_offset = query_stats_index(params, sequence, head);
 
   extern __shared__ __align__(128) char smem[];
@@ -448,8 +442,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor tKsK = gmem_thr_copy.partition_D(sK);
   Tensor tVgV = gmem_thr_copy.partition_S(gV);
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
-  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
-  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(typename Traits::TileQ{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(typename Traits::TileKV{}));
   Tensor col_ok = columns_below(tQcQ, params.head_dim);
 
   typename Traits::TiledMmaSdP mma_sdp;
@@ -471,8 +465,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor tdPsV = copies_sdp.thread_b.partition_S(sV);
   Tensor tdQsdS = copies_dq.thread_a.partition_S(sdS);
   Tensor tdQsKt = copies_dq.thread_b.partition_S(sKt);
-  Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(TileS{})));
-  Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
+  Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(typename Traits::TileS{})));
+  Tensor acc_dq = partition_fragment_C(mma_dq, typename Traits::TileQ{});
   clear(acc_dq);
   const auto stats = load_row_stats(tScS, row_start, sequence.seqlen_q, params.lse + row_offset + row_start,
                                     params.dsoftmax_sum + row_offset + row_start);
@@ -491,13 +485,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     cp_async_wait<0>();
     __syncthreads();
 
-    Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
+    Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::TileS{});
     clear(acc_s);
     gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copies_sdp);
     Tensor s = as_rows_cols(acc_s);
     if constexpr (kExtended) score_mods.cap(s);
     if (mask.tile_needs_mask(row_start, kBlockM, key_start, kBlockN)) mask.apply(s, tScS, row_start, key_start);
-    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileS{});
     clear(acc_dp);
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copies_sdp);
     Tensor dp = as_rows_cols(acc_dp);
@@ -508,7 +502,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copies_dq);
   }
 
-  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(TileQ{}));
+  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(typename Traits::TileQ{}));
   store_rows(params.dq_accum + (row_offset + row_start) * kHeadDim, kHeadDim, acc_dq, 1.f, tdQcdQ, rows_left_q,
              kHeadDim);
 }

@@ -24,15 +24,12 @@ template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* smem, int m_block, int batch,
                                                 int head) {
   using namespace cute;
-  constexpr bool kExtended = kExtension != Extension::kNone;
-  constexpr bool kDropout = kExtension == Extension::kDropout;
+  constexpr bool kExtended = carries_score_mods(kExtension);
+  constexpr bool kDropout = carries_dropout(kExtension);
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
 
   const int tidx = threadIdx.x;
   const int head_k = kv_head_of(head, params);
@@ -56,10 +53,10 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   Tensor mO = head_matrix<Element, kHeadDim>(params.out,
                                              sequence.q_offset(params.out_batch_stride, params.out_row_stride), head,
                                              params.out_head_stride, sequence.seqlen_q, params.out_row_stride);
-  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-  Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));       // (kBlockN, kHeadDim, n_blocks)
-  Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
-  Tensor gO = local_tile(mO, TileQ{}, make_coord(m_block, 0));
+  Tensor gQ = local_tile(mQ, typename Traits::TileQ{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+  Tensor gK = local_tile(mK, typename Traits::TileKV{}, make_coord(_, 0));       // (kBlockN, kHeadDim, n_blocks)
+  Tensor gV = local_tile(mV, typename Traits::TileKV{}, make_coord(_, 0));
+  Tensor gO = local_tile(mO, typename Traits::TileQ{}, make_coord(m_block, 0));
   float* lse_row = params.lse + query_stats_index(params, sequence, head) + m_block * kBlockM;
 
   Element* smem_q = reinterpret_cast<Element*>(smem);
@@ -79,8 +76,8 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   Tensor tKsK = gmem_thr_copy.partition_D(sK);  // (CPY, CPY_N, CPY_K)
   Tensor tVgV = gmem_thr_copy.partition_S(gV);
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
-  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
-  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(typename Traits::TileQ{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(typename Traits::TileKV{}));
   // A thread's columns are the same in every tile of Q, K, V and O.
   Tensor col_ok = columns_below(tQcQ, params.head_dim);
 
@@ -89,7 +86,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma.partition_fragment_B(sK);
   Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
-  Tensor acc_o = partition_fragment_C(tiled_mma, TileQ{});
+  Tensor acc_o = partition_fragment_C(tiled_mma, typename Traits::TileQ{});
   clear(acc_o);
 
   auto smem_tiled_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
@@ -103,8 +100,8 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
   Tensor tOsVt = smem_thr_copy_v.partition_S(sVt);
 
   // Each fragment row of S and O is one query row; (row, col) of every element inside a tile.
-  Tensor tScS = as_rows_cols(thr_mma.partition_C(make_identity_tensor(TileS{})));
-  Tensor tOcO = as_rows_cols(thr_mma.partition_C(make_identity_tensor(TileQ{})));
+  Tensor tScS = as_rows_cols(thr_mma.partition_C(make_identity_tensor(typename Traits::TileS{})));
+  Tensor tOcO = as_rows_cols(thr_mma.partition_C(make_identity_tensor(typename Traits::TileQ{})));
   constexpr int kRowsPerThread = decltype(size<0>(tOcO))::value;
   Tensor acc_o_rc = as_rows_cols(acc_o);
 
@@ -134,7 +131,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 
     // One key tile: S = Q K^T, the mask (for `masked` tiles), online softmax, O += P V.
     auto process_tile = [&](int n_block, auto first_tile, auto masked) __attribute__((always_inline)) {
-      Tensor acc_s = partition_fragment_C(tiled_mma, TileS{});
+      Tensor acc_s = partition_fragment_C(tiled_mma, typename Traits::TileS{});
       clear(acc_s);
       if constexpr (decltype(first_tile)::value) {
         cp_async_wait<1>();  // Q and K have landed; V may still be in flight

@@ -1,5 +1,6 @@
 // Everything the sm80-path forward kernel derives from (head dim, tile sizes, warps, dtype):
-// MMA, shared-memory layouts, copies and the shared-memory size.
+// MMA, shared-memory layouts, copies and the shared-memory size; the tile shapes the backward's
+// traits (bwd_kernel.h) share.
 #pragma once
 
 #include <type_traits>
@@ -16,8 +17,17 @@ template <int kRows, int kCols>
 using PaddedRowMajor = cute::Layout<cute::Shape<cute::Int<kRows>, cute::Int<kCols>>,
                                     cute::Stride<cute::Int<kCols + 8>, cute::_1>>;
 
+// The tiles of a kernel with kBlockM query rows and kBlockN keys per step: Q, O and dQ (kBlockM x
+// kHeadDim), K, V, dK and dV (kBlockN x kHeadDim), S, P, dP and dS (kBlockM x kBlockN).
+template <int kBlockM, int kBlockN, int kHeadDim>
+struct TileShapes {
+  using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
+  using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+  using TileS = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>;
+};
+
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, class Element_>
-struct FwdKernelTraits {
+struct FwdKernelTraits : TileShapes<kBlockM_, kBlockN_, kHeadDim_> {
   using Element = Element_;
   static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
 

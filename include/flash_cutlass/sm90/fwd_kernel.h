@@ -4,7 +4,8 @@
 // A producer thread brings each tile's Q and its K/V blocks through a multi-stage pipeline with
 // TMA (fwd_producer.h), running ahead into the next tile while the consumers finish this one; each
 // consumer warpgroup owns 64 query rows and runs S = Q K^T and O += P V as wgmma, with the online
-// softmax in registers between them, then stores O and the log-sum-exp (fwd_mainloop.h).
+// softmax in registers between them (fwd_mainloop.h), then stores O and the log-sum-exp
+// (fwd_epilogue.h).
 // Tile sizes, layouts and shared memory: tile_config.h; named barriers: barriers.h; the developer
 // timeline: timeline.h. This file sets up the pipeline and each role's state and walks the tiles.
 #pragma once
@@ -15,6 +16,7 @@
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
+#include "flash_cutlass/sm90/fwd_epilogue.h"
 #include "flash_cutlass/sm90/fwd_kernel_params.h"
 #include "flash_cutlass/sm90/fwd_mainloop.h"
 #include "flash_cutlass/sm90/fwd_producer.h"
@@ -111,16 +113,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Timeline timeline(consumer_idx % 128 == 0);
 
   FwdConsumer<Traits, kMaskKind, kExtension, decltype(sQ), decltype(tSrQ), decltype(tSrK), decltype(tOrVt),
-              decltype(acc_o), decltype(acc_o_rc), decltype(tScS), decltype(tOcO)>
+              decltype(acc_o), decltype(acc_o_rc), decltype(tScS)>
       consumer{params, timeline, warpgroup, acc_o, storage, q_loads, mma_qk, tScS, consumer_idx, sQ,
-               tSrK, state, tSrQ, pipeline_k, pipeline_v, mma_pv, tOrVt, acc_o_rc, tOcO, kernel_params};
+               tSrK, state, tSrQ, pipeline_k, pipeline_v, mma_pv, tOrVt, acc_o_rc};
+  FwdEpilogue<Traits, decltype(tOcO)> epilogue{params, kernel_params, storage, mma_pv, tOcO, consumer_idx, timeline,
+                                               warpgroup};
   for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(
       params, kernel_params.persistent_work, [&](QueryTile tile) __attribute__((always_inline)) {
-        consumer.compute_tile(tile);
+        consumer.compute_tile(tile, epilogue);
         timeline.next_tile();
       });
-  // The CTA's shared memory must outlive the reads of its last TMA store.
-  if (Traits::kTmaStoreO && kernel_params.store_o_with_tma && consumer_idx == 0) tma_store_wait<0>();
+  epilogue.wait_for_last_store();
 #endif  // Other targets (sm_80, PTX) get an empty body: the host launches this kernel only on sm_90.
 }
 

@@ -1,12 +1,12 @@
 // The consumer warpgroups of the Hopper-path forward, one tile at a time: S = Q K^T over the tile's
 // key blocks (from the last to the first, the order the producer loads them in), the online softmax
 // in registers, O += P V, the warpgroups taking turns at the tensor cores (barriers.h: the
-// ping-pong), then the epilogue: O through shared memory and a TMA store, or from registers, and
-// the log-sum-exp.
+// ping-pong), then O, normalized and in the inputs' dtype, and the log-sum-exp handed to the
+// epilogue (fwd_epilogue.h), which stores them.
 //
-// The epilogue stays in FwdConsumer::compute_tile rather than in a function of its own: as one,
-// ptxas assigned the log-sum-exp's registers in another order at head dims 64 and 256 (the same
-// instructions), and this split keeps the machine code of every kernel unchanged.
+// O's conversion to the inputs' dtype stays here rather than in the epilogue: there, ptxas assigned
+// the log-sum-exp's registers in another order at head dims 64 and 256 (the same instructions), and
+// this split keeps the machine code of every kernel unchanged.
 #pragma once
 
 #include <cmath>
@@ -22,7 +22,6 @@
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
-#include "flash_cutlass/sm90/fwd_kernel_params.h"
 #include "flash_cutlass/sm90/tile_config.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/timeline.h"
@@ -34,15 +33,15 @@ namespace flash_cutlass::sm90 {
 // shared-memory fragments, O's accumulator, the K/V pipeline's read stage, the count of Q tiles
 // consumed, the timeline) is the kernel's; FwdConsumer refers to it.
 template <class Traits, MaskKind kMaskKind, Extension kExtension, class SmemQ, class FragQ, class FragK, class FragVt,
-          class AccO, class AccORowsCols, class CoordsS, class CoordsO>
+          class AccO, class AccORowsCols, class CoordsS>
 struct FwdConsumer {
   using Element = typename Traits::Element;
   using PipelineKV = typename Traits::PipelineKV;
   using TileShape = typename Traits::TileShape;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
-  static constexpr bool kExtended = kExtension != Extension::kNone;
-  static constexpr bool kDropout = kExtension == Extension::kDropout;
+  static constexpr bool kExtended = carries_score_mods(kExtension);
+  static constexpr bool kDropout = carries_dropout(kExtension);
   // S = Q K^T with Q from registers (tile_config.h).
   static constexpr bool kQInRegisters =
       Traits::kQInRegisters || (kMaskKind == MaskKind::kCausal && Traits::kQInRegistersWhenCausal);
@@ -66,14 +65,17 @@ struct FwdConsumer {
   typename Traits::TiledMmaPV& mma_pv_;
   FragVt& tOrVt_;
   AccORowsCols& acc_o_rc_;
-  CoordsO& tOcO_;
-  FwdKernelParams<Traits> const& kernel_params_;
 
-  __device__ __forceinline__ void compute_tile(QueryTile tile) {
+  // The tile's O and log-sum-exp go to epilogue.store_tile (fwd_epilogue.h).
+  template <class Epilogue>
+  __device__ __forceinline__ void compute_tile(QueryTile tile, Epilogue& epilogue) {
     using namespace cute;
     // Local names for the kernel's objects: the lambdas below capture the objects themselves, as
     // they did when this body was a lambda of the kernel. Reaching them through `this` instead
-    // adds a load to every capture and changed the machine code (registers, order).
+    // adds a load to every capture and changed the machine code (registers, order). The steps that
+    // close over the tile's state (softmax, mask, P's registers, the stage tokens) stay lambdas for
+    // that reason: as member functions, even stamp_step and test_next_stages changed the uniform
+    // registers of the kernels built with FLASH_CUTLASS_TIMELINE.
     auto& params = params_;
     auto& timeline = timeline_;
     auto& warpgroup = warpgroup_;
@@ -92,8 +94,6 @@ struct FwdConsumer {
     auto& mma_pv = mma_pv_;
     auto& tOrVt = tOrVt_;
     auto& acc_o_rc = acc_o_rc_;
-    auto& tOcO = tOcO_;
-    auto& kernel_params = kernel_params_;
     const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
     if (!work.in_sequence()) return;
     timeline.stamp(warpgroup, kTileStart);
@@ -189,18 +189,6 @@ struct FwdConsumer {
         if constexpr (kDropout) dropout.apply(s, coords, m_block * kBlockM, n_block * kBlockN);
         warpgroup_fence_operand(scores);
       };
-      // P of the tile just scored, in the inputs' dtype. A half block's scores are the first half
-      // of P's registers (an accumulator's values run over its column groups last); the rest is 0.
-      auto store_probabilities = [&](auto const& scores) __attribute__((always_inline)) {
-        constexpr int kScored = decltype(size(scores))::value;
-        constexpr int kSize = decltype(size(p))::value;
-        static_assert(kSize % kScored == 0);
-        *reinterpret_cast<cutlass::Array<Element, kScored>*>(p.data()) =
-            *reinterpret_cast<cutlass::Array<Element, kScored> const*>(convert_fragment<Element>(scores).data());
-        if constexpr (kScored < kSize) {
-          reinterpret_cast<cutlass::Array<Element, kSize - kScored>*>(p.data() + kScored)->clear();
-        }
-      };
       // Whether the next step's K and V stages have landed, tested (mbarrier test_wait, which does
       // not block) at the end of a softmax so that the test's latency hides behind the wait for P V
       // there; a stage found ready skips its wait at the next step's start
@@ -250,7 +238,7 @@ struct FwdConsumer {
         warpgroup_fence_operand(tOrP);
         pipeline_v.consumer_release(state_v);
         if (rescale_o) softmax.rescale(acc_o_rc, correction);
-        store_probabilities(acc_s);
+        store_probabilities(p, acc_s);
         stamp_step(probed, kStepDone);
       };
       // Key blocks run from the last to the first: the ones that need a mask (the seqlen_k tail,
@@ -270,15 +258,7 @@ struct FwdConsumer {
         const int warpgroup_end = (max(0, warpgroup_key_limit) + kBlockN - 1) / kBlockN;
         skipped_blocks = max(0, min(key_blocks.end - warpgroup_end, key_blocks.end - 1 - key_blocks.begin));
       }
-      for (int skipped = 0; skipped < skipped_blocks; ++skipped) {
-        pipeline_k.consumer_wait(state);
-        pipeline_v.consumer_wait(state);
-        wait_for_turn<kConsumers>(consumer);
-        hand_over_turn<kConsumers>(consumer);
-        pipeline_k.consumer_release(state);
-        pipeline_v.consumer_release(state);
-        ++state;
-      }
+      skip_key_blocks(skipped_blocks, consumer);
       const int last = key_blocks.end - 1 - skipped_blocks;
       // The first block visited starts the softmax. With Traits::kHalvesFirstKeyBlock and a causal
       // mask it is scored on its first half of keys only where this warpgroup's rows see none of the
@@ -309,7 +289,7 @@ struct FwdConsumer {
           timeline.stamp(warpgroup, kFirstScoresLanded);
           if constexpr (kQInRegisters) release_q();
           softmax_scores(acc_s_half, tScS_half, last, cute::true_type{}, cute::true_type{});
-          store_probabilities(acc_s_half);
+          store_probabilities(p, acc_s_half);
         } else {
           wait_for_turn<kConsumers>(consumer);
           issue_scores();
@@ -324,7 +304,7 @@ struct FwdConsumer {
           } else {
             softmax_scores(acc_s, tScS, last, cute::true_type{}, cute::true_type{});
           }
-          store_probabilities(acc_s);
+          store_probabilities(p, acc_s);
         }
         test_next_stages();
         timeline.stamp(warpgroup, kFirstBlockDone);
@@ -379,63 +359,35 @@ struct FwdConsumer {
     }
 
     timeline.stamp(warpgroup, kFinalized);
-    // Epilogue: O through shared memory and a TMA store (which leaves out rows and columns past the
-    // tensor), or from registers; the log-sum-exp from registers, one thread per row.
-    const int row_start = m_block * kBlockM;
-    auto store_lse = [&]() __attribute__((always_inline)) {
-      float* lse_row = params.lse + query_stats_index(params, sequence, head);
-      CUTE_UNROLL
-      for (int r = 0; r < kRowsPerThread; ++r) {
-        const int row = row_start + get<0>(tOcO(r, 0));
-        if (row < sequence.seqlen_q && get<1>(tOcO(r, 0)) == 0) lse_row[row] = lse[r];
-      }
-    };
     Tensor o = convert_fragment<Element>(acc_o);
-    if (Traits::kTmaStoreO && kernel_params.store_o_with_tma) {
-      Tensor sO = make_tensor(make_smem_ptr(Traits::kOwnBufferO ? storage.o.data() : storage.q.data()),
-                              typename Traits::SmemLayoutQ{});
-      if (consumer_idx == 0) tma_store_wait<0>();  // the previous tile's store has read sO
-      sync_consumers<Traits::kConsumerThreads>();
-      // stmatrix: 8x8 blocks of 16-bit values, a row of each per lane, into the swizzled tile.
-      auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
-      auto thr_copy_o = copy_o.get_thread_slice(consumer_idx);
-      copy(copy_o, thr_copy_o.retile_S(o), thr_copy_o.partition_D(sO));
-      tma_store_fence();  // the writes above, visible to the TMA unit
-      sync_consumers<Traits::kConsumerThreads>();
-      timeline.stamp(warpgroup, kOStaged);
-      if (consumer_idx == 0) {
-        Tensor mO = kernel_params.tma_o.get_tma_tensor(
-            make_shape(sequence.seqlen_q, params.head_dim, params.heads, params.batch));
-        Tensor gO = local_tile(mO(_, _, head, batch), select<0, 2>(TileShape{}), make_coord(m_block, _0{}));
-        auto [tOgO, tOsO] = tma_partition(kernel_params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
-                                          group_modes<0, 2>(gO));
-        copy(kernel_params.tma_o, tOsO, tOgO);
-        tma_store_arrive();
-      }
-      timeline.stamp(warpgroup, kOStoreIssued);
-      store_lse();  // after O's store: the fence before it would wait for these global stores
-      return;
+    epilogue.store_tile(work, o, lse);
+  }
+
+  // Takes this warpgroup's turns for `count` key blocks and releases their stages without computing
+  // them (the causal blocks past the diagonal for all of its rows).
+  __device__ __forceinline__ void skip_key_blocks(int count, int consumer) {
+    for (int skipped = 0; skipped < count; ++skipped) {
+      pipeline_k_.consumer_wait(state_);
+      pipeline_v_.consumer_wait(state_);
+      wait_for_turn<Traits::kConsumerWarpgroups>(consumer);
+      hand_over_turn<Traits::kConsumerWarpgroups>(consumer);
+      pipeline_k_.consumer_release(state_);
+      pipeline_v_.consumer_release(state_);
+      ++state_;
     }
-    // Every epilogue syncs the consumers: the ping-pong's turns across tiles rely on it (above).
-    sync_consumers<Traits::kConsumerThreads>();
-    store_lse();
-    Element* out = static_cast<Element*>(params.out) + sequence.q_offset(params.out_batch_stride, params.out_row_stride) +
-                   int64_t(head) * params.out_head_stride;
-    Tensor o_rc = as_rows_cols(o);
-    CUTE_UNROLL
-    for (int r = 0; r < kRowsPerThread; ++r) {
-      const int row = row_start + get<0>(tOcO(r, 0));
-      if (row >= sequence.seqlen_q) continue;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); c += 2) {
-        const int col = get<1>(tOcO(r, c));
-        if (col < params.head_dim) {
-          cutlass::Array<Element, 2> pair;
-          pair[0] = o_rc(r, c);
-          pair[1] = o_rc(r, c + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + int64_t(row) * params.out_row_stride + col) = pair;
-        }
-      }
+  }
+
+  // P of the tile just scored, in the inputs' dtype. A half block's scores are the first half of P's
+  // registers (an accumulator's values run over its column groups last); the rest is 0.
+  template <class P, class Scores>
+  __device__ __forceinline__ static void store_probabilities(P& p, Scores const& scores) {
+    constexpr int kScored = decltype(cute::size(scores))::value;
+    constexpr int kSize = decltype(cute::size(p))::value;
+    static_assert(kSize % kScored == 0);
+    *reinterpret_cast<cutlass::Array<Element, kScored>*>(p.data()) =
+        *reinterpret_cast<cutlass::Array<Element, kScored> const*>(convert_fragment<Element>(scores).data());
+    if constexpr (kScored < kSize) {
+      reinterpret_cast<cutlass::Array<Element, kSize - kScored>*>(p.data() + kScored)->clear();
     }
   }
 };

@@ -5,6 +5,10 @@
 
 CUDA tensors (fp16/bf16, compute capability >= 8.0) run the compiled kernels; CPU tensors run
 the slow pure-PyTorch reference in flash_cutlass.reference with the same semantics.
+
+FlashAttention-2's functions, with its signatures, are in the submodule
+flash_cutlass.flash_attn_interface (`from flash_cutlass.flash_attn_interface import
+flash_attn_func`), which `import flash_cutlass` leaves unloaded.
 """
 
 from flash_cutlass._version import __version__

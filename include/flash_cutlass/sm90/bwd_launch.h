@@ -21,18 +21,20 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   using Traits = BwdTraitsFor<kHeadDim, Element>;
   if (params.deterministic) return cudaErrorNotSupported;
   const TmaExtents extents = tma_extents(params);
-  const auto q = gmem_tensor<Traits>(static_cast<Element const*>(params.q), extents.rows_q, params.head_dim,
-                                     params.heads, extents.batch, params.q_row_stride, params.q_head_stride,
-                                     params.q_batch_stride);
-  const auto dout = gmem_tensor<Traits>(static_cast<Element const*>(params.dout), extents.rows_q, params.head_dim,
-                                        params.heads, extents.batch, params.dout_row_stride, params.dout_head_stride,
-                                        params.dout_batch_stride);
-  const auto k = gmem_tensor<Traits>(static_cast<Element const*>(params.k), extents.rows_k, params.head_dim,
-                                     params.heads_k, extents.batch, params.k_row_stride, params.k_head_stride,
-                                     params.k_batch_stride);
-  const auto v = gmem_tensor<Traits>(static_cast<Element const*>(params.v), extents.rows_k, params.head_dim,
-                                     params.heads_k, extents.batch, params.v_row_stride, params.v_head_stride,
-                                     params.v_batch_stride);
+  // An operand's TMA view: (rows, head_dim, heads, batch) with its strides.
+  auto operand = [&](const void* base, int rows, int heads, int64_t row_stride, int64_t head_stride,
+                     int64_t batch_stride) {
+    return gmem_tensor<Traits>(static_cast<Element const*>(base), rows, params.head_dim, heads, extents.batch,
+                               row_stride, head_stride, batch_stride);
+  };
+  const auto q = operand(params.q, extents.rows_q, params.heads, params.q_row_stride, params.q_head_stride,
+                         params.q_batch_stride);
+  const auto dout = operand(params.dout, extents.rows_q, params.heads, params.dout_row_stride,
+                            params.dout_head_stride, params.dout_batch_stride);
+  const auto k = operand(params.k, extents.rows_k, params.heads_k, params.k_row_stride, params.k_head_stride,
+                         params.k_batch_stride);
+  const auto v = operand(params.v, extents.rows_k, params.heads_k, params.v_row_stride, params.v_head_stride,
+                         params.v_batch_stride);
   // dq_accum: (batch, heads, seqlen_q, kHeadDim), or (heads, total_q, kHeadDim) in a variable-length call.
   const bool varlen = params.cu_seqlens_q != nullptr;
   const int64_t dq_head_stride = int64_t(extents.rows_q) * kHeadDim;

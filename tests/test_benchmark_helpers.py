@@ -271,3 +271,29 @@ def test_parse_args_power_needs_nvidia_smi(monkeypatch, capsys):
     assert "--power" in err and "nvidia-smi" in err
     monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/" + name)
     assert bench.parse_args(["--power"]).power and not bench.parse_args([]).power
+
+
+@pytest.mark.parametrize("direction", ["forward", "forward+backward"])
+def test_every_door_of_the_doors_benchmark_computes_the_same_attention(direction):
+    doors = load_script("benchmarks", "benchmark_doors")
+    calls = doors.door_calls(64, 32, direction, device="cpu", tokens=128, hidden=256)
+    results = {name: call() for name, call in calls.items()}
+
+    def as_bshd(name, result):
+        """The door's output, or its gradients, in (batch, seqlen, heads, head_dim): the SDPA door
+        returns SDPA's layout, and both it and the transformers door take their inputs in it."""
+        if direction == "forward":
+            return result.transpose(1, 2) if name == "scaled_dot_product_attention" else result
+        takes_bhsd = name in ("scaled_dot_product_attention", "transformers attention_forward")
+        return [g.transpose(1, 2) if takes_bhsd else g for g in result]
+
+    direct = as_bshd("flash_attention", results["flash_attention"])
+    for name in ("flash_attn_func", "scaled_dot_product_attention", "transformers attention_forward"):
+        if name in results:
+            got = as_bshd(name, results[name])
+            for a, b in zip(got if isinstance(got, list) else [got], direct if isinstance(direct, list) else [direct]):
+                torch.testing.assert_close(a, b, msg=name)
+    packed = as_bshd("flash_attn_qkvpacked_func", results["flash_attn_qkvpacked_func"])
+    views = as_bshd("flash_attention (qkv views)", results["flash_attention (qkv views)"])
+    for a, b in zip(packed if isinstance(packed, list) else [packed], views if isinstance(views, list) else [views]):
+        torch.testing.assert_close(a, b)

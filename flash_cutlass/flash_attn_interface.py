@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_cutlass.interface import flash_attention, flash_attention_varlen
+from flash_cutlass.interface import flash_attention, flash_attention_varlen, with_contiguous_last_dim
 from flash_cutlass.options import check_dropout_p
 
 __all__ = [
@@ -59,14 +59,6 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
 ]
-
-
-def _last_dim_contiguous(t):
-    """t, or a copy of it whose last dimension is contiguous: FA2 copies such inputs, which
-    flash_attention rejects."""
-    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.stride(-1) != 1:
-        return t.contiguous()
-    return t
 
 
 def _unpacked(packed, name: str, dim: int, count: int, layout: str):
@@ -103,8 +95,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     arguments are described in the module docstring."""
     if return_attn_probs:
         _check_attn_probs(dropout_p)
-    result = flash_attention(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-                             softmax_scale, causal, deterministic, bool(return_attn_probs), window_size=window_size,
+    q, k, v = (with_contiguous_last_dim(t) for t in (q, k, v))
+    result = flash_attention(q, k, v, softmax_scale, causal, deterministic, bool(return_attn_probs), window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     return _with_empty_s_dmask(result) if return_attn_probs else result
 
@@ -140,8 +132,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             "with k and v packed as (total_k, nheads_k, headdim)")
     if return_attn_probs:
         _check_attn_probs(dropout_p)
-    result = flash_attention_varlen(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+    q, k, v = (with_contiguous_last_dim(t) for t in (q, k, v))
+    result = flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                     deterministic, bool(return_attn_probs), window_size=window_size, softcap=softcap,
                                     alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     return _with_empty_s_dmask(result) if return_attn_probs else result

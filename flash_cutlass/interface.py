@@ -36,6 +36,14 @@ def _check_tensor(t, name: str) -> None:
         )
 
 
+def with_contiguous_last_dim(t):
+    """t, or a copy of it whose last dimension is contiguous: for the doors whose originals accept
+    any strides (FlashAttention-2's functions copy such inputs; torch SDPA takes them)."""
+    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.stride(-1) != 1:
+        return t.contiguous()
+    return t
+
+
 def check_forward_tensors(q, k, v) -> None:
     """Validates q, k and v of a forward call; raises TypeError/ValueError naming the argument."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from flash_cutlass import backend
-from flash_cutlass.interface import SUPPORTED_DTYPES, flash_attention
+from flash_cutlass.interface import SUPPORTED_DTYPES, flash_attention, with_contiguous_last_dim
 
 _warned_reasons: set = set()
 
@@ -77,8 +77,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask: Optional[torch.Te
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True to let "
                          "groups of query heads share a key/value head (as torch SDPA requires)")
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (with_contiguous_last_dim(t.transpose(1, 2)) for t in (query, key, value))
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     causal = bool(is_causal) and seqlen_q == seqlen_k
     # Top-left causal with more queries than keys: query i sees key j iff j <= i, which is the

@@ -31,6 +31,8 @@ import torch
 from flash_cutlass.interface import SUPPORTED_DTYPES, flash_attention, flash_attention_varlen
 
 DEFAULT_NAME = "cutlass"
+# What transformers' packing collators pass for sequences packed into one row.
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def register(name: str = DEFAULT_NAME) -> str:
@@ -106,7 +108,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     if attention_mask is not None:
         out = _padded_attention(q, k, v, attention_mask, options)
-    elif all(kwargs.get(name) is not None for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
+    elif all(kwargs.get(name) is not None for name in _PACKING_KWARGS):
         out = flash_attention_varlen(
             q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
             kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),

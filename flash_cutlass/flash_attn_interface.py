@@ -96,8 +96,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if return_attn_probs:
         _check_attn_probs(dropout_p)
     q, k, v = (with_contiguous_last_dim(t) for t in (q, k, v))
-    result = flash_attention(q, k, v, softmax_scale, causal, deterministic, bool(return_attn_probs), window_size=window_size,
-                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    result = flash_attention(q, k, v, softmax_scale, causal, deterministic, bool(return_attn_probs),
+                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     return _with_empty_s_dmask(result) if return_attn_probs else result
 
 
@@ -133,9 +133,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if return_attn_probs:
         _check_attn_probs(dropout_p)
     q, k, v = (with_contiguous_last_dim(t) for t in (q, k, v))
-    result = flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                    deterministic, bool(return_attn_probs), window_size=window_size, softcap=softcap,
-                                    alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    result = flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                    causal, deterministic, bool(return_attn_probs), window_size=window_size,
+                                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     return _with_empty_s_dmask(result) if return_attn_probs else result
 
 

@@ -137,3 +137,24 @@ def test_generate_gives_the_same_greedy_tokens(family, device):
 def test_names_with_flash_are_refused():
     with pytest.raises(ValueError, match="contains 'flash'"):
         fc_transformers.register("flash_cutlass")
+
+
+def test_a_padding_mask_is_unpadded_once_and_never_stale():
+    """The layers of one forward share their mask's unpadding; a mask changed in place, or a new
+    mask with the same values, gives the result of a fresh computation."""
+    generator = torch.Generator().manual_seed(3)
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(3, 4, 12, 16, generator=generator).to(torch.bfloat16) for _ in range(3))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    first, _ = fc_transformers.attention_forward(module, q, k, v, mask)
+    cached = fc_transformers._unpadding_of(mask, 12)
+    assert fc_transformers._unpadding_of(mask, 12) is cached  # the next layer's lookup
+    again, _ = fc_transformers.attention_forward(module, q, k, v, mask)
+    assert torch.equal(again, first)
+    mask[2, :7] = 0  # changed in place: its version counter moved
+    assert fc_transformers._unpadding_of(mask, 12) is not cached
+    changed, _ = fc_transformers.attention_forward(module, q, k, v, mask)
+    fresh, _ = fc_transformers.attention_forward(module, q, k, v, mask.clone())
+    assert torch.equal(changed, fresh) and not torch.equal(changed, first)

@@ -24,7 +24,7 @@ weights are returned) and attention sinks (s_aux).
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -127,26 +127,54 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out, None
 
 
+class _Unpadding(NamedTuple):
+    """Where a padded batch's valid tokens sit: their flat indices and cumulative lengths."""
+    rows_q: torch.Tensor
+    rows_k: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+# A model's layers get the same padding mask tensor (two, with sliding-window layers): its unpadding
+# is computed once per forward, not once per layer (each costs a device synchronization). Entries
+# hold the mask itself and its version counter, so a new or modified mask is never mistaken.
+_UNPADDING_CACHE_SIZE = 4
+_unpadding_cache: list = []
+
+
+def _unpadding_of(attention_mask: torch.Tensor, seqlen_q: int) -> _Unpadding:
+    key = (attention_mask._version, seqlen_q)
+    for mask, cached_key, unpadding in _unpadding_cache:
+        if mask is attention_mask and cached_key == key:
+            return unpadding
+    valid_k = attention_mask.bool()
+    if seqlen_q == 1:  # decoding: one query a row, after all of its keys
+        valid_q = torch.ones(valid_k.shape[0], 1, dtype=torch.bool, device=valid_k.device)
+    else:
+        valid_q = valid_k[:, -seqlen_q:]
+    lengths_q, lengths_k = valid_q.sum(dim=-1, dtype=torch.int32), valid_k.sum(dim=-1, dtype=torch.int32)
+    longest = torch.stack([lengths_q.max(), lengths_k.max()]).tolist()  # one host read for both
+    unpadding = _Unpadding(torch.nonzero(valid_q.flatten()).flatten(), torch.nonzero(valid_k.flatten()).flatten(),
+                           _cumulative(lengths_q), _cumulative(lengths_k), int(longest[0]), int(longest[1]))
+    if not torch.compiler.is_compiling():
+        _unpadding_cache.insert(0, (attention_mask, key, unpadding))
+        del _unpadding_cache[_UNPADDING_CACHE_SIZE:]
+    return unpadding
+
+
 def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> torch.Tensor:
     """A padded batch as one variable-length call: the valid keys of each row of the 2D mask
     (batch, seqlen_k), and the queries at its last seqlen_q positions; padded queries get zeros."""
     batch, seqlen_q, heads, head_dim = q.shape
-    valid_k = attention_mask.bool()
-    if k.shape[1] > valid_k.shape[1]:  # a static cache longer than the mask: its tail is unused
-        k, v = k[:, :valid_k.shape[1]], v[:, :valid_k.shape[1]]
-    lengths_k = valid_k.sum(dim=-1, dtype=torch.int32)
-    rows_k = torch.nonzero(valid_k.flatten()).flatten()
-    if seqlen_q == 1:  # decoding: one query a row, after all of its keys
-        valid_q = torch.ones(batch, 1, dtype=torch.bool, device=q.device)
-    else:
-        valid_q = valid_k[:, -seqlen_q:]
-    lengths_q = valid_q.sum(dim=-1, dtype=torch.int32)
-    rows_q = torch.nonzero(valid_q.flatten()).flatten()
-    longest = torch.stack([lengths_q.max(), lengths_k.max()]).tolist()  # one host read for both
+    if k.shape[1] > attention_mask.shape[1]:  # a static cache longer than the mask: its tail is unused
+        k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
+    unpadding = _unpadding_of(attention_mask, seqlen_q)
     out = flash_attention_varlen(
-        q.reshape(-1, heads, head_dim)[rows_q], k.reshape(-1, *k.shape[2:])[rows_k],
-        v.reshape(-1, *v.shape[2:])[rows_k], _cumulative(lengths_q), _cumulative(lengths_k), int(longest[0]),
-        int(longest[1]), **options)
+        q.reshape(-1, heads, head_dim)[unpadding.rows_q], k.reshape(-1, *k.shape[2:])[unpadding.rows_k],
+        v.reshape(-1, *v.shape[2:])[unpadding.rows_k], unpadding.cu_seqlens_q, unpadding.cu_seqlens_k,
+        unpadding.max_seqlen_q, unpadding.max_seqlen_k, **options)
     padded = out.new_zeros(batch * seqlen_q, heads, head_dim)
-    padded[rows_q] = out
+    padded[unpadding.rows_q] = out
     return padded.view(batch, seqlen_q, heads, head_dim)

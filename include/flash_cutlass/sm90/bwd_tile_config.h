@@ -19,7 +19,7 @@ struct BwdKernelTraits {
   static constexpr int kBlockM = kBlockM_;  // query rows per step of a CTA's walk
   static constexpr int kBlockN = kBlockN_;  // keys of a CTA: 64 per consumer warpgroup
   static constexpr int kStages = kStages_;  // query blocks (Q, dO, LSE, D) in flight
-  static_assert(kBlockM == 64 && kBlockN % 64 == 0, "64 query rows a step, 64 keys a consumer warpgroup");
+  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0, "query rows and keys in 64s (64 keys a consumer warpgroup)");
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "rows of 128-byte swizzle atoms; registers");
 
   // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory (TMA
@@ -131,10 +131,11 @@ struct BwdKernelTraits {
                                              cute::_1{}));
 };
 
-// Tile sizes per head dim.
+// Tile sizes per head dim: 128 keys a CTA; query blocks of 128 rows at head dim 64 (twice the N of
+// the S^T and dP^T GEMMs, half the steps), of 64 at 128 (the registers of dK and dV).
 template <int kHeadDim>
 struct BwdTileSizes {
-  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64, kBlockN = 128, kStages = 2;
 };
 
 template <int kHeadDim, class Element, class Sizes = BwdTileSizes<kHeadDim>>

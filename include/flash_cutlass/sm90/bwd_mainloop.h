@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -115,14 +116,29 @@ __device__ __forceinline__ void extended_probabilities_and_ds_transposed(
   }
 }
 
-// The element offset of (row, col) in a GMMA-swizzled shared-memory layout of T: the swizzle acts
-// on byte addresses. (Indexing a cute tensor over it gives the same element through a swizzled
-// generic pointer, which compiled to 64-bit address arithmetic and generic stores.)
-template <class T, class SwizzledLayout>
-__device__ __forceinline__ int swizzled_offset(SwizzledLayout layout, int row, int col) {
-  const int bytes = int(cute::get_nonswizzle_portion(layout)(row, col)) * int(sizeof(T));
-  return cute::get_swizzle_portion(layout)(bytes) / int(sizeof(T));
-}
+// Where a thread's dQ accumulator elements go in the 128-byte-swizzled fp32 dQ tile (atoms of 8
+// rows x 32 floats, column-major over the tile): element (row, col) sits at
+//   (col / 32) kBlockM 32 + (row / 8) 256 + (row % 8) 32 + 4 (((col % 32) / 4) ^ (row % 8)) + col % 4.
+// A thread's elements are (row0 + dr, col0 + dc) with dr, dc multiples of 8 known at compile time
+// and col0 % 32 < 8 (the wgmma C layout), so the XOR splits over disjoint bits: every offset is a
+// per-thread base plus an immediate plus one of four per-thread terms 4 ((2 jj) ^ (row0 & 6)),
+// jj = (dc % 32) / 8. Computed from cute's layout instead, ptxas kept one address register per
+// store (16 at head dim 128). tools/check_dq_offsets.cu checks this form against cute's.
+template <int kBlockM>
+struct DqTileOffsets {
+  int base;
+  int row_bits;  // (row0 % 8) & 6
+
+  __device__ __forceinline__ DqTileOffsets(int row0, int col0)
+      : base((col0 / 32) * (kBlockM * 32) + (row0 / 8) * 256 + (row0 % 8) * 32 + (col0 % 4) +
+             4 * ((((col0 % 32) / 4) & 1) ^ (row0 % 8 & 1))),
+        row_bits(row0 % 8 & 6) {}
+
+  // dr, dc: the element's distance from (row0, col0), multiples of 8.
+  __device__ __forceinline__ int operator()(int dr, int dc) const {
+    return base + (dc / 32) * (kBlockM * 32) + (dr / 8) * 256 + 4 * ((2 * ((dc % 32) / 8)) ^ row_bits);
+  }
+};
 
 // The consumer warpgroups' whole walk over a CTA's query blocks, then dK and dV out.
 // consumer_idx: the thread's index among the consumer threads.
@@ -178,6 +194,11 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
   // (key, query) of every S^T accumulator element inside its tile.
   Tensor tScS = as_rows_cols(thr_sdp.partition_C(make_identity_tensor(TileSt{})));
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
+  static_assert(std::is_same_v<typename Traits::SmemLayoutdQ,
+                               decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, TileQ{}))>,
+                "DqTileOffsets is the closed form of this layout");
+  const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
+  const DqTileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0);
   float* sdq = storage.dq.data();
 
   if (work.m_block_begin < work.m_block_end) storage.kv_full.wait(0);
@@ -251,9 +272,8 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
     if (step > 0) named_barrier_sync<BwdBarrier::kDqEmpty, 0, kDqThreads>();
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
-      const int row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
       // Columns col and col + 1 stay neighbours under the swizzle (it permutes 16-byte units).
-      const int offset = swizzled_offset<float>(typename Traits::SmemLayoutdQ{}, row, col);
+      const int offset = dq_offset(get<0>(tdQcdQ(i)) - dq_row0, get<1>(tdQcdQ(i)) - dq_col0);
       *reinterpret_cast<float2*>(sdq + offset) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
     cutlass::arch::fence_view_async_shared();

@@ -38,6 +38,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(kernel_params.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kernel_params.tma_dq.get_tma_descriptor());
     storage.kv_full.init(1);
+    storage.kv_landed.init(1);
+    storage.query_landed.init(1);
     CUTE_UNROLL
     for (int stage = 0; stage < Traits::kStages; ++stage) {
       // The TMA transaction's arrival and one a loader lane (its LSE and D stores).

@@ -6,6 +6,11 @@
 //   consumers need no bounds there.
 // - The dQ warp adds each query block's dQ, which the consumers leave in shared memory, to dq_accum
 //   with TMA's reduce-add (fp32 add in L2), off the consumers' path.
+// Sequence isolation in a variable-length call: TMA reads a tile's rows past its sequence from the
+// next sequence (elsewhere rows past the tensor arrive as zeros). Those rows would meet a zero
+// (P = 0, dS = 0) in a GEMM, and 0 * NaN = NaN, so the warps of this warpgroup zero them in shared
+// memory (K and V once, Q and dO in the sequence's last query block, dQ before its reduce-add)
+// and the consumers' code stays the same for every call.
 #pragma once
 
 #include <cmath>
@@ -19,6 +24,7 @@
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
 #include "flash_cutlass/sm90/tma_views.h"
+#include "flash_cutlass/sm90/zero_rows.h"
 
 namespace flash_cutlass::sm90 {
 
@@ -38,8 +44,7 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   const int head_k = kv_head_of(head, params);
 
   // TMA views (rows, head_dim, heads, batch): rows and columns past the tensor arrive as zeros; in a
-  // variable-length call rows past a sequence are the next one's (P = 0 and dS = 0 there, so they
-  // add nothing as long as they are finite: a NaN or Inf there reaches this sequence's gradients).
+  // variable-length call rows past a sequence are the next one's, zeroed below once landed.
   const TmaExtents extents = tma_extents(params);
   const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
   Tensor mQ = kernel_params.tma_q.get_tma_tensor(make_shape(extents.rows_q, params.head_dim, params.heads, extents.batch));
@@ -63,10 +68,24 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
   auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  const int keys_in_block = work.sequence.seqlen_k - work.key_start;
+  const bool zero_key_tail = varlen && keys_in_block < Traits::kBlockN;
+  auto& kv_arrival = zero_key_tail ? storage.kv_landed : storage.kv_full;
   if (lane == 0) {
-    storage.kv_full.arrive_and_expect_tx(2 * Traits::kBytesKV);
-    copy(kernel_params.tma_k.with(reinterpret_cast<uint64_t&>(storage.kv_full)), tKgK, tKsK);
-    copy(kernel_params.tma_v.with(reinterpret_cast<uint64_t&>(storage.kv_full)), tVgV, tVsV);
+    kv_arrival.arrive_and_expect_tx(2 * Traits::kBytesKV);
+    copy(kernel_params.tma_k.with(reinterpret_cast<uint64_t&>(kv_arrival)), tKgK, tKsK);
+    copy(kernel_params.tma_v.with(reinterpret_cast<uint64_t&>(kv_arrival)), tVgV, tVsV);
+  }
+  if (zero_key_tail) {
+    storage.kv_landed.wait(0);
+    zero_tile_rows<Traits::kHeadDim, 32>(storage.k.data(), typename Traits::SmemLayoutKV{}, keys_in_block,
+                                         Traits::kBlockN, lane);
+    zero_tile_rows<Traits::kHeadDim, 32>(storage.v.data(), typename Traits::SmemLayoutKV{}, keys_in_block,
+                                         Traits::kBlockN, lane);
+    cutlass::arch::fence_view_async_shared();  // the zeros, before wgmma (the async proxy) reads them
+    __syncwarp();
+    if (lane == 0) storage.kv_full.arrive();
   }
   const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, head);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
@@ -74,11 +93,14 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
     const int stage = step % kStages;
     // The stage's previous block is done (the first kStages steps find it free).
     storage.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
+    // Only a sequence's last query block can hold rows past it: its loads land on query_landed.
+    const int queries_in_block = work.sequence.seqlen_q - m_block * kBlockM;
+    const bool zero_query_tail = varlen && queries_in_block < kBlockM;
+    auto& query_arrival = zero_query_tail ? storage.query_landed : storage.query_full[stage];
     if (lane == 0) {
-      storage.query_full[stage].arrive_and_expect_tx(2 * Traits::kBytesQ);
-      copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.query_full[stage])), tQgQ(_, m_block),
-           tQsQ(_, stage));
-      copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(storage.query_full[stage])), tdOgdO(_, m_block),
+      query_arrival.arrive_and_expect_tx(2 * Traits::kBytesQ);
+      copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
+      copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(query_arrival)), tdOgdO(_, m_block),
            tdOsdO(_, stage));
     }
     CUTE_UNROLL
@@ -93,6 +115,15 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
       storage.lse_log2[stage][local_row] = lse * float(M_LOG2E);
       storage.dsum[stage][local_row] = dsum;
     }
+    if (zero_query_tail) {
+      storage.query_landed.wait(0);  // once per CTA: the walk has one last block
+      zero_tile_rows<Traits::kHeadDim, 32>(storage.q.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
+                                           kBlockM, lane, stage);
+      zero_tile_rows<Traits::kHeadDim, 32>(storage.dout.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
+                                           kBlockM, lane, stage);
+      cutlass::arch::fence_view_async_shared();
+      if (lane == 0) storage.query_full[stage].arrive();  // in place of the TMA transaction's arrival
+    }
     // Each lane releases its own stores (the stage counts 1 + 32 arrivals).
     storage.query_full[stage].arrive();
   }
@@ -100,7 +131,8 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
 
 // Run by the dQ warp: the query blocks in the consumers' order, one TMA reduce-add each. Rows past
 // the tensor are not written; in a variable-length call the rows past a sequence are the next
-// one's, and this block's dQ is 0 there (dS = 0 past the sequence).
+// one's: the last block's are zeroed first (0 in exact arithmetic, but not when this sequence holds
+// a NaN or an Inf).
 template <class Traits, MaskKind kMaskKind>
 __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_params,
                                          KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
@@ -118,8 +150,16 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   Tensor sdQ = make_tensor(make_smem_ptr(storage.dq.data()), typename Traits::SmemLayoutdQ{});
   auto [tdQgdQ, tdQsdQ] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                         group_modes<0, 2>(gdQ));
+  const bool varlen = params.cu_seqlens_q != nullptr;
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
+    const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
+    if (varlen && queries_in_block < Traits::kBlockM) {
+      zero_tile_rows<Traits::kHeadDim, 32>(storage.dq.data(), typename Traits::SmemLayoutdQ{}, queries_in_block,
+                                           Traits::kBlockM, lane);
+      cutlass::arch::fence_view_async_shared();  // before the TMA unit reads the tile
+      __syncwarp();
+    }
     if (lane == 0) {
       copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block));
       tma_store_arrive();

@@ -109,6 +109,10 @@ struct BwdKernelTraits {
     // done with it.
     cutlass::arch::ClusterTransactionBarrier query_full[kStages];
     cutlass::arch::ClusterBarrier query_empty[kStages];
+    // Variable-length calls only: the K/V tile, and a sequence's last query block, land here when
+    // they hold rows past the sequence; the loader zeroes those rows before it marks them full.
+    cutlass::arch::ClusterTransactionBarrier kv_landed;
+    cutlass::arch::ClusterTransactionBarrier query_landed;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");

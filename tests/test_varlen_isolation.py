@@ -1,0 +1,53 @@
+"""Sequence isolation in a packed (variable-length) batch: a NaN or Inf in one sequence's q, k, v or
+dout changes no other sequence's gradients. The tiles of a sequence's last blocks reach into the
+next sequence's rows (TMA reads the packed tensor); the kernels must not let those values through
+(0 * NaN = NaN). Skipped without a GPU and the Hopper backward."""
+
+import pytest
+import torch
+
+import flash_cutlass
+from helpers import COMPILED_SM90_BACKWARD_HEAD_DIMS, kernel_unavailable, requires_backward, requires_cuda
+
+pytestmark = [requires_cuda, requires_backward]
+
+LENGTHS = (100, 77, 150)  # tails in every sequence's last query and key blocks
+
+
+@pytest.mark.parametrize("poisoned", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+def test_a_non_finite_sequence_leaves_its_neighbours_gradients_alone(cuda_gen, kernel, head_dim, causal, value,
+                                                                     poisoned):
+    reason = kernel_unavailable(kernel, head_dim, "backward")
+    if reason:
+        pytest.skip(reason)
+    total = sum(LENGTHS)
+    cu_seqlens = torch.tensor([0, 100, 177, 327], dtype=torch.int32, device="cuda")
+    longest = max(LENGTHS)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+
+    clean = {"q": rand(total, 4, head_dim), "k": rand(total, 2, head_dim), "v": rand(total, 2, head_dim),
+             "dout": rand(total, 4, head_dim)}
+    out, lse = flash_cutlass.flash_forward_varlen(clean["q"], clean["k"], clean["v"], cu_seqlens, cu_seqlens, longest,
+                                                  longest, causal=causal)
+
+    def gradients(tensors):
+        return flash_cutlass.flash_backward_varlen(tensors["dout"], tensors["q"], tensors["k"], tensors["v"], out, lse,
+                                                   cu_seqlens, cu_seqlens, longest, longest, causal=causal,
+                                                   kernel=kernel)
+
+    expected = gradients(clean)
+    poisoned_inputs = dict(clean)
+    poisoned_inputs[poisoned] = clean[poisoned].clone()
+    poisoned_inputs[poisoned][100:177] = value  # all of the middle sequence
+    got = gradients(poisoned_inputs)
+    for name, grad, ref in zip(("dq", "dk", "dv"), got, expected):
+        for rows in (slice(0, 100), slice(177, 327)):
+            assert grad[rows].isfinite().all(), f"{name} rows {rows} not finite ({poisoned} of the middle sequence)"
+            torch.testing.assert_close(grad[rows].float(), ref[rows].float(), atol=2e-2, rtol=2e-2,
+                                       msg=f"{name} rows {rows}")

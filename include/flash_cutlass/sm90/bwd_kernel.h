@@ -1,8 +1,8 @@
 // The Hopper-path backward kernel (sm_90a): one CTA per (key block, head, batch) keeps the block's
 // K and V in shared memory and walks the query blocks that see them, accumulating dK and dV in
 // registers and adding each query block's dQ to an fp32 accumulator in global memory.
-// Warpgroup 0 produces (bwd_producer.h): warp 0 loads Q, dO, LSE and D through a multi-stage
-// pipeline, warp 1 adds dQ with TMA's reduce-add; the consumer warpgroups, 64 keys each, run the
+// Warpgroup 0 produces (bwd_producer.h): warp 0 loads K, V, Q and dO by TMA and warp 2 the LSE and
+// D through a multi-stage pipeline, warp 1 adds dQ with TMA's reduce-add; the consumer warpgroups, 64 keys each, run the
 // five GEMMs and the softmax gradient (bwd_mainloop.h). Tile sizes, layouts and shared memory:
 // bwd_tile_config.h; named barriers: barriers.h. The preprocess (D, dq_accum zeroed) and the
 // postprocess (dQ scaled, converted) are both paths' (common/bwd_stages.h).
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     storage.query_landed.init(1);
     CUTE_UNROLL
     for (int stage = 0; stage < Traits::kStages; ++stage) {
-      // The TMA transaction's arrival and one a loader lane (its LSE and D stores).
+      // The TMA transaction's arrival and one a statistics-warp lane (its LSE and D stores).
       storage.query_full[stage].init(1 + 32);
       storage.query_empty[stage].init(Traits::kConsumerThreads);
     }
@@ -59,6 +59,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       load_key_block<Traits, kMaskKind>(kernel_params, work, storage, lane);
     } else if (warp == 1) {
       write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
+    } else if (warp == 2) {
+      stage_query_statistics<Traits, kMaskKind>(params, work, storage, lane);
     }
     return;
   }

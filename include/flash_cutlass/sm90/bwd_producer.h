@@ -1,9 +1,11 @@
-// The producer warpgroup of the Hopper-path backward: warp 0 loads, warp 1 writes dQ.
+// The producer warpgroup of the Hopper-path backward: warp 0 loads by TMA, warp 1 writes dQ, warp 2
+// stages the query rows' statistics.
 // - The loader brings the CTA's K and V into shared memory once, then each query block's Q and dO
-//   with TMA and its LSE and D with the warp's own loads, through kStages stages: a stage is full
-//   when the TMA bytes have landed and every lane has stored its statistics, empty when every
-//   consumer thread is done with it. Rows past the sequence read LSE +inf and D 0, so that the
-//   consumers need no bounds there.
+//   with TMA, and the statistics warp its LSE and D with its lanes' own loads, through kStages
+//   stages: a stage is full when the TMA bytes have landed and every lane of the statistics warp
+//   has stored its rows, empty when every consumer thread is done with it. Rows past the sequence
+//   read LSE +inf and D 0, so that the consumers need no bounds there. (In one warp, the TMA issue
+//   waited for the statistics' global loads, which 24 registers serialize.)
 // - The dQ warp adds each query block's dQ, which the consumers leave in shared memory, to dq_accum
 //   with TMA's reduce-add (fp32 add in L2), off the consumers' path.
 // Sequence isolation in a variable-length call: TMA reads a tile's rows past its sequence from the
@@ -87,7 +89,6 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
     __syncwarp();
     if (lane == 0) storage.kv_full.arrive();
   }
-  const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, head);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
     const int stage = step % kStages;
@@ -103,6 +104,32 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
       copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(query_arrival)), tdOgdO(_, m_block),
            tdOsdO(_, stage));
     }
+    if (zero_query_tail) {
+      storage.query_landed.wait(0);  // once per CTA: the walk has one last block
+      zero_tile_rows<Traits::kHeadDim, 32>(storage.q.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
+                                           kBlockM, lane, stage);
+      zero_tile_rows<Traits::kHeadDim, 32>(storage.dout.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
+                                           kBlockM, lane, stage);
+      cutlass::arch::fence_view_async_shared();
+      __syncwarp();
+      if (lane == 0) storage.query_full[stage].arrive();  // in place of the TMA transaction's arrival
+    }
+  }
+}
+
+// Run by the 32 lanes of the statistics warp: each query block's LSE (log2 units) and D into its
+// stage, one arrival a lane on the stage's full barrier (which counts 1 + 32).
+template <class Traits, MaskKind kMaskKind>
+__device__ __forceinline__ void stage_query_statistics(
+    BwdParams const& params, KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
+    typename Traits::SharedStorage& storage, int lane) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kStages = Traits::kStages;
+  const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, work.tile.head);
+  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
+    const int step = m_block - work.m_block_begin;
+    const int stage = step % kStages;
+    storage.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
     CUTE_UNROLL
     for (int local_row = lane; local_row < kBlockM; local_row += 32) {
       const int row = m_block * kBlockM + local_row;
@@ -115,17 +142,7 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
       storage.lse_log2[stage][local_row] = lse * float(M_LOG2E);
       storage.dsum[stage][local_row] = dsum;
     }
-    if (zero_query_tail) {
-      storage.query_landed.wait(0);  // once per CTA: the walk has one last block
-      zero_tile_rows<Traits::kHeadDim, 32>(storage.q.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
-                                           kBlockM, lane, stage);
-      zero_tile_rows<Traits::kHeadDim, 32>(storage.dout.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
-                                           kBlockM, lane, stage);
-      cutlass::arch::fence_view_async_shared();
-      if (lane == 0) storage.query_full[stage].arrive();  // in place of the TMA transaction's arrival
-    }
-    // Each lane releases its own stores (the stage counts 1 + 32 arrivals).
-    storage.query_full[stage].arrive();
+    storage.query_full[stage].arrive();  // each lane releases its own stores
   }
 }
 

@@ -23,7 +23,8 @@ struct BwdKernelTraits {
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "rows of 128-byte swizzle atoms; registers");
 
   // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory (TMA
-  // reduce-add); warps 2 and 3 exit at once. Warpgroups 1.. are the consumers, 64 keys each.
+  // reduce-add), warp 2 stages LSE and D; warp 3 exits at once. Warpgroups 1.. are the consumers,
+  // 64 keys each.
   static constexpr int kConsumerWarpgroups = kBlockN / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -105,7 +106,7 @@ struct BwdKernelTraits {
     alignas(16) float dsum[kStages][kBlockM];
     cutlass::arch::ClusterTransactionBarrier kv_full;
     // A stage is full when its Q and dO have landed (TMA transaction bytes) and every lane of the
-    // loader warp has stored its LSE and D (an arrival each); empty when every consumer thread is
+    // statistics warp has stored its LSE and D (an arrival each); empty when every consumer thread is
     // done with it.
     cutlass::arch::ClusterTransactionBarrier query_full[kStages];
     cutlass::arch::ClusterBarrier query_empty[kStages];

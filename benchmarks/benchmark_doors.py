@@ -7,13 +7,15 @@ and flash_attn_qkvpacked_func on a packed qkv without GQA), scaled_dot_product_a
 (batch, heads, seqlen, head_dim) layout, and the transformers attention function
 (flash_cutlass.integrations.transformers.attention_forward, when transformers is installed),
 forward or forward + backward. Each door's time is the median of CUDA-event timings over many
-calls, in one process; "overhead" is its time over the direct call's (1.00: none).
+calls, in one process, the doors alternating over --rounds rounds (the median of the rounds);
+"overhead" is its time over the direct call's on the same inputs (1.00: none).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import sys
 from pathlib import Path
 
@@ -75,7 +77,9 @@ def door_calls(seqlen: int, head_dim: int, direction: str, device: str = "cuda",
     return calls
 
 
-BASELINES = {"flash_attn_qkvpacked_func": "flash_attention (qkv views)"}
+# What each door is compared with: the direct call on the same inputs.
+BASELINES = {"flash_attn_qkvpacked_func": "flash_attention (qkv views)",
+             "flash_attention (qkv views)": "flash_attention (qkv views)"}
 
 
 def main(argv=None) -> int:
@@ -83,7 +87,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seqlens", default="512,4096", help="comma-separated (default 512,4096)")
     parser.add_argument("--head-dims", default="128", help="comma-separated head dims (default 128)")
     parser.add_argument("--directions", default="forward,forward+backward", help="forward and/or forward+backward")
-    parser.add_argument("--min-time-ms", type=float, default=200.0)
+    parser.add_argument("--min-time-ms", type=float, default=200.0, help="GPU time timed per measurement")
+    parser.add_argument("--warmup-ms", type=float, default=100.0,
+                        help="GPU time run untimed before each measurement, so the clocks settle under its load")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measure the doors in this many alternating rounds (A B C A B C ...) and report the "
+                             "median of each door's rounds: clock drift then falls on every door alike")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -96,8 +105,12 @@ def main(argv=None) -> int:
     for direction in args.directions.split(","):
         for head_dim in (int(d) for d in args.head_dims.split(",")):
             for seqlen in (int(s) for s in args.seqlens.split(",")):
-                times = {name: median_ms(call, 10, 20, args.min_time_ms)
-                         for name, call in door_calls(seqlen, head_dim, direction).items()}
+                calls = door_calls(seqlen, head_dim, direction)
+                rounds = {name: [] for name in calls}
+                for _ in range(args.rounds):
+                    for name, call in calls.items():
+                        rounds[name].append(median_ms(call, 10, 20, args.min_time_ms, args.warmup_ms))
+                times = {name: statistics.median(values) for name, values in rounds.items()}
                 for name, ms in times.items():
                     base = times[BASELINES.get(name, "flash_attention")]
                     rows.append({"direction": direction, "head_dim": head_dim, "seqlen": seqlen, "door": name,

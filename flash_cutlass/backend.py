@@ -221,7 +221,7 @@ def _with_varlen_lengths(q: torch.Tensor, k: torch.Tensor, options: AttentionOpt
     tensors and the grid (include/flash_cutlass/common/block_info.h, sequence_rows), so that wrong
     lengths give wrong results but no access outside the tensors. CPU calls, and CUDA calls with
     $FLASH_CUTLASS_CHECK_VARLEN=1, check the lengths (_check_lengths)."""
-    if q.device.type != "cuda" or _check_varlen_requested():
+    if _check_varlen_requested() or q.device.type != "cuda":
         _check_lengths(q, k, options)
     return options.replace(cu_seqlens_q=options.cu_seqlens_q.contiguous(),
                            cu_seqlens_k=options.cu_seqlens_k.contiguous())

@@ -257,11 +257,14 @@ void set_extended_params(FwdParams& params, AttentionOptions const& options, con
 }
 
 // A variable-length call: int32 cumulative sequence lengths (batch + 1 entries each, on q's device)
-// and the longest lengths, which size the grid. The packed (total, heads, head_dim) tensors come
-// as (1, total, heads, head_dim) views, lse as (1, heads, total_q). Their contents (starting at 0,
-// non-decreasing, ending at the totals, the longest lengths at least every length) are checked by
-// flash_cutlass/backend.py, which reads them on the host. Turns params set for the (1, total, ...)
-// views into a variable-length call's.
+// and max_seqlen_q / max_seqlen_k, which size the grid (capped at the token counts: no sequence is
+// longer). The packed (total, heads, head_dim) tensors come as (1, total, heads, head_dim) views,
+// lse as (1, heads, total_q). Nothing here reads the lengths (no synchronization): the kernels clamp
+// each sequence's rows to the packed tensors and its lengths to the grid's
+// (include/flash_cutlass/common/block_info.h, sequence_rows), so that lengths that do not start at
+// 0, decrease, pass the totals or exceed max_seqlen give wrong results but never an access outside
+// the tensors; flash_cutlass/backend.py checks them where asked to. Turns params set for the
+// (1, total, ...) views into a variable-length call's.
 void set_varlen_params(FwdParams& params, AttentionOptions const& options, const at::Tensor& q) {
   FLASH_CHECK(options.cu_seqlens_k.has_value() && options.cu_seqlens_k->defined(),
                "cu_seqlens_q and cu_seqlens_k go together");
@@ -282,8 +285,8 @@ void set_varlen_params(FwdParams& params, AttentionOptions const& options, const
   params.total_q = params.seqlen_q;
   params.total_k = params.seqlen_k;
   params.batch = static_cast<int>(cu_q.numel() - 1);
-  params.seqlen_q = static_cast<int>(options.max_seqlen_q);
-  params.seqlen_k = static_cast<int>(options.max_seqlen_k);
+  params.seqlen_q = static_cast<int>(std::min(options.max_seqlen_q, params.total_q));
+  params.seqlen_k = static_cast<int>(std::min(options.max_seqlen_k, params.total_k));
   params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.out_batch_stride = 0;
 }
 

@@ -1,13 +1,15 @@
 """Runs a validated call: the compiled CUDA extension for CUDA tensors, the pure-PyTorch reference
 for CPU tensors. Its callers (flash_cutlass.interface and the custom ops in flash_cutlass.ops)
 have checked the tensors and built the AttentionOptions; nothing here checks them again, except
-the data of a variable-length call's lengths, which only this layer reads.
+the data of a variable-length call's lengths, which only this layer reads (on CPU, or with
+$FLASH_CUTLASS_CHECK_VARLEN=1).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -150,11 +152,13 @@ def _check_device_capability(device: torch.device) -> None:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t itself if every global access can be 16 bytes wide, else a contiguous copy."""
+    """t itself if every global access can be 16 bytes wide, else a contiguous copy in a new
+    allocation (16-byte aligned; t.contiguous() would return a contiguous t whose data starts off
+    a 16-byte boundary as it is)."""
     strides_ok = all(s % _ALIGN_ELEMS == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
     if strides_ok and t.data_ptr() % 16 == 0:
         return t
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _padded_head_dim(head_dim: int) -> int:
@@ -177,14 +181,24 @@ def _padded(tensors, head_dim: int):
     return [_aligned(t) for t in tensors]
 
 
-def _with_checked_lengths(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions) -> AttentionOptions:
-    """A variable-length call's lengths, read on the host (one device synchronization for CUDA
-    tensors) and checked: they must start at 0, never decrease and end at the token counts, and
-    max_seqlen_q / max_seqlen_k must be at least the longest lengths. Returns the options with the
-    longest lengths themselves (the kernels' grid) and contiguous cumulative lengths."""
+# Set to 1, every variable-length call on CUDA tensors reads its lengths on the host and checks
+# them (a device synchronization a call): for debugging; CPU calls always check.
+CHECK_VARLEN_ENV = "FLASH_CUTLASS_CHECK_VARLEN"
+
+
+def _check_varlen_requested() -> bool:
+    value = os.environ.get(CHECK_VARLEN_ENV, "").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{CHECK_VARLEN_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _check_lengths(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions) -> None:
+    """Reads a variable-length call's lengths on the host and checks them: they must start at 0,
+    never decrease and end at the token counts, and max_seqlen_q / max_seqlen_k must be at least
+    the longest lengths. Raises ValueError naming the argument."""
     values = torch.cat([options.cu_seqlens_q, options.cu_seqlens_k]).tolist()
     count = options.cu_seqlens_q.shape[0]
-    longest = []
     for name, total, tensor, max_name, max_len, starts in (
             ("cu_seqlens_q", q.shape[0], "q", "max_seqlen_q", options.max_seqlen_q, values[:count]),
             ("cu_seqlens_k", k.shape[0], "k", "max_seqlen_k", options.max_seqlen_k, values[count:])):
@@ -195,12 +209,28 @@ def _with_checked_lengths(q: torch.Tensor, k: torch.Tensor, options: AttentionOp
             raise ValueError(f"{name} must be non-decreasing, got {starts}")
         if starts[-1] != total:
             raise ValueError(f"{name} must end at the {total} tokens of {tensor}, got {starts[-1]}")
-        longest.append(max(lengths, default=0))
-        if max_len < longest[-1]:
-            raise ValueError(f"{max_name} = {max_len} is below the longest sequence, {longest[-1]} tokens")
+        longest = max(lengths, default=0)
+        if max_len < longest:
+            raise ValueError(f"{max_name} = {max_len} is below the longest sequence, {longest} tokens")
+
+
+def _with_varlen_lengths(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions) -> AttentionOptions:
+    """The options of a variable-length call with contiguous cumulative lengths. CUDA calls read
+    nothing on the host (no synchronization; CUDA graphs can capture them): the kernels' grid is
+    max_seqlen_q / max_seqlen_k as given, and the kernels bound every sequence by the packed
+    tensors and the grid (include/flash_cutlass/common/block_info.h, sequence_rows), so that wrong
+    lengths give wrong results but no access outside the tensors. CPU calls, and CUDA calls with
+    $FLASH_CUTLASS_CHECK_VARLEN=1, check the lengths (_check_lengths)."""
+    if _check_varlen_requested() or q.device.type != "cuda":
+        _check_lengths(q, k, options)
     return options.replace(cu_seqlens_q=options.cu_seqlens_q.contiguous(),
-                           cu_seqlens_k=options.cu_seqlens_k.contiguous(), max_seqlen_q=longest[0],
-                           max_seqlen_k=longest[1])
+                           cu_seqlens_k=options.cu_seqlens_k.contiguous())
+
+
+def _varlen_without_work(options: AttentionOptions) -> bool:
+    """Whether the kernels of a variable-length call have nothing to do: no sequences, or
+    max_seqlen_q or max_seqlen_k 0 (every sequence cut to no queries or no keys)."""
+    return options.cu_seqlens_q.shape[0] == 1 or options.max_seqlen_q == 0 or options.max_seqlen_k == 0
 
 
 def _reference_options(options: AttentionOptions) -> dict:
@@ -212,13 +242,14 @@ def forward(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Ten
     """(out, lse) of a checked call: q (batch, seqlen_q, heads, head_dim) and lse (batch, heads,
     seqlen_q), or in a variable-length call packed q (total_q, heads, head_dim) and lse (heads, total_q)."""
     if options.is_varlen:
-        options = _with_checked_lengths(q, k, options)
+        options = _with_varlen_lengths(q, k, options)
         if q.device.type != "cuda":
             out, lse = reference.attention_forward_varlen(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k,
                                                           options.softmax_scale, options.causal,
                                                           **_reference_options(options))
             return out.contiguous(), lse.contiguous()
-        out, lse = _forward_cuda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), options)
+        out, lse = _forward_cuda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), options,
+                                 without_work=_varlen_without_work(options))
         return out[0], lse[0]
     if q.device.type != "cuda":
         out, lse = reference.attention_forward(q, k, v, options.softmax_scale, options.causal,
@@ -227,15 +258,16 @@ def forward(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Ten
     return _forward_cuda(q, k, v, options)
 
 
-def _forward_cuda(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Tensor]:
+def _forward_cuda(q, k, v, options: AttentionOptions, without_work: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The extension's forward on (batch, seqlen, heads, head_dim) tensors ((1, total, ...) views
-    in a variable-length call, whose lse is then (1, heads, total_q))."""
+    in a variable-length call, whose lse is then (1, heads, total_q)). without_work: the kernels
+    would compute nothing (_varlen_without_work); out is then 0 and lse -inf, as without keys."""
     _check_device(q)
     batch, seqlen_q, heads, head_dim = q.shape
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
-    if k.shape[1] == 0:
+    if k.shape[1] == 0 or without_work:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse.fill_(-math.inf)
     q, k, v = _padded((q, k, v), head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -248,7 +280,7 @@ def _forward_cuda(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, tor
 def backward(dout, q, k, v, out, lse, options: AttentionOptions):
     """(dq, dk, dv) of a checked call, shaped like q, k and v (packed in a variable-length call)."""
     if options.is_varlen:
-        options = _with_checked_lengths(q, k, options)
+        options = _with_varlen_lengths(q, k, options)
         if q.device.type != "cuda":
             grads = reference.attention_backward_varlen(dout, q, k, v, out, lse, options.cu_seqlens_q,
                                                         options.cu_seqlens_k, options.softmax_scale, options.causal,

@@ -33,12 +33,11 @@ rather than return something else):
   varlen functions) carries no gradient, where FA2's takes one and drops it.
 - block_table (a paged KV cache) raises NotImplementedError.
 - softcap < 0 and window sides below -1 raise ValueError (FA2 reads them as off and unbounded),
-  as do softmax_scale <= 0 and a max_seqlen below the longest sequence (FA2 trusts it).
+  as does softmax_scale <= 0. max_seqlen is trusted as in FA2 on CUDA (checked on CPU, and on
+  CUDA with FLASH_CUTLASS_CHECK_VARLEN=1).
 - The dropout mask is flash_cutlass's own (Philox over seed, offset, batch, head, row and key):
   the same seed drops other entries than FA2's. Under torch.compile, dropout_p > 0 breaks the
   graph where the seed is drawn (fullgraph=True raises).
-- The varlen functions read cu_seqlens on the host to check them: one device synchronization a
-  call, so they cannot be captured in a CUDA graph.
 - A packed input's gradient is put together from dq, dk and dv (one copy of it), where FA2's
   backward writes into it directly.
 - flash_attn_with_kvcache and FA2's other functions are not provided.

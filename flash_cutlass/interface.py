@@ -189,14 +189,19 @@ def flash_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
 
     q: (total_q, heads, head_dim), k and v: (total_k, heads_k, head_dim); sequence b owns rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v
-    (int32 cumulative lengths, batch + 1 entries starting at 0, on q's device; a sequence may be
-    empty). max_seqlen_q and max_seqlen_k must be at least the longest lengths (the kernels' grid
-    is sized by the longest lengths themselves).
+    (int32 cumulative lengths, batch + 1 entries starting at 0 and ending at total_q / total_k,
+    on q's device; a sequence may be empty). max_seqlen_q and max_seqlen_k must be at least the
+    longest lengths: they size the kernels' grid.
     Each sequence attends only to itself, with causal masks and windows aligned to its own
     lengths. The other arguments are flash_forward's; alibi_slopes (batch, heads) give sequence b
     row b, and dropout draws sequence b's mask as batch entry b of flash_forward. Returns out like
-    q and lse, float32 (heads, total_q) (and rng_state with dropout). The lengths are read on the
-    host and checked: one device synchronization per call.
+    q and lse, float32 (heads, total_q) (and rng_state with dropout).
+
+    CUDA calls read nothing on the host (no device synchronization; CUDA graphs can capture them)
+    and so check neither the lengths nor max_seqlen: lengths that break these rules give wrong
+    results for the sequences concerned (rows outside every sequence are left unspecified), but
+    the kernels never read or write outside the tensors. With $FLASH_CUTLASS_CHECK_VARLEN=1 they
+    are read and checked (ValueError; one synchronization a call), as CPU calls always do.
     """
     options = _varlen_forward_options(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -206,8 +211,8 @@ def flash_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
 
 
 def _varlen_forward_options(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments):
-    """The shape checks of a variable-length forward (the lengths' data are checked by the backend,
-    so that torch.compile traces this) and its options."""
+    """The shape checks of a variable-length forward (the lengths' data are the backend's, so that
+    torch.compile traces this) and its options."""
     batch = check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_forward_tensors(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
     return forward_options(q.unsqueeze(0), batch=batch,
@@ -245,7 +250,8 @@ def flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
                           rng_state: Optional[torch.Tensor] = None):
     """Gradients of flash_forward_varlen: (dq, dk, dv) shaped like the packed q, k and v. dout and
     out are shaped like q, lse is (heads, total_q) as flash_forward_varlen returned it; the other
-    arguments are those of the forward call and of flash_backward."""
+    arguments are those of the forward call and of flash_backward. The lengths are read and
+    checked as in flash_forward_varlen (on CUDA only with $FLASH_CUTLASS_CHECK_VARLEN=1)."""
     batch = check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_varlen_outputs(dout, out, lse, q)
     check_backward_tensors(*(t.unsqueeze(0) for t in (dout, q, k, v, out, lse)))

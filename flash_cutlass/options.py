@@ -106,7 +106,11 @@ def check_bool(value, name: str) -> bool:
 def _check_real(value, name: str, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {what}, got {_type_name(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # e.g. an int past the float range
+        raise ValueError(
+            f"{name} must be finite, got a value too large for a float ({_type_name(value)})") from None
 
 
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:

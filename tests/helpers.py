@@ -116,6 +116,15 @@ def options_left_out(window_size=(-1, -1), softcap=0.0, alibi=False, dropout_p=0
     return f"this build left their kernels out ({', '.join(f + '=0' for f in missing)})" if missing else ""
 
 
+def off_16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose data starts one element (2 bytes of fp16/bf16, 4 of fp32) past a
+    16-byte boundary: only its data pointer is unaligned, not its strides."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    shifted = storage[1:].view(t.shape).copy_(t)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
+    return shifted
+
+
 def worse_baseline(oracle: torch.Tensor, *candidates: torch.Tensor) -> torch.Tensor:
     """The candidate baseline for :func:`fa2_check` farthest from ``oracle`` (max abs difference)."""
     return max(candidates, key=lambda c: (c.detach().float().to(oracle.device) - oracle.float()).abs().max().item())

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import flash_cutlass
-from flash_cutlass.backend import check_compute_capability
+from flash_cutlass.backend import _aligned, check_compute_capability
 from flash_cutlass.reference import naive_attention
-from helpers import catalogue
+from helpers import catalogue, check_rejected_by_every_entry_point, off_16_bytes
 
 
 def qkv(batch=2, seqlen_q=33, seqlen_k=47, heads=4, heads_k=2, head_dim=32, dtype=torch.bfloat16, gen=None):
@@ -60,6 +60,16 @@ def test_cpu_head_dim_not_multiple_of_8(gen):
     out, lse = flash_cutlass.flash_forward(q, k, v, softmax_scale=0.5)
     ref_out, _ = naive_attention(q, k, v, 0.5, False, compute_dtype=torch.float64)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-2, rtol=1e-2)
+
+
+def test_inputs_off_a_16_byte_boundary_are_copied_to_aligned_memory(gen):
+    # The kernels load 16 bytes at a time: a contiguous view whose data starts 2 bytes into an
+    # allocation goes to them as an aligned copy (t.contiguous() would hand back t itself).
+    shifted = off_16_bytes(torch.randn(2, 8, 4, 16, generator=gen).to(torch.bfloat16))
+    copy = _aligned(shifted)
+    assert copy.data_ptr() % 16 == 0 and copy.is_contiguous() and torch.equal(copy, shifted)
+    aligned = torch.randn(2, 8, 4, 16, generator=gen).to(torch.bfloat16)
+    assert _aligned(aligned) is aligned
 
 
 def test_cpu_empty_inputs():
@@ -145,6 +155,13 @@ def test_rejects_non_contiguous_last_dimension(which):
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
 def test_rejects_bad_softmax_scale(scale):
     expect(ValueError, r"^softmax_scale must be finite and > 0", *qkv(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("name", ["softmax_scale", "softcap", "dropout_p"])
+def test_rejects_ints_past_the_float_range_naming_the_argument(name):
+    # float(10**400) raises OverflowError, which is neither TypeError nor ValueError.
+    check_rejected_by_every_entry_point(ValueError, rf"^{name} must be finite, got a value too large for a float",
+                                        **{name: 10**400})
 
 
 def test_rejects_non_float_softmax_scale():

@@ -13,7 +13,7 @@ from flash_cutlass.backend import _extension
 from flash_cutlass.options import AttentionOptions
 from flash_cutlass.reference import naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, backward_left_out, fa2_check,
-                     options_left_out, requires_cuda)
+                     off_16_bytes, options_left_out, requires_cuda)
 
 pytestmark = requires_cuda
 
@@ -286,6 +286,20 @@ def test_misaligned_views_are_copied(gen, kernel):
     q = base[..., 1:]  # rows start 2 bytes past a 16-byte boundary
     out, lse = flash_cutlass.flash_forward(q, q, q, kernel=kernel)
     check_against_oracle(q, q, q, out, lse, head_dim ** -0.5, False, "misaligned")
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_inputs_off_a_16_byte_boundary_give_the_aligned_results(cuda_gen, kernel, which):
+    # Contiguous, but with data 2 bytes past a 16-byte boundary (a view at an odd storage offset):
+    # the extension, which loads 16 bytes at a time, would refuse it; the call copies it instead.
+    skip_unless_runs(kernel)
+    head_dim = first_head_dim(kernel)
+    tensors = dict(zip("qkv", make_qkv(cuda_gen, 2, 300, 257, 4, 2, head_dim, COMPILED_DTYPES[-1])))
+    expected_out, expected_lse = flash_cutlass.flash_forward(**tensors, causal=True, kernel=kernel)
+    tensors[which] = off_16_bytes(tensors[which])
+    out, lse = flash_cutlass.flash_forward(**tensors, causal=True, kernel=kernel)
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 160, 192])

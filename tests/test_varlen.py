@@ -7,7 +7,10 @@ ALiBi and dropout; the entry points equal flash_forward / flash_backward run seq
 sequences of length 0 and 1; bad input. GPU (skipped without one): every kernel's varlen results
 equal its per-sequence results bitwise in the forward and closely in the backward, and pass the
 fp32 oracle by FlashAttention-2's rule, sequence by sequence, with causal, a window, ALiBi, a soft
-cap, dropout and GQA.
+cap, dropout and GQA. CUDA calls read their lengths on the device only: they never synchronize,
+replay in a CUDA graph on new data and new lengths, run lengths that break the rules without
+leaving the tensors (and without changing the sequences those leave alone), ignore rows past the
+last sequence, and check the lengths with FLASH_CUTLASS_CHECK_VARLEN=1.
 """
 
 import math
@@ -175,6 +178,10 @@ def test_empty_batches_and_sequences():
      ValueError, r"cu_seqlens_q must be non-decreasing"),
     ({"cu_seqlens_k": torch.tensor([0, 4, 8], dtype=torch.int32)}, ValueError,
      r"cu_seqlens_k must end at the 9 tokens of k, got 8"),
+    ({"cu_seqlens_q": torch.tensor([0, 4, 12], dtype=torch.int32)}, ValueError,
+     r"cu_seqlens_q must end at the 9 tokens of q, got 12"),
+    ({"cu_seqlens_k": torch.tensor([-2, 5, 9], dtype=torch.int32)}, ValueError,
+     r"cu_seqlens_k must start at 0, got -2"),
     ({"cu_seqlens_k": torch.tensor([0, 9], dtype=torch.int32)}, ValueError,
      r"cu_seqlens_q and cu_seqlens_k must have the same number of entries \(batch \+ 1\), got 3 and 2"),
     ({"max_seqlen_q": 4}, ValueError, r"max_seqlen_q = 4 is below the longest sequence, 5 tokens"),
@@ -203,6 +210,17 @@ def test_bad_varlen_input_is_rejected_by_every_entry_point(change, error, match)
         with pytest.raises(error, match=match):
             flash_cutlass.flash_backward_varlen(out, args["q"], args["k"], args["k"], out, lse, *positional[3:],
                                                 alibi_slopes=args["alibi_slopes"])
+
+
+def test_the_check_variable_takes_0_or_1_and_cpu_calls_check_either_way(monkeypatch):
+    q = torch.zeros(9, 2, 16, dtype=torch.bfloat16)
+    lengths = torch.tensor([0, 4, 9], dtype=torch.int32)
+    monkeypatch.setenv("FLASH_CUTLASS_CHECK_VARLEN", "yes")
+    with pytest.raises(ValueError, match=r"FLASH_CUTLASS_CHECK_VARLEN must be 0 or 1, got 'yes'"):
+        flash_cutlass.flash_forward_varlen(q, q, q, lengths, lengths, 5, 5)
+    monkeypatch.setenv("FLASH_CUTLASS_CHECK_VARLEN", "0")
+    with pytest.raises(ValueError, match=r"max_seqlen_q = 4 is below the longest sequence, 5 tokens"):
+        flash_cutlass.flash_forward_varlen(q, q, q, lengths, lengths, 4, 5)
 
 
 # GPU ----------------------------------------------------------------------------------------
@@ -308,3 +326,213 @@ def test_cu_seqlens_on_another_device_are_rejected(cuda_gen):
     q = torch.zeros(9, 2, COMPILED_HEAD_DIMS[0], device="cuda", dtype=COMPILED_DTYPES[-1])
     with pytest.raises(ValueError, match=r"cu_seqlens_q is on cpu but q is on cuda:0"):
         flash_cutlass.flash_forward_varlen(q, q, q, cumulative([4, 5]), cumulative([4, 5], "cuda"), 5, 5)
+
+
+# GPU: the lengths are read on the device only ------------------------------------------------
+# CUDA calls read cu_seqlens and max_seqlen nowhere but in the kernels: nothing synchronizes, CUDA
+# graphs capture the calls, and lengths that break the rules stay inside the tensors.
+
+DEVICE_LENGTHS = ([300, 40, 1, 200], [280, 50, 17, 230])  # 541 queries, 577 keys
+# cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k that break the rules, and the sequences
+# (of DEVICE_LENGTHS) they leave alone, whose results must stay those of the well-formed call.
+MALFORMED_LENGTHS = {
+    "max_seqlen_below_the_longest": ([0, 300, 340, 341, 541], [0, 280, 330, 347, 577], 250, 250, (1, 2, 3)),
+    "last_entry_past_the_totals": ([0, 300, 340, 341, 10**6], [0, 280, 330, 347, 2**31 - 1], 300, 280, (0, 1, 2)),
+    "negative_first_entry": ([-7, 300, 340, 341, 541], [-2**31, 280, 330, 347, 577], 300, 280, (1, 2, 3)),
+    "decreasing": ([0, 300, 120, 341, 541], [0, 280, 330, 100, 577], 300, 280, ()),
+    "garbage": ([2**31 - 1, -2**31, 5, 2**31 - 1, -1], [-1, 7, 2**31 - 1, 0, 3], 2**31 - 1, 2**31 - 1, ()),
+}
+
+
+def device_lengths_case(kernel: str):
+    """(head_dim, dtype) of the tests below on `kernel` ('sm80' or 'sm90', forward and backward);
+    skips where the build or the GPU cannot run them."""
+    head_dim = 64 if 64 in COMPILED_HEAD_DIMS else COMPILED_HEAD_DIMS[0]
+    reason = kernel_unavailable(kernel, head_dim, "backward") or kernel_unavailable(kernel, head_dim, "forward")
+    if reason:
+        pytest.skip(reason)
+    return head_dim, COMPILED_DTYPES[-1]
+
+
+def device_inputs(gen, lengths_q, lengths_k, head_dim, dtype):
+    """q, k, v (GQA: HEADS query heads on 2 key heads) and dout of packed sequences on the GPU."""
+    q, k, v = packed_inputs(gen, lengths_q, lengths_k, HEADS, 2, head_dim, dtype, "cuda")
+    return q, k, v, torch.randn(q.shape, generator=gen, device="cuda").to(dtype)
+
+
+def check_same_gradients(grads, expected, rows_q, rows_k, label):
+    """(dq, dk, dv) of two calls agree on the rows given: dK and dV bitwise, dQ (added in an order
+    that may change between runs) up to rounding."""
+    dq, dk, dv = grads
+    ref_dq, ref_dk, ref_dv = expected
+    assert torch.equal(dk[rows_k], ref_dk[rows_k]), f"{label}: dk"
+    assert torch.equal(dv[rows_k], ref_dv[rows_k]), f"{label}: dv"
+    torch.testing.assert_close(dq[rows_q].float(), ref_dq[rows_q].float(), atol=2e-2, rtol=2e-2,
+                               msg=lambda m: f"{label}: dq: {m}")
+
+
+def check_same_rows(actual, expected, rows_q, rows_k, label):
+    """(out, lse, (dq, dk, dv)) of two calls agree on the rows given: out and lse bitwise, the
+    gradients as check_same_gradients."""
+    out, lse, grads = actual
+    ref_out, ref_lse, ref_grads = expected
+    assert torch.equal(out[rows_q], ref_out[rows_q]), f"{label}: out"
+    assert torch.equal(lse[:, rows_q], ref_lse[:, rows_q]), f"{label}: lse"
+    check_same_gradients(grads, ref_grads, rows_q, rows_k, label)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_cuda_varlen_calls_never_synchronize(cuda_gen, kernel, monkeypatch):
+    head_dim, dtype = device_lengths_case(kernel)
+    monkeypatch.setenv("FLASH_CUTLASS_BACKWARD_KERNEL", kernel)  # flash_attention_varlen's backward
+    lengths_q, lengths_k = DEVICE_LENGTHS
+    q, k, v, dout = device_inputs(cuda_gen, lengths_q, lengths_k, head_dim, dtype)
+    cu_q, cu_k = cumulative(lengths_q, "cuda"), cumulative(lengths_k, "cuda")
+    lengths = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def calls():
+        out, lse = flash_cutlass.flash_forward_varlen(q, k, v, *lengths, causal=True, kernel=kernel)
+        flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, *lengths, causal=True, kernel=kernel)
+        flash_cutlass.flash_attention_varlen(*leaves, *lengths, causal=True, kernel=kernel).backward(dout)
+
+    calls()  # first launches (kernel attributes, device queries) outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # from here, a synchronizing call raises
+    try:
+        calls()
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            cu_q.tolist()  # what the calls used to do: the mode catches it
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_cuda_graph_of_varlen_calls_replays_new_data_and_lengths(cuda_gen, kernel, monkeypatch):
+    head_dim, dtype = device_lengths_case(kernel)
+    monkeypatch.setenv("FLASH_CUTLASS_BACKWARD_KERNEL", kernel)
+    lengths_q, lengths_k = DEVICE_LENGTHS
+    max_q, max_k = max(lengths_q), max(lengths_k)
+    # The replay's lengths: the same totals and longest lengths (the graph's shapes and grid), but
+    # other sequences.
+    new_lengths_q, new_lengths_k = lengths_q[::-1], lengths_k[::-1]
+
+    def calls(q, k, v, dout, cu_q, cu_k, leaves):
+        out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
+        grads = flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=True,
+                                                    kernel=kernel)
+        attended = flash_cutlass.flash_attention_varlen(*leaves, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
+        attended.backward(dout)
+        return out, lse, grads, attended
+
+    static = list(device_inputs(cuda_gen, lengths_q, lengths_k, head_dim, dtype))
+    static += [cumulative(lengths_q, "cuda"), cumulative(lengths_k, "cuda")]
+    leaves = [t.clone().requires_grad_() for t in static[:3]]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture, as torch.cuda.graphs asks
+        calls(*static, leaves)
+    torch.cuda.current_stream().wait_stream(stream)
+    for leaf in leaves:
+        leaf.grad = None  # the captured backward allocates the gradients in the graph's memory
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse, grads, attended = calls(*static, leaves)
+    leaf_grads = [leaf.grad for leaf in leaves]
+
+    new = list(device_inputs(cuda_gen, lengths_q, lengths_k, head_dim, dtype))
+    new += [cumulative(new_lengths_q, "cuda"), cumulative(new_lengths_k, "cuda")]
+    with torch.no_grad():
+        for target, source in zip(static + leaves, new + new[:3]):
+            target.copy_(source)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    new_leaves = [t.clone().requires_grad_() for t in new[:3]]
+    eager_out, eager_lse, eager_grads, eager_attended = calls(*new, new_leaves)
+    everything = slice(None)
+    check_same_rows((out, lse, grads), (eager_out, eager_lse, eager_grads), everything, everything, "replay")
+    assert torch.equal(attended, eager_attended), "replay of flash_attention_varlen: out"
+    check_same_gradients(leaf_grads, [t.grad for t in new_leaves], everything, everything,
+                         "replay of flash_attention_varlen")
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", list(MALFORMED_LENGTHS))
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_malformed_lengths_stay_inside_the_tensors(cuda_gen, kernel, case):
+    """Lengths that break the rules run to completion (the kernels clamp them to the tensors and
+    the grid: common/block_info.h, sequence_rows) and leave the results of the sequences they do
+    not involve as those of the well-formed call. Run under compute-sanitizer for the bounds."""
+    head_dim, dtype = device_lengths_case(kernel)
+    lengths_q, lengths_k = DEVICE_LENGTHS
+    cu_q, cu_k, max_q, max_k, intact = MALFORMED_LENGTHS[case]
+    q, k, v, dout = device_inputs(cuda_gen, lengths_q, lengths_k, head_dim, dtype)
+    good = (cumulative(lengths_q, "cuda"), cumulative(lengths_k, "cuda"), max(lengths_q), max(lengths_k))
+    bad = (torch.tensor(cu_q, dtype=torch.int32, device="cuda"), torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
+           max_q, max_k)
+    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, *good, causal=True, kernel=kernel)
+    grads = flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, *good, causal=True, kernel=kernel)
+    bad_out, bad_lse = flash_cutlass.flash_forward_varlen(q, k, v, *bad, causal=True, kernel=kernel)
+    # The backward from the well-formed forward's out and lse: only the lengths differ.
+    bad_grads = flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, *bad, causal=True, kernel=kernel)
+    torch.cuda.synchronize()  # no fault, no hang
+    starts_q, starts_k = good[0].tolist(), good[1].tolist()
+    for b in intact:
+        check_same_rows((bad_out, bad_lse, bad_grads), (out, lse, grads), slice(starts_q[b], starts_q[b + 1]),
+                        slice(starts_k[b], starts_k[b + 1]), f"{case}, sequence {b}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_rows_past_the_last_sequence_change_no_result(cuda_gen, kernel):
+    """cu_seqlens ending before the token counts (buffers of a fixed size, as CUDA graphs need):
+    the rows past the last sequence, finite, belong to none, and every sequence's results are those
+    of the call on the tensors without them."""
+    head_dim, dtype = device_lengths_case(kernel)
+    lengths_q, lengths_k = DEVICE_LENGTHS
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q, k, v, dout = device_inputs(cuda_gen, lengths_q + [37], lengths_k + [45], head_dim, dtype)
+    lengths = (cumulative(lengths_q, "cuda"), cumulative(lengths_k, "cuda"), max(lengths_q), max(lengths_k))
+    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, *lengths, causal=True, kernel=kernel)
+    grads = flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, *lengths, causal=True, kernel=kernel)
+    unpadded = (q[:total_q], k[:total_k], v[:total_k])
+    ref_out, ref_lse = flash_cutlass.flash_forward_varlen(*unpadded, *lengths, causal=True, kernel=kernel)
+    ref_grads = flash_cutlass.flash_backward_varlen(dout[:total_q], *unpadded, ref_out, ref_lse, *lengths, causal=True,
+                                                    kernel=kernel)
+    dq, dk, dv = grads
+    everything = slice(None)
+    check_same_rows((out[:total_q], lse[:, :total_q], (dq[:total_q], dk[:total_k], dv[:total_k])),
+                    (ref_out, ref_lse, ref_grads), everything, everything, "buffers past the sequences")
+
+
+@requires_cuda
+def test_check_variable_reads_and_checks_cuda_lengths(cuda_gen, monkeypatch):
+    head_dim, dtype = COMPILED_HEAD_DIMS[0], COMPILED_DTYPES[-1]
+    q = torch.randn(9, 2, head_dim, generator=cuda_gen, device="cuda").to(dtype)
+    out, lse = flash_cutlass.flash_forward_varlen(q, q, q, cumulative([4, 5], "cuda"), cumulative([5, 4], "cuda"), 5, 5)
+
+    def lengths(values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    bad_calls = [
+        ((lengths([1, 4, 9]), lengths([0, 5, 9]), 5, 5), r"cu_seqlens_q must start at 0, got 1"),
+        ((lengths([0, 6, 4]), lengths([0, 5, 9]), 6, 5), r"cu_seqlens_q must be non-decreasing"),
+        ((lengths([0, 4, 9]), lengths([0, 5, 12]), 5, 5), r"cu_seqlens_k must end at the 9 tokens of k, got 12"),
+        ((lengths([0, 4, 9]), lengths([0, 5, 9]), 4, 5), r"max_seqlen_q = 4 is below the longest sequence, 5 tokens"),
+    ]
+    monkeypatch.setenv("FLASH_CUTLASS_CHECK_VARLEN", "1")
+    for varlen, match in bad_calls:
+        with pytest.raises(ValueError, match=match):
+            flash_cutlass.flash_forward_varlen(q, q, q, *varlen)
+        with pytest.raises(ValueError, match=match):
+            flash_cutlass.flash_attention_varlen(q, q, q, *varlen)
+        with pytest.raises(ValueError, match=match):
+            flash_cutlass.flash_backward_varlen(out, q, q, q, out, lse, *varlen)
+    monkeypatch.delenv("FLASH_CUTLASS_CHECK_VARLEN")
+    for varlen, _ in bad_calls:  # unchecked by default: they run (with wrong results)
+        flash_cutlass.flash_forward_varlen(q, q, q, *varlen)
+    torch.cuda.synchronize()

@@ -41,7 +41,8 @@ struct FwdParams {
   int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0;
 
   int batch = 0;
-  // The sequence lengths; in a variable-length call, the longest ones.
+  // The sequence lengths; in a variable-length call, the grid's (max_seqlen_q / max_seqlen_k, at
+  // most the totals), which bound every sequence's lengths (common/block_info.h, sequence_rows).
   int seqlen_q = 0;
   int seqlen_k = 0;
   // A variable-length call: int32 (batch + 1) cumulative sequence lengths on the device; q, out

@@ -22,8 +22,8 @@ struct KernelSelection {
 
 // The Hopper forward's tiles (sm90/tile_config.h): a head dim with wide tiles (FwdWideTileSizes)
 // runs them in its kernels without runtime options (no window, no extension), except causal calls
-// of up to kSm90CausalNarrowTilesMaxSeqlenQ query rows (the longest sequence in a variable-length
-// call): at 2k the wide tiles compute 11% more of the masked diagonal and measured 12% slower, at
+// of up to kSm90CausalNarrowTilesMaxSeqlenQ query rows (max_seqlen_q in a variable-length call):
+// at 2k the wide tiles compute 11% more of the masked diagonal and measured 12% slower, at
 // 3k 7-10% faster (docs/PERFORMANCE.md).
 inline constexpr int kSm90CausalNarrowTilesMaxSeqlenQ = 2048;
 

@@ -226,7 +226,8 @@ __device__ __forceinline__ KeyTile key_tile_of_this_cta(FwdParams const& params)
 // One batch entry: its sequence lengths and where its rows start. A variable-length call
 // (params.cu_seqlens_q set) packs the rows of every sequence into one (total, heads, head_dim)
 // tensor per operand, batch strides 0, sequence b owning rows [cu_seqlens[b], cu_seqlens[b + 1]);
-// params.seqlen_q and seqlen_k are then the longest lengths, which size the grid.
+// params.seqlen_q and seqlen_k are then the grid's lengths (the caller's max_seqlen, at most the
+// totals), which bound every sequence's (sequence_rows).
 struct Sequence {
   int batch;
   int seqlen_q;
@@ -244,12 +245,33 @@ struct Sequence {
   }
 };
 
+struct SequenceRows {
+  int start;
+  int length;
+};
+
+// Rows [start, start + length) of sequence `batch` in a packed operand of `total` rows, from
+// cumulative lengths nobody checked on the host: start and end within [0, total], end at least
+// start, length at most grid_length. Lengths that do not start at 0, decrease, pass the total or
+// exceed max_seqlen give that call wrong results, but every row a kernel reads or writes stays
+// inside the packed tensors and the per-query buffers (heads, total_q), and every sequence inside
+// the grid (one longer than max_seqlen is cut to its first max_seqlen rows). In unsigned
+// arithmetic a negative entry lies past every row, so that min alone clamps it (as a signed
+// max/min chain, ptxas moved these values from uniform into vector registers and the Hopper
+// backward at head dim 64 spilled 84 instead of 44 bytes).
+__device__ __forceinline__ SequenceRows sequence_rows(const int* cu_seqlens, int batch, int64_t total,
+                                                     int grid_length) {
+  const unsigned rows = unsigned(total);  // < 2^31 (the host checks)
+  const unsigned start = min(unsigned(cu_seqlens[batch]), rows);
+  const unsigned end = max(min(unsigned(cu_seqlens[batch + 1]), rows), start);
+  return {int(start), int(min(end - start, unsigned(grid_length)))};
+}
+
 __device__ __forceinline__ Sequence sequence_of(FwdParams const& params, int batch) {
   if (params.cu_seqlens_q == nullptr) return {batch, params.seqlen_q, params.seqlen_k, 0, 0};
-  const int q_start = params.cu_seqlens_q[batch];
-  const int k_start = params.cu_seqlens_k[batch];
-  return {batch, params.cu_seqlens_q[batch + 1] - q_start, params.cu_seqlens_k[batch + 1] - k_start, q_start,
-          k_start};
+  const SequenceRows q = sequence_rows(params.cu_seqlens_q, batch, params.total_q, params.seqlen_q);
+  const SequenceRows k = sequence_rows(params.cu_seqlens_k, batch, params.total_k, params.seqlen_k);
+  return {batch, q.length, k.length, q.start, k.start};
 }
 
 // Index of (sequence, head, query 0) in the fp32 per-query buffers (lse, D; times the head dim in
@@ -303,7 +325,7 @@ __device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, in
 
 // What a backward CTA derives from its key tile: its sequence and mask, and the query blocks
 // [m_block_begin, m_block_end) whose rows see any of its keys. A variable-length call's key
-// blocks past their sequence's end (shorter sequences have fewer than the longest) have nothing to do.
+// blocks past their sequence's end (shorter sequences have fewer than the grid) have nothing to do.
 template <int kBlockM, int kBlockN, MaskKind kKind>
 struct KeyBlockWork {
   KeyTile tile;

@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
 
-  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;  // of the longest sequence
+  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;  // of the grid (max_seqlen_q in varlen)
   const int m_block = int(blockIdx.x % num_m_blocks);
   const int batch_head = int(blockIdx.x / num_m_blocks);
   const int head = batch_head % params.heads;

@@ -12,7 +12,7 @@ namespace flash_cutlass::sm90 {
 
 // What the producer and the consumers both derive from a tile number. A tile is skipped when its
 // query block lies past its sequence's end (a variable-length call's shorter sequences have fewer
-// query blocks than the longest); it has no work but its epilogue when no row sees a key.
+// query blocks than the grid); it has no work but its epilogue when no row sees a key.
 template <int kBlockM, int kBlockN, MaskKind kMaskKind>
 struct TileWork {
   QueryTile tile;

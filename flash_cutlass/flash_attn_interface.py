@@ -35,8 +35,9 @@ rather than return something else):
 - softcap < 0 and window sides below -1 raise ValueError (FA2 reads them as off and unbounded),
   as do softmax_scale <= 0 and a max_seqlen below the longest sequence (FA2 trusts it).
 - The dropout mask is flash_cutlass's own (Philox over seed, offset, batch, head, row and key):
-  the same seed drops other entries than FA2's. Under torch.compile, dropout_p > 0 breaks the
-  graph where the seed is drawn (fullgraph=True raises).
+  the same seed drops other entries than FA2's. As with FA2, dropout_p > 0 draws from the CUDA
+  generator without synchronizing: torch.compile keeps it in one graph, and a captured CUDA graph
+  draws a fresh mask on each replay.
 - The varlen functions read cu_seqlens on the host to check them: one device synchronization a
   call, so they cannot be captured in a CUDA graph.
 - A packed input's gradient is put together from dq, dk and dv (one copy of it), where FA2's

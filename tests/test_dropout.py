@@ -289,7 +289,7 @@ def skip_unless_kernel_runs(kernel, head_dim, directions=("forward", "backward")
 
 
 def captured(function, generators=()):
-    """function() run once on a side stream (the warm-up CUDA graphs of autograd need), then
+    """function() run once on a side stream (the warm-up that capturing autograd needs), then
     captured: (the graph, function's outputs, which each replay rewrites). `generators` other than
     the default one are registered with the graph."""
     stream = torch.cuda.Stream()

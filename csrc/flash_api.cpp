@@ -4,6 +4,7 @@
 // the checks here keep a direct call from launching on bad memory.
 #include <torch/extension.h>
 
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <initializer_list>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -89,6 +91,7 @@ struct AttentionOptions {
   std::optional<at::Tensor> alibi_slopes;
   double dropout_p = 0;
   std::optional<at::Tensor> rng_state;
+  std::optional<at::Generator> generator;
   std::optional<at::Tensor> cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   KernelChoice kernel = KernelChoice::kAuto;
@@ -112,6 +115,7 @@ AttentionOptions options_from_python(const pybind11::handle& object) {
   options.alibi_slopes = option<std::optional<at::Tensor>>(object, "alibi_slopes");
   options.dropout_p = option<double>(object, "dropout_p");
   options.rng_state = option<std::optional<at::Tensor>>(object, "rng_state");
+  options.generator = option<std::optional<at::Generator>>(object, "generator");
   options.cu_seqlens_q = option<std::optional<at::Tensor>>(object, "cu_seqlens_q");
   options.cu_seqlens_k = option<std::optional<at::Tensor>>(object, "cu_seqlens_k");
   options.max_seqlen_q = option<int64_t>(object, "max_seqlen_q");
@@ -207,13 +211,11 @@ void set_mask_params(FwdParams& params, AttentionOptions const& options) {
 // The extended kernels' options (include/flash_cutlass/common/score_mods.h, dropout.h) into
 // params: the soft cap (softcap > 0: the kernels take tanh(q.k * softmax_scale /
 // softcap) and exponentiate it times softcap; 0: none), ALiBi slopes (fp32, (heads,) or
-// (batch, heads), on q's device; none: no ALiBi) and dropout (dropout_p in [0, 1) with rng_state,
-// an int64 CPU tensor (seed, offset) that flash_cutlass/options.py draws from a generator), and
-// the factor the kernels take before exp2 (exp2_scale).
+// (batch, heads), on q's device; none: no ALiBi) and dropout's probability (dropout_p in [0, 1);
+// its Philox state: set_philox_state), and the factor the kernels take before exp2 (exp2_scale).
 void set_extended_params(FwdParams& params, AttentionOptions const& options, const at::Tensor& q) {
   const double softcap = options.softcap, dropout_p = options.dropout_p;
   const std::optional<at::Tensor>& alibi_slopes = options.alibi_slopes;
-  const std::optional<at::Tensor>& rng_state = options.rng_state;
   FLASH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
   params.exp2_scale = static_cast<float>((softcap > 0 ? softcap : options.softmax_scale) * M_LOG2E);
   if (softcap > 0) {
@@ -244,16 +246,72 @@ void set_extended_params(FwdParams& params, AttentionOptions const& options, con
     FLASH_CHECK(compiled::kDropout,
                  "dropout_p needs dropout in the extended kernels, which this build left out (FLASH_CUTLASS_DROPOUT=0); "
                  "rebuild with FLASH_CUTLASS_DROPOUT=1");
-    FLASH_CHECK(rng_state.has_value() && rng_state->defined(), "dropout_p > 0 needs rng_state");
-    const at::Tensor& state = *rng_state;
-    FLASH_CHECK(state.device().is_cpu() && state.scalar_type() == at::kLong && state.dim() == 1 && state.size(0) == 2,
-                 "rng_state must be an int64 CPU tensor of 2 elements (seed, offset)");
     // floor(p * 2^32) <= 2^32 - 1 for p < 1; a p below 2^-32 drops nothing (as in the reference).
     params.dropout_threshold = static_cast<uint32_t>(std::floor(dropout_p * 4294967296.0));
     params.dropout_keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-    params.philox_seed = static_cast<uint64_t>(state[0].item<int64_t>());
-    params.philox_offset = static_cast<uint64_t>(state[1].item<int64_t>());
   }
+}
+
+// The Philox offset a call drawing its mask takes from a CUDA generator: the mask uses the one
+// stream offset / 4 (common/dropout.h), and PyTorch's CUDA generators advance in multiples of 4
+// (flash_cutlass/options.py's _PHILOX_OFFSET_STEP, for its draws on the host, is the same).
+constexpr uint64_t kPhiloxOffsetStep = 4;
+
+// The Philox (seed, offset) of a call with dropout into params (params.h). With options.rng_state,
+// an int64 (seed, offset) of 2 elements: on the CPU, its values; on q's device (a state a forward
+// returned), pointers the kernels read it through. Without one (a forward that draws its mask:
+// drawn_rng_state given), the CUDA generator (options.generator, or the default generator of q's
+// device), as PyTorch's own dropout takes it: under the generator's lock, philox_cuda_state, which
+// advances the generator's offset and, under CUDA graph capture, gives pointers to the seed and
+// offset that each replay refreshes plus this call's offset within the graph; the forward kernel
+// then writes the (seed, offset) it used into drawn_rng_state (int64, 2 elements on q's device),
+// the state the backward takes. So the call needs no host synchronization and can be captured.
+void set_philox_state(FwdParams& params, AttentionOptions const& options, const at::Tensor& q,
+                      const std::optional<at::Tensor>& drawn_rng_state) {
+  if (params.dropout_threshold == 0) return;
+  if (options.rng_state.has_value() && options.rng_state->defined()) {
+    const at::Tensor& state = *options.rng_state;
+    FLASH_CHECK(state.scalar_type() == at::kLong && state.dim() == 1 && state.size(0) == 2 &&
+                     (state.device().is_cpu() || state.device() == q.device()),
+                 "rng_state must be an int64 tensor of 2 elements (seed, offset) on the CPU or on q's device ",
+                 q.device());
+    if (state.device().is_cpu()) {
+      const auto values = state.accessor<int64_t, 1>();
+      params.philox_seed = static_cast<uint64_t>(values[0]);
+      params.philox_offset = static_cast<uint64_t>(values[1]);
+    } else {
+      params.philox_seed_ptr = state.data_ptr<int64_t>();
+      params.philox_offset_ptr = state.data_ptr<int64_t>() + state.stride(0);
+    }
+    return;
+  }
+  FLASH_CHECK(drawn_rng_state.has_value() && drawn_rng_state->defined(),
+               "dropout_p > 0 needs rng_state, the one the forward returned");
+  const at::Tensor& drawn = *drawn_rng_state;
+  FLASH_CHECK(drawn.device() == q.device() && drawn.scalar_type() == at::kLong && drawn.is_contiguous() &&
+                   drawn.numel() == 2,
+               "the forward's rng_state output must be a contiguous int64 tensor of 2 elements on q's device");
+  const bool given = options.generator.has_value() && options.generator->defined();
+  const at::Generator generator =
+      given ? *options.generator : at::cuda::detail::getDefaultCUDAGenerator(q.get_device());
+  const c10::Device generator_device = generator.device();
+  FLASH_CHECK(generator_device.is_cuda() && (!generator_device.has_index() || generator_device == q.device()),
+               "generator must be a CUDA generator on q's device ", q.device(), ", got one on ", generator_device);
+  at::CUDAGeneratorImpl* impl = at::check_generator<at::CUDAGeneratorImpl>(generator);
+  at::PhiloxCudaState state;
+  {
+    std::lock_guard<std::mutex> lock(impl->mutex_);
+    state = impl->philox_cuda_state(kPhiloxOffsetStep);
+  }
+  if (state.captured_) {
+    params.philox_seed_ptr = state.seed_.ptr;
+    params.philox_offset_ptr = state.offset_.ptr;
+    params.philox_offset_intragraph = static_cast<uint64_t>(state.offset_intragraph_);
+  } else {
+    params.philox_seed = state.seed_.val;
+    params.philox_offset = state.offset_.val;
+  }
+  params.philox_state_out = drawn.data_ptr<int64_t>();
 }
 
 // A variable-length call: int32 cumulative sequence lengths (batch + 1 entries each, on q's device)
@@ -341,12 +399,17 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
   return selection;
 }
 
-// The forward into preallocated out (like q) and lse (fp32 (batch, heads, seqlen_q)).
+// The forward into preallocated out (like q) and lse (fp32 (batch, heads, seqlen_q)). A call with
+// dropout and without options.rng_state draws its mask and writes the (seed, offset) it used into
+// drawn_rng_state (set_philox_state).
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-             const pybind11::handle& options_object) {
+             const std::optional<at::Tensor>& drawn_rng_state, const pybind11::handle& options_object) {
   const AttentionOptions options = options_from_python(options_object);
   const AttentionShape shape = check_attention(q, k, v, out, lse, options);
-  if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) return;
+  if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) {
+    if (drawn_rng_state.has_value() && drawn_rng_state->defined()) drawn_rng_state->zero_();  // no mask to draw
+    return;
+  }
   FLASH_CHECK(shape.seqlen_k > 0, "seqlen_k == 0 is handled by the caller");
   FwdParams params;
   set_attention_params(params, q, k, v, out, lse, shape, options);
@@ -354,6 +417,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
                "a variable-length call without queries or keys is handled by the caller");
   const KernelSelection kernel = selected_kernel<Direction::kForward>(shape, options, q);
   const c10::cuda::CUDAGuard device_guard(q.device());
+  // Last before the launch (a call that fails a check draws nothing), on q's device (a capture is
+  // per device and stream).
+  set_philox_state(params, options, q, drawn_rng_state);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const cudaError_t status =
       kernel.path == KernelPath::kSm90
@@ -406,6 +472,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
 
   BwdParams params;
   set_attention_params(params, q, k, v, out, lse, shape, options);
+  set_philox_state(params, options, q, std::nullopt);
   if (params.batch == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {  // a variable-length call without work
     dq.zero_();
     dk.zero_();
@@ -485,8 +552,10 @@ std::vector<std::string> compiled_dtypes() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace fc = flash_cutlass;
   m.doc() = "flash_cutlass CUDA kernels (internal; use the flash_cutlass package)";
-  m.def("forward", &fc::forward, "Attention forward into preallocated out and lse", pybind11::arg("q"),
-        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("options"));
+  m.def("forward", &fc::forward,
+        "Attention forward into preallocated out and lse (and the drawn dropout state into drawn_rng_state)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
+        pybind11::arg("drawn_rng_state"), pybind11::arg("options"));
   m.def("backward", &fc::backward, "Attention backward into preallocated dq, dk and dv", pybind11::arg("dout"),
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("options"));

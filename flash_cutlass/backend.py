@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from flash_cutlass import reference
-from flash_cutlass.options import AttentionOptions
+from flash_cutlass.options import AttentionOptions, draw_rng_state, draws_in_kernel
 
 try:
     from flash_cutlass import _C
@@ -238,43 +238,56 @@ def _reference_options(options: AttentionOptions) -> dict:
             "dropout_p": options.dropout_p, "rng_state": options.rng_state}
 
 
-def forward(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of a checked call: q (batch, seqlen_q, heads, head_dim) and lse (batch, heads,
-    seqlen_q), or in a variable-length call packed q (total_q, heads, head_dim) and lse (heads, total_q)."""
+def forward(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(out, lse, rng_state) of a checked call: q (batch, seqlen_q, heads, head_dim) and lse (batch,
+    heads, seqlen_q), or in a variable-length call packed q (total_q, heads, head_dim) and lse
+    (heads, total_q). rng_state is None without dropout, else the int64 (seed, offset) of the mask:
+    options.rng_state itself when given; else drawn from options.generator, by the extension for
+    CUDA tensors (draws_in_kernel: a tensor on q's device that the kernel writes, graph-safe) or
+    on the host (a CPU tensor)."""
+    if options.dropout_p > 0 and options.rng_state is None and not draws_in_kernel(q.device, options.generator):
+        options = options.replace(rng_state=draw_rng_state(options.generator, q.device), generator=None)
     if options.is_varlen:
         options = _with_varlen_lengths(q, k, options)
         if q.device.type != "cuda":
             out, lse = reference.attention_forward_varlen(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k,
                                                           options.softmax_scale, options.causal,
                                                           **_reference_options(options))
-            return out.contiguous(), lse.contiguous()
-        out, lse = _forward_cuda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), options,
-                                 without_work=_varlen_without_work(options))
-        return out[0], lse[0]
+            return out.contiguous(), lse.contiguous(), options.rng_state
+        out, lse, rng_state = _forward_cuda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), options,
+                                            without_work=_varlen_without_work(options))
+        return out[0], lse[0], rng_state
     if q.device.type != "cuda":
         out, lse = reference.attention_forward(q, k, v, options.softmax_scale, options.causal,
                                                **_reference_options(options))
-        return out.contiguous(), lse.contiguous()
+        return out.contiguous(), lse.contiguous(), options.rng_state
     return _forward_cuda(q, k, v, options)
 
 
-def _forward_cuda(q, k, v, options: AttentionOptions, without_work: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def _forward_cuda(q, k, v, options: AttentionOptions, without_work: bool = False):
     """The extension's forward on (batch, seqlen, heads, head_dim) tensors ((1, total, ...) views
-    in a variable-length call, whose lse is then (1, heads, total_q)). without_work: the kernels
-    would compute nothing (_varlen_without_work); out is then 0 and lse -inf, as without keys."""
+    in a variable-length call, whose lse is then (1, heads, total_q)), and its rng_state.
+    without_work: the kernels would compute nothing (_varlen_without_work); out is then 0 and lse
+    -inf, as without keys."""
     _check_device(q)
     batch, seqlen_q, heads, head_dim = q.shape
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    if q.numel() == 0:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
-    if k.shape[1] == 0 or without_work:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse.fill_(-math.inf)
+    rng_state = options.rng_state
+    drawn_rng_state = None
+    if options.dropout_p > 0 and rng_state is None:
+        drawn_rng_state = rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
+    if q.numel() == 0 or k.shape[1] == 0 or without_work:
+        if drawn_rng_state is not None:
+            drawn_rng_state.zero_()  # no probabilities: no mask to draw
+        if q.numel() == 0:
+            return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse, rng_state
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse.fill_(-math.inf), rng_state
     q, k, v = _padded((q, k, v), head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _extension().forward(q, k, v, out, lse, options)
+    _extension().forward(q, k, v, out, lse, drawn_rng_state, options)
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim].contiguous()
-    return out, lse
+    return out, lse, rng_state
 
 
 def backward(dout, q, k, v, out, lse, options: AttentionOptions):

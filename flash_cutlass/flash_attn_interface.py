@@ -36,8 +36,9 @@ rather than return something else):
   as does softmax_scale <= 0. max_seqlen is trusted as in FA2 on CUDA (checked on CPU, and on
   CUDA with FLASH_CUTLASS_CHECK_VARLEN=1).
 - The dropout mask is flash_cutlass's own (Philox over seed, offset, batch, head, row and key):
-  the same seed drops other entries than FA2's. Under torch.compile, dropout_p > 0 breaks the
-  graph where the seed is drawn (fullgraph=True raises).
+  the same seed drops other entries than FA2's. As with FA2, dropout_p > 0 draws from the CUDA
+  generator without synchronizing: torch.compile keeps it in one graph, and a captured CUDA graph
+  draws a fresh mask on each replay.
 - A packed input's gradient is put together from dq, dk and dv (one copy of it), where FA2's
   backward writes into it directly.
 - flash_attn_with_kvcache and FA2's other functions are not provided.

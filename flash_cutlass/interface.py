@@ -137,8 +137,8 @@ def _check_varlen_outputs(dout, out, lse, q) -> None:
         raise ValueError(f"lse must be (heads, total_q) as flash_forward_varlen returns it, got {tuple(lse.shape)}")
 
 
-def _with_rng_state(out, lse, options):
-    return (out, lse, options.rng_state) if options.dropout_p > 0 else (out, lse)
+def _with_rng_state(out, lse, rng_state, options):
+    return (out, lse, rng_state) if options.dropout_p > 0 else (out, lse)
 
 
 def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
@@ -163,9 +163,14 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
 
     dropout_p in [0, 1) drops each probability with that probability and scales the kept ones by
     1 / (1 - p) (lse stays that of the undropped softmax). The mask comes from Philox with a
-    (seed, offset) drawn from `generator` (default: the device's default generator; see
-    flash_cutlass.options.draw_rng_state), or from `rng_state` when given (not both). With dropout_p > 0 the call returns
-    (out, lse, rng_state): pass rng_state to flash_backward, or back here to draw the same mask.
+    (seed, offset) drawn from `generator` (default: the default generator of q's device), or from
+    `rng_state` when given (not both). With dropout_p > 0 the call returns (out, lse, rng_state),
+    rng_state the int64 (seed, offset) of the mask: pass it to flash_backward, or back here to
+    draw the same mask. A CUDA call draws as PyTorch's own dropout does, without synchronizing and
+    inside CUDA graph capture (each replay draws a fresh mask): its rng_state is a tensor on q's
+    device that the kernel fills (a CPU generator draws on the host and gives a CPU tensor). A
+    given rng_state is an int64 tensor of 2 elements on the CPU or on q's device, and comes back
+    as it is.
 
     kernel picks the CUDA kernel: 'auto' (the default, or $FLASH_CUTLASS_FORWARD_KERNEL when
     kernel is None) runs the Hopper path (TMA + wgmma) on compute capability 9.0 for the head dims
@@ -272,7 +277,8 @@ def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool
 
     Arguments as flash_forward's (window_size, softcap, alibi_slopes, dropout_p, generator and
     rng_state included; the slopes get no gradient; the backward reuses the forward's dropout
-    mask; an rng_state drawn outside a torch.compile region keeps the region one graph);
+    mask; with a drawn mask, torch.compile keeps one graph and a captured CUDA graph draws a fresh
+    mask on each replay);
     deterministic is flash_backward's (bitwise reproducible gradients). Returns out, or (out, lse)
     with return_lse; lse carries no gradient (it is marked non-differentiable).
     """

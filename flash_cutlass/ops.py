@@ -6,6 +6,12 @@ those call (eager calls through an autograd.Function with the same context and f
 Both ops take their tensors, then the fields of an AttentionOptions (flash_cutlass.options) as
 their schema's trailing arguments; the options come already checked by the public entry points.
 A variable-length call passes packed tensors and its cumulative lengths in the options.
+
+The forward also returns the int64 (seed, offset) of its dropout mask (empty without dropout),
+which the autograd formula hands to the backward. Without a given rng_state the forward draws it
+from its generator when it runs: the op is tagged nondeterministic_seeded, so that torch.compile
+neither merges two calls nor recomputes one (the partitioner reads dropout_p: calls without
+dropout count as deterministic).
 """
 
 from __future__ import annotations
@@ -13,17 +19,24 @@ from __future__ import annotations
 import torch
 
 from flash_cutlass import backend
-from flash_cutlass.options import AttentionOptions, check_kernel
+from flash_cutlass.options import AttentionOptions, check_kernel, draws_in_kernel
 
 _LIBRARY = torch.library.Library("flash_cutlass", "DEF")
-_LIBRARY.define(f"forward(Tensor q, Tensor k, Tensor v, {AttentionOptions.schema()}) -> (Tensor, Tensor)")
+_LIBRARY.define(f"forward(Tensor q, Tensor k, Tensor v, {AttentionOptions.schema()}) -> (Tensor, Tensor, Tensor)",
+                tags=(torch.Tag.nondeterministic_seeded,))
 _LIBRARY.define(f"backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                 f"{AttentionOptions.schema()}) -> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.impl(_LIBRARY, "forward", "CompositeExplicitAutograd")
 def _forward(q, k, v, *option_args):
-    return backend.forward(q, k, v, AttentionOptions.from_op_args(option_args))
+    options = AttentionOptions.from_op_args(option_args)
+    out, lse, rng_state = backend.forward(q, k, v, options)
+    if rng_state is None:
+        rng_state = q.new_empty(0, dtype=torch.int64)
+    elif rng_state is options.rng_state:
+        rng_state = rng_state.clone()  # an op's outputs may not alias its inputs
+    return out, lse, rng_state
 
 
 @torch.library.impl(_LIBRARY, "backward", "CompositeExplicitAutograd")
@@ -36,14 +49,27 @@ forward_op = torch.ops.flash_cutlass.forward.default
 backward_op = torch.ops.flash_cutlass.backward.default
 
 
+def _rng_state_fake(q, options: AttentionOptions) -> torch.Tensor:
+    """The forward's rng_state as _forward returns it: empty without dropout, else 2 elements where
+    the state lives (a given one's device, q's device for a draw in the extension, else the CPU)."""
+    if options.dropout_p == 0:
+        return q.new_empty(0, dtype=torch.int64)
+    if options.rng_state is not None:
+        return options.rng_state.new_empty(2)
+    device = q.device if draws_in_kernel(q.device, options.generator) else torch.device("cpu")
+    return torch.empty(2, dtype=torch.int64, device=device)
+
+
 @torch.library.register_fake("flash_cutlass::forward")
 def _forward_fake(q, k, v, *option_args):
     options = AttentionOptions.from_op_args(option_args)
     if options.is_varlen:
         total_q, heads, _ = q.shape
-        return q.new_empty(q.shape), q.new_empty((heads, total_q), dtype=torch.float32)
-    batch, seqlen_q, heads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+        lse = q.new_empty((heads, total_q), dtype=torch.float32)
+    else:
+        batch, seqlen_q, heads, _ = q.shape
+        lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    return q.new_empty(q.shape), lse, _rng_state_fake(q, options)
 
 
 @torch.library.register_fake("flash_cutlass::backward")
@@ -52,11 +78,11 @@ def _backward_fake(dout, q, k, v, out, lse, *option_args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _save_for_backward(ctx, q, k, v, option_args, out, lse) -> None:
-    ctx.save_for_backward(q, k, v, out, lse)
+def _save_for_backward(ctx, q, k, v, option_args, out, lse, rng_state) -> None:
+    ctx.save_for_backward(q, k, v, out, lse, rng_state)
     # The options' tensors (slopes, lengths, rng_state) are inputs that get no gradient.
     ctx.options = AttentionOptions.from_op_args(option_args)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, rng_state)
     # lse gets no gradient: without this autograd would allocate and zero-fill one for every backward.
     ctx.set_materialize_grads(False)
 
@@ -66,12 +92,16 @@ def _setup_context(ctx, inputs, output):
     _save_for_backward(ctx, q, k, v, option_args, *output)
 
 
-def _gradients(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
+def _gradients(ctx, grad_out, _grad_lse, _grad_rng_state):
+    q, k, v, out, lse, rng_state = ctx.saved_tensors
     # The backward picks its own kernel: flash_attention's kernel= is the forward's.
     options, kernel = ctx.options, check_kernel(None, "backward")
-    if kernel != options.kernel:
-        options = options.replace(kernel=kernel)
+    changes = {"kernel": kernel} if kernel != options.kernel else {}
+    if options.dropout_p > 0:
+        # The mask the forward drew (or was given): the backward drops the same probabilities.
+        changes.update(rng_state=rng_state, generator=None)
+    if changes:
+        options = options.replace(**changes)
     dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, *options.op_args())
     return (dq, dk, dv) + _NO_OPTION_GRADIENTS
 
@@ -86,18 +116,20 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, *option_args):
-        out, lse = forward_op(q, k, v, *option_args)
-        _save_for_backward(ctx, q, k, v, option_args, out, lse)
-        return out, lse
+        out, lse, rng_state = forward_op(q, k, v, *option_args)
+        _save_for_backward(ctx, q, k, v, option_args, out, lse, rng_state)
+        return out, lse, rng_state
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        return _gradients(ctx, grad_out, grad_lse)
+    def backward(ctx, grad_out, grad_lse, grad_rng_state):
+        return _gradients(ctx, grad_out, grad_lse, grad_rng_state)
 
 
 def attention(q, k, v, options: AttentionOptions):
     """(out, lse) of flash_attention: differentiable in q, k and v. torch.compile traces the op
     with its registered autograd; eager calls take the autograd.Function."""
     if torch.compiler.is_compiling():
-        return forward_op(q, k, v, *options.op_args())
-    return _Attention.apply(q, k, v, *options.op_args())
+        out, lse, _ = forward_op(q, k, v, *options.op_args())
+    else:
+        out, lse, _ = _Attention.apply(q, k, v, *options.op_args())
+    return out, lse

@@ -23,7 +23,8 @@ from flash_cutlass import reference
 # environment variables that give each direction's default when the call passes kernel=None.
 KERNELS = ("auto", "sm80", "sm90")
 KERNEL_ENV = {"forward": "FLASH_CUTLASS_FORWARD_KERNEL", "backward": "FLASH_CUTLASS_BACKWARD_KERNEL"}
-# Philox offset one dropout call takes from a CUDA generator (its offsets advance in steps of 4).
+# Philox offset one dropout call takes from a CUDA generator (its offsets advance in steps of 4);
+# csrc/flash_api.cpp's kPhiloxOffsetStep, for the draws of the CUDA calls, is the same.
 _PHILOX_OFFSET_STEP = 4
 
 
@@ -36,8 +37,8 @@ def _option(schema: str, default):
 class AttentionOptions:
     """Everything about an attention call but its tensors q, k, v (and out, lse, dout), in the
     form the kernels take: validated and resolved (the default scale computed, the kernel's
-    environment default read, the dropout state drawn). Build one with forward_options() or
-    backward_options(); the constructor itself checks nothing."""
+    environment default read). Build one with forward_options() or backward_options(); the
+    constructor itself checks nothing."""
 
     softmax_scale: float = _option("float", 1.0)
     causal: bool = _option("bool", False)
@@ -48,8 +49,13 @@ class AttentionOptions:
     # float32 (heads,) or (batch, heads), on q's device.
     alibi_slopes: Optional[torch.Tensor] = _option("Tensor?", None)
     dropout_p: float = _option("float", 0.0)
-    # int64 CPU (seed, offset) of the dropout mask; None without dropout.
+    # With dropout: the int64 (seed, offset) of the mask, on the CPU or on q's device (one a
+    # forward returned); None in a forward that draws its mask from `generator` when it runs
+    # (flash_cutlass.backend.forward), and always without dropout.
     rng_state: Optional[torch.Tensor] = _option("Tensor?", None)
+    # The generator a forward with dropout and without rng_state draws from; None: the default
+    # generator of q's device.
+    generator: Optional[torch.Generator] = _option("Generator?", None)
     # A variable-length call: int32 cumulative lengths (batch + 1) on q's device and an upper bound
     # of the longest lengths; None / 0 otherwise.
     cu_seqlens_q: Optional[torch.Tensor] = _option("Tensor?", None)
@@ -149,17 +155,32 @@ def check_dropout_p(dropout_p) -> float:
     return value
 
 
-def check_rng_state(rng_state) -> Optional[torch.Tensor]:
-    """None, or an int64 CPU tensor (seed, offset) as flash_forward returns it with dropout."""
+def check_rng_state(rng_state, q: torch.Tensor) -> Optional[torch.Tensor]:
+    """None, or an int64 tensor (seed, offset) of 2 elements on the CPU or on q's device, as
+    flash_forward returns it with dropout."""
     if rng_state is None:
         return None
     if not isinstance(rng_state, torch.Tensor):
         raise TypeError(f"rng_state must be a torch.Tensor or None, got {_type_name(rng_state)}")
-    if rng_state.dtype != torch.int64 or rng_state.device.type != "cpu" or tuple(rng_state.shape) != (2,):
+    if (rng_state.dtype != torch.int64 or tuple(rng_state.shape) != (2,)
+            or rng_state.device.type != "cpu" and rng_state.device != q.device):
         raise ValueError(
-            "rng_state must be an int64 CPU tensor of 2 elements (seed, offset), as flash_forward returns it, got "
-            f"{rng_state.dtype} on {rng_state.device} of shape {tuple(rng_state.shape)}")
+            f"rng_state must be an int64 tensor of 2 elements (seed, offset) on the CPU or on q's device ({q.device}), "
+            f"as flash_forward returns it, got {rng_state.dtype} on {rng_state.device} of shape "
+            f"{tuple(rng_state.shape)}")
     return rng_state
+
+
+def check_generator(generator, q: torch.Tensor) -> Optional[torch.Generator]:
+    """None, or a torch.Generator; a CUDA generator for CUDA tensors must be on q's device."""
+    if generator is None:
+        return None
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {_type_name(generator)}")
+    if generator.device.type == q.device.type == "cuda" and generator.device.index not in (None, q.device.index):
+        raise ValueError(f"generator is on {generator.device} but q is on {q.device}; a CUDA generator must be on "
+                         "q's device")
+    return generator
 
 
 def check_kernel(kernel, direction: str = "forward") -> str:
@@ -176,19 +197,27 @@ def check_kernel(kernel, direction: str = "forward") -> str:
     return kernel
 
 
+def draws_in_kernel(device: torch.device, generator: Optional[torch.Generator]) -> bool:
+    """Whether a forward on `device` with dropout and without rng_state draws its (seed, offset)
+    from `generator` in the extension (CUDA tensors with a CUDA generator or the default one:
+    graph-safe, returned as a CUDA tensor the kernel writes), rather than on the host
+    (draw_rng_state: CPU tensors, or a CPU generator)."""
+    return device.type == "cuda" and (generator is None or generator.device.type == "cuda")
+
+
 def draw_rng_state(generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
-    """The (seed, offset) of one dropout call, an int64 CPU tensor, from `generator` (default: the
-    default generator of `device`). A CUDA generator gives its seed and current Philox offset and
-    advances the offset, without synchronizing; a CPU generator gives a seed drawn from it and
-    offset 0. Re-seeding the generator reproduces the same states, hence the same masks."""
+    """The (seed, offset) of one dropout call drawn on the host, an int64 CPU tensor, from
+    `generator` (default: the default generator of `device`): the CPU path's draw, and that of a
+    CPU generator with CUDA tensors (CUDA calls otherwise draw in the extension: draws_in_kernel).
+    A CUDA generator gives its seed and current Philox offset and advances the offset; a CPU
+    generator gives a seed drawn from it and offset 0. Re-seeding the generator reproduces the
+    same states, hence the same masks."""
     if generator is None:
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
             generator = torch.cuda.default_generators[index]
         else:
             generator = torch.default_generator
-    if not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {_type_name(generator)}")
     if generator.device.type == "cuda":
         seed = generator.initial_seed()
         offset = generator.get_offset()
@@ -206,7 +235,7 @@ def _checked(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes
     fields = dict(softmax_scale=check_softmax_scale(softmax_scale, q.shape[-1]), causal=check_bool(causal, "causal"),
                   window_left=window_left, window_right=window_right, softcap=check_softcap(softcap),
                   alibi_slopes=check_alibi_slopes(alibi_slopes, q, batch), dropout_p=check_dropout_p(dropout_p),
-                  rng_state=check_rng_state(rng_state), kernel=check_kernel(kernel, direction),
+                  rng_state=check_rng_state(rng_state, q), kernel=check_kernel(kernel, direction),
                   deterministic=check_bool(deterministic, "deterministic"))
     if varlen is not None:
         fields.update(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), varlen))
@@ -218,18 +247,20 @@ def forward_options(q: torch.Tensor, *, softmax_scale=None, causal=False, window
                     deterministic=False, batch: Optional[int] = None, varlen: Optional[tuple] = None
                     ) -> AttentionOptions:
     """The options of a forward call on q (batch, seqlen_q, heads, head_dim), validated; raises
-    TypeError or ValueError naming the argument. With dropout the (seed, offset) is rng_state or
-    drawn from generator here, outside any custom op, so that the op is a function of its inputs.
+    TypeError or ValueError naming the argument. With dropout and without rng_state, the call
+    draws its (seed, offset) from generator when it runs (inside the forward op, so that
+    torch.compile keeps it in its graph and a CUDA graph replays a fresh draw).
     A variable-length call passes its batch (the number of sequences) and varlen = (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k), shapes already checked."""
     fields = _checked(q, q.shape[0] if batch is None else batch, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, dropout_p, rng_state, kernel, deterministic, "forward", varlen)
+    generator = check_generator(generator, q)
     if generator is not None and fields["rng_state"] is not None:
         raise ValueError("pass generator or rng_state, not both")
     if fields["dropout_p"] == 0:
         fields["rng_state"] = None
     elif fields["rng_state"] is None:
-        fields["rng_state"] = draw_rng_state(generator, q.device)
+        fields["generator"] = generator
     return AttentionOptions(**fields)
 
 

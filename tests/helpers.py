@@ -215,14 +215,25 @@ def check_kernels_against_oracle(kernel: str, q, k, v, dout, causal: bool, **opt
     if reason:
         pytest.skip(reason)
 
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel, **options)
+    check_gradients_against_oracle(f"{kernel} backward", grads, q, k, v, dout, causal, **options)
+
+
+def check_gradients_against_oracle(name: str, grads, q, k, v, dout, causal: bool, **options) -> None:
+    """(dq, dk, dv) of a call on CUDA inputs with the keyword `options` against the gradients of
+    the fp32 oracle (reference.naive_attention's autograd) by FlashAttention-2's pass rule; the
+    messages start with `name`."""
+    from flash_cutlass.reference import naive_attention
+
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
     def grads_of(compute_dtype):
         leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
         attended, _ = naive_attention(*leaves, scale, causal, **options)
         return torch.autograd.grad(attended, leaves, dout.to(attended.dtype))
 
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel, **options)
-    for name, grad, ref, base in zip("qkv", grads, grads_of(torch.float32), grads_of(None)):
-        fa2_check(grad, ref, base, f"{kernel} backward d{name}")
+    for letter, grad, ref, base in zip("qkv", grads, grads_of(torch.float32), grads_of(None)):
+        fa2_check(grad, ref, base, f"{name} d{letter}")
 
 
 def window_keep(sq: int, sk: int, causal: bool, window) -> torch.Tensor:

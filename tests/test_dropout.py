@@ -7,7 +7,11 @@ against an fp64 implementation written out here with the same mask; the entry po
 returned and reused, generators reproduce); bad input. GPU (skipped without one): the mask each
 kernel applies, read back through one-hot values, equals the reference's, in the forward and in
 the backward; forward and gradients against the fp32 oracle with the same mask, with causal, a
-window, ALiBi, a soft cap and GQA; bitwise reproduction from the same generator state.
+window, ALiBi, a soft cap and GQA; bitwise reproduction from the same generator state; the state a
+CUDA call draws (a CUDA tensor of the generator's seed and offset, which advances by 4); CUDA
+graphs: a captured call draws a fresh mask on every replay (that of an eager call given the
+replay's rng_state, read back against the reference's mask and checked against the oracle), a
+given rng_state replays its one mask, a registered generator= is honoured.
 """
 
 import math
@@ -17,9 +21,10 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, dropout_keep_mask, naive_attention, philox4x32_10
-from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_kernels_against_oracle, check_reference_backward,
-                     check_rejected_by_every_entry_point, cuda_inputs, explicit_attention_fp64, has_kernels,
-                     kernel_unavailable, make_qkv_fp64, over_compiled_kernels, requires_backward, requires_cuda)
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_gradients_against_oracle, check_kernels_against_oracle,
+                     check_reference_backward, check_rejected_by_every_entry_point, cuda_inputs,
+                     explicit_attention_fp64, fa2_check, has_kernels, kernel_unavailable, make_qkv_fp64,
+                     over_compiled_kernels, requires_backward, requires_cuda)
 
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -127,10 +132,14 @@ def test_bad_dropout_p_is_rejected_by_every_entry_point(dropout_p, error, match)
     check_rejected_by_every_entry_point(error, match, backward_options={"rng_state": state(1)}, dropout_p=dropout_p)
 
 
+RNG_STATE_FORM = r"rng_state must be an int64 tensor of 2 elements \(seed, offset\) on the CPU or on q's device \(cpu\)"
+
+
 @pytest.mark.parametrize("rng_state,error,match", [
     ([1, 2], TypeError, r"rng_state must be a torch.Tensor or None, got list"),
-    (torch.tensor([1, 2], dtype=torch.int32), ValueError, r"rng_state must be an int64 CPU tensor of 2 elements"),
-    (torch.tensor([1, 2, 3]), ValueError, r"rng_state must be an int64 CPU tensor of 2 elements"),
+    (torch.tensor([1, 2], dtype=torch.int32), ValueError, RNG_STATE_FORM + r", .* got torch.int32"),
+    (torch.tensor([1, 2, 3]), ValueError, RNG_STATE_FORM + r", .* of shape \(3,\)"),
+    (torch.tensor([1, 2], device="meta"), ValueError, RNG_STATE_FORM + r", .* on meta"),
 ])
 def test_bad_rng_state_is_rejected(rng_state, error, match):
     check_rejected_by_every_entry_point(error, match, dropout_p=0.1, rng_state=rng_state)
@@ -262,3 +271,233 @@ def test_dropout_without_its_kernels_names_the_build_flag(cuda_gen):
     q = torch.randn(1, 64, 4, COMPILED_HEAD_DIMS[0], generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     with pytest.raises(RuntimeError, match="FLASH_CUTLASS_DROPOUT=0"):
         flash_cutlass.flash_forward(q, q, q, dropout_p=0.1)
+
+
+# CUDA graphs and the drawn state -------------------------------------------------------------
+# A CUDA call without rng_state draws its (seed, offset) in the extension as PyTorch's own dropout
+# does: in a captured CUDA graph every replay draws a fresh mask, and the returned rng_state (a
+# CUDA tensor the forward kernel fills) says which.
+
+GRAPH_DROPOUT_P = 0.2
+
+
+def skip_unless_kernel_runs(kernel, head_dim, directions=("forward", "backward")):
+    for direction in directions:
+        reason = kernel_unavailable(kernel, head_dim, direction)
+        if reason:
+            pytest.skip(reason)
+
+
+def captured(function, generators=()):
+    """function() run once on a side stream (the warm-up that capturing autograd needs), then
+    captured: (the graph, function's outputs, which each replay rewrites). `generators` other than
+    the default one are registered with the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        function()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for generator in generators:
+        graph.register_generator_state(generator)
+    with torch.cuda.graph(graph):
+        outputs = function()
+    return graph, outputs
+
+
+def replayed(graph, outputs, count=2):
+    """Copies of the graph's outputs after each of `count` replays (rng_state tensors to the CPU)."""
+    results = []
+    for _ in range(count):
+        graph.replay()
+        results.append(tuple(t.cpu() if t.dtype == torch.int64 else t.clone() for t in outputs))
+    return results
+
+
+def check_out_against_oracle(name, out, q, k, v, causal, rng_state):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    options = {"dropout_p": GRAPH_DROPOUT_P, "rng_state": rng_state}
+    oracle_out, _ = naive_attention(q, k, v, scale, causal, torch.float32, **options)
+    same_out, _ = naive_attention(q, k, v, scale, causal, **options)
+    fa2_check(out, oracle_out, same_out, f"{name} out")
+
+
+def graph_inputs(cuda_gen, requires_grad=False):
+    """q, k, v (GQA, odd lengths) and dout of the graph tests, in the smallest compiled head dim."""
+    q, k, v, dout = cuda_inputs(cuda_gen, COMPILED_DTYPES[-1], 255, 320, 4, 2, COMPILED_HEAD_DIMS[0])
+    return (*(t.requires_grad_(requires_grad) for t in (q, k, v)), dout)
+
+
+@requires_cuda
+@requires_backward
+@requires_dropout
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_captured_flash_forward_and_backward_draw_a_fresh_mask_per_replay(cuda_gen, kernel, causal):
+    q, k, v, dout = graph_inputs(cuda_gen)
+    skip_unless_kernel_runs(kernel, q.shape[-1])
+    options = {"causal": causal, "kernel": kernel, "dropout_p": GRAPH_DROPOUT_P}
+
+    def step():
+        out, lse, rng_state = flash_cutlass.flash_forward(q, k, v, **options)
+        assert rng_state.device == q.device and rng_state.dtype == torch.int64 and tuple(rng_state.shape) == (2,)
+        return (out, rng_state, *flash_cutlass.flash_backward(dout, q, k, v, out, lse, rng_state=rng_state, **options))
+
+    graph, outputs = captured(step)
+    replays = replayed(graph, outputs)
+    (first_out, first_state, *_), (second_out, second_state, *_) = replays
+    assert first_state[0] == second_state[0] and first_state[1] != second_state[1]
+    assert not torch.equal(first_out, second_out)
+    for out, rng_state, *grads in replays:
+        # The eager call given the replay's (seed, offset), on the CPU, computes what the replay did.
+        eager_out, eager_lse, eager_state = flash_cutlass.flash_forward(q, k, v, rng_state=rng_state, **options)
+        assert eager_state is rng_state and torch.equal(out, eager_out)
+        eager_grads = flash_cutlass.flash_backward(dout, q, k, v, eager_out, eager_lse, rng_state=rng_state, **options)
+        for name, grad, expected in zip(("dq", "dk", "dv"), grads, eager_grads):
+            torch.testing.assert_close(grad, expected, msg=lambda m, name=name: f"{name}: {m}")
+    check_out_against_oracle(f"{kernel} replay", first_out, q, k, v, causal, first_state)
+    check_gradients_against_oracle(f"{kernel} replay", replays[0][2:], q, k, v, dout, causal,
+                                   dropout_p=GRAPH_DROPOUT_P, rng_state=first_state)
+
+
+@requires_cuda
+@requires_backward
+@requires_dropout
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_captured_flash_attention_draws_what_eager_draws(cuda_gen, monkeypatch, kernel, causal):
+    """flash_attention forward and backward in one graph: each replay draws from the default
+    generator what an eager call would at that state (seed, the offset before the replay), and the
+    backward drops what the forward dropped."""
+    q, k, v, dout = graph_inputs(cuda_gen, requires_grad=True)
+    skip_unless_kernel_runs(kernel, q.shape[-1])
+    monkeypatch.setenv("FLASH_CUTLASS_BACKWARD_KERNEL", kernel)
+    options = {"causal": causal, "kernel": kernel, "dropout_p": GRAPH_DROPOUT_P}
+
+    def step(**extra):
+        out = flash_cutlass.flash_attention(q, k, v, **options, **extra)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    torch.cuda.manual_seed(20261201)
+    generator = torch.cuda.default_generators[q.device.index]
+    graph, outputs = captured(step)
+    results, states = [], []
+    for _ in range(2):
+        states.append(state(generator.initial_seed(), generator.get_offset()))
+        (result,) = replayed(graph, outputs, count=1)
+        results.append(result)
+        expected = step(rng_state=states[-1])
+        assert torch.equal(result[0], expected[0])
+        for name, grad, expected_grad in zip(("dq", "dk", "dv"), result[1:], expected[1:]):
+            torch.testing.assert_close(grad, expected_grad, msg=lambda m, name=name: f"{name}: {m}")
+    assert not torch.equal(results[0][0], results[1][0])
+    check_out_against_oracle(f"{kernel} replay", results[0][0], q.detach(), k.detach(), v.detach(), causal,
+                             states[0])
+
+
+@requires_cuda
+@requires_backward
+@requires_dropout
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_captured_masks_equal_the_reference_mask(kernel):
+    """test_kernel_masks_equal_the_reference_mask's read-back (zero q and k, one-hot values and
+    output gradients) in a captured graph: each replay's forward and backward masks are the
+    reference's mask of the rng_state the replay returned."""
+    dtype, head_dim = COMPILED_DTYPES[-1], max(COMPILED_HEAD_DIMS)
+    forward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "forward") else kernel
+    backward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "backward") else kernel
+    # One-hot values and output gradients need sk and sq <= head_dim.
+    batch, heads, sq, sk, dropout_p = 2, 3, min(96, head_dim), head_dim - 8, 0.4
+    q = torch.zeros(batch, sq, heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.zeros(batch, sk, heads, head_dim, device="cuda", dtype=dtype)
+    v = torch.eye(sk, head_dim, device="cuda", dtype=dtype).expand(batch, heads, sk, head_dim).transpose(1, 2)
+    v = v.contiguous()
+    dout = torch.eye(sq, head_dim, device="cuda", dtype=dtype).expand(batch, heads, sq, head_dim).transpose(1, 2)
+    dout = dout.contiguous()
+
+    def step():
+        out, lse, rng_state = flash_cutlass.flash_forward(q, k, v, kernel=forward_kernel, dropout_p=dropout_p)
+        _, _, dv = flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel=backward_kernel, dropout_p=dropout_p,
+                                                rng_state=rng_state)
+        return out, rng_state, dv
+
+    graph, outputs = captured(step)
+    replays = replayed(graph, outputs)
+    assert not torch.equal(replays[0][1], replays[1][1])
+    for out, rng_state, dv in replays:
+        expected = dropout_keep_mask(rng_state, dropout_p, batch, heads, sq, 0, sk, "cuda")
+        forward_mask = out[..., :sk].transpose(1, 2) > 0  # (batch, heads, sq, sk)
+        backward_mask = dv[..., :sq].permute(0, 2, 3, 1) > 0  # dv[b, j, h, i] -> (batch, heads, sq, sk)
+        for name, mask in ((f"{forward_kernel} forward", forward_mask), (f"{backward_kernel} backward", backward_mask)):
+            assert torch.equal(mask, expected), f"{name}: {(mask != expected).sum()} bits differ"
+
+
+@requires_cuda
+@requires_backward
+@requires_dropout
+@pytest.mark.parametrize("kernel", ("sm80", "sm90"))
+def test_flash_forward_returns_its_drawn_state_on_the_device(cuda_gen, kernel):
+    """Eager: the rng_state of a drawn mask is a CUDA tensor holding the default generator's seed
+    and offset, which advances by 4; flash_backward and flash_forward take it as it is or copied to
+    the CPU; the results match the oracle with that mask."""
+    q, k, v, dout = graph_inputs(cuda_gen)
+    skip_unless_kernel_runs(kernel, q.shape[-1])
+    options = {"causal": True, "kernel": kernel, "dropout_p": GRAPH_DROPOUT_P}
+    torch.cuda.manual_seed(77)
+    generator = torch.cuda.default_generators[q.device.index]
+    offset = generator.get_offset()
+    out, lse, rng_state = flash_cutlass.flash_forward(q, k, v, **options)
+    assert rng_state.device == q.device and rng_state.dtype == torch.int64
+    assert rng_state.tolist() == [77, offset] and generator.get_offset() == offset + 4
+    for given in (rng_state, rng_state.cpu()):
+        again, _, returned = flash_cutlass.flash_forward(q, k, v, rng_state=given, **options)
+        assert returned is given and torch.equal(again, out)
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, rng_state=rng_state, **options)
+    cpu_state_grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, rng_state=rng_state.cpu(), **options)
+    for grad, expected in zip(grads, cpu_state_grads):
+        torch.testing.assert_close(grad, expected)
+    check_out_against_oracle(f"{kernel} forward", out, q, k, v, True, rng_state)
+    check_gradients_against_oracle(f"{kernel} backward", grads, q, k, v, dout, True, dropout_p=GRAPH_DROPOUT_P,
+                                   rng_state=rng_state)
+
+
+@requires_cuda
+@requires_backward
+@requires_dropout
+def test_captured_call_with_a_given_rng_state_replays_its_mask(cuda_gen):
+    """A CPU rng_state given by the user is one mask: every replay applies it, as eager calls do."""
+    q, k, v, dout = graph_inputs(cuda_gen, requires_grad=True)
+    rng_state = state(4242, 64)
+
+    def step():
+        out = flash_cutlass.flash_attention(q, k, v, causal=True, dropout_p=GRAPH_DROPOUT_P, rng_state=rng_state)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    graph, outputs = captured(step)
+    first, second = replayed(graph, outputs)
+    expected = step()
+    assert torch.equal(first[0], second[0]) and torch.equal(first[0], expected[0])
+    for grads in (first[1:], second[1:]):
+        for grad, expected_grad in zip(grads, expected[1:]):
+            torch.testing.assert_close(grad, expected_grad)
+
+
+@requires_cuda
+@requires_dropout
+def test_captured_draws_come_from_a_registered_generator(cuda_gen):
+    """generator= in a graph (registered with it, as PyTorch requires of generators other than the
+    default one): the replays draw from it and leave the default generator alone."""
+    q, k, v, _ = graph_inputs(cuda_gen)
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    default = torch.cuda.default_generators[q.device.index]
+
+    def step():
+        return flash_cutlass.flash_forward(q, k, v, dropout_p=GRAPH_DROPOUT_P, generator=generator)
+
+    graph, outputs = captured(step, generators=(generator,))
+    default_offset = default.get_offset()
+    (first_out, _, first_state), (second_out, _, second_state) = replayed(graph, outputs)
+    assert first_state[0] == second_state[0] == 5 and first_state[1] != second_state[1]
+    assert not torch.equal(first_out, second_out) and default.get_offset() == default_offset
+    eager_out, _, _ = flash_cutlass.flash_forward(q, k, v, dropout_p=GRAPH_DROPOUT_P, rng_state=first_state)
+    assert torch.equal(first_out, eager_out)

@@ -163,13 +163,15 @@ def test_signature_is_fa2s(name):
 @pytest.fixture
 def seen_options(monkeypatch):
     """The AttentionOptions of every forward and backward run, in order, as {'forward': [...],
-    'backward': [...]}."""
-    seen = {"forward": [], "backward": []}
+    'backward': [...]}, and the rng_state each forward returned ('rng_state': [...])."""
+    seen = {"forward": [], "backward": [], "rng_state": []}
     forward, backward = backend.forward, backend.backward
 
     def spy_forward(q, k, v, options):
         seen["forward"].append(options)
-        return forward(q, k, v, options)
+        out, lse, rng_state = forward(q, k, v, options)
+        seen["rng_state"].append(rng_state)
+        return out, lse, rng_state
 
     def spy_backward(dout, q, k, v, out, lse, options):
         seen["backward"].append(options)
@@ -205,7 +207,8 @@ def test_every_option_reaches_the_forward_and_the_backward(gen, name, seen_optio
                 options.deterministic) == (0.25, 0.3, True, (5, 2), 4.0, True)
         assert torch.equal(options.alibi_slopes, slopes)
         assert options.is_varlen == (name in VARLEN)
-    assert torch.equal(backward.rng_state, forward.rng_state)  # the backward drops what the forward dropped
+    # The backward drops what the forward dropped.
+    assert forward.rng_state is None and torch.equal(backward.rng_state, seen_options["rng_state"][0])
     if name in VARLEN:
         cu_q, cu_k, max_q, max_k = call.lengths
         assert torch.equal(forward.cu_seqlens_q, cu_q) and torch.equal(forward.cu_seqlens_k, cu_k)

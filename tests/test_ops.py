@@ -178,6 +178,65 @@ def test_compiled_dropout_with_an_outside_rng_state_is_one_graph(device):
     torch.testing.assert_close(eager, expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_dropout_drawing_its_mask_is_one_graph(device):
+    """Without rng_state the forward op draws its mask when it runs: torch.compile keeps the call
+    in one graph, draws what eager draws from the same generator state (the backward with the
+    forward's mask), and draws afresh on every call."""
+    skip_if_left_out(device, drop=True)
+    q, k, v = (t.requires_grad_() for t in inputs(device))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(device, q.dtype)
+
+    def attend(q, k, v):
+        return flash_cutlass.flash_attention(q, k, v, causal=True, dropout_p=0.25)
+
+    def run(function):
+        torch.manual_seed(11)
+        out = function(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    eager = run(attend)
+    torch._dynamo.reset()
+    compiled_attend = torch.compile(attend, fullgraph=True)
+    compiled_attend(q, k, v)  # compiled before the seeded run
+    compiled = run(compiled_attend)
+    for result, expected in zip(compiled, eager):
+        torch.testing.assert_close(result, expected)
+    assert not torch.equal(compiled_attend(q, k, v), compiled[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_calls_drawing_masks_are_not_merged(device):
+    """Two identical calls in one compiled training graph draw two masks (the forward op is tagged
+    nondeterministic_seeded: AOTAutograd's common-subexpression elimination merges them otherwise)."""
+    skip_if_left_out(device, drop=True)
+    q, k, v = (t.requires_grad_() for t in inputs(device))
+
+    def difference(q, k, v):
+        return flash_cutlass.flash_attention(q, k, v, dropout_p=0.5) - flash_cutlass.flash_attention(q, k, v,
+                                                                                                  dropout_p=0.5)
+
+    torch._dynamo.reset()
+    assert torch.compile(difference, fullgraph=True)(q, k, v).abs().max() > 0
+
+
+def test_fake_rng_state_is_where_the_forward_puts_it():
+    """The forward op's fake implementation gives rng_state the device the real one does: empty
+    without dropout, a given state's device, q's (CUDA) device for a draw in the extension, the CPU
+    for a draw on the host (a CPU generator)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 4, 16, device="cuda", dtype=torch.bfloat16)
+        cases = [({}, (0,), "cuda"), ({"dropout_p": 0.1}, (2,), "cuda"),
+                 ({"dropout_p": 0.1, "generator": torch.Generator()}, (2,), "cpu"),
+                 ({"dropout_p": 0.1, "rng_state": torch.empty(2, dtype=torch.int64)}, (2,), "cpu")]
+        for fields, shape, device in cases:
+            options = AttentionOptions(softmax_scale=0.25, **fields)
+            _, _, rng_state = ops.forward_op(q, q, q, *options.op_args())
+            assert (tuple(rng_state.shape), rng_state.device.type, rng_state.dtype) == (shape, device, torch.int64)
+
+
 def test_lse_is_not_differentiable():
     q, k, v = (t.requires_grad_() for t in inputs("cpu"))
     out, lse = flash_cutlass.flash_attention(q, k, v, return_lse=True)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import flash_cutlass
+from flash_cutlass import backend, ops
 from flash_cutlass import options as options_module
-from flash_cutlass import ops
-from flash_cutlass.options import AttentionOptions, backward_options, forward_options
+from flash_cutlass.options import AttentionOptions, backward_options, draws_in_kernel, forward_options
 
 
 def qkv(gen, requires_grad=False):
@@ -44,13 +44,37 @@ def test_forward_options_resolve_defaults(gen, monkeypatch):
     assert options.rng_state is None and not options.is_varlen
 
 
-def test_forward_options_draw_the_dropout_state_once(gen):
-    q, _, _ = qkv(gen)
+def test_forward_options_leave_the_dropout_draw_to_the_call(gen):
+    """forward_options keep the generator and draw nothing (the forward op draws when it runs, so
+    that torch.compile and CUDA graphs keep the draw); the call draws once, reproducibly."""
+    q, k, v = qkv(gen)
     generator = torch.Generator().manual_seed(7)
     options = forward_options(q, dropout_p=0.1, generator=generator)
-    assert options.rng_state.dtype == torch.int64 and tuple(options.rng_state.shape) == (2,)
+    assert options.rng_state is None and options.generator is generator
+    assert torch.equal(generator.get_state(), torch.Generator().manual_seed(7).get_state())
+    assert forward_options(q, generator=generator).generator is None  # no dropout: nothing to draw
+    _, _, rng_state = backend.forward(q, k, v, options)
+    assert rng_state.dtype == torch.int64 and rng_state.device.type == "cpu" and tuple(rng_state.shape) == (2,)
+    assert not torch.equal(generator.get_state(), torch.Generator().manual_seed(7).get_state())
     again = forward_options(q, dropout_p=0.1, generator=torch.Generator().manual_seed(7))
-    assert torch.equal(options.rng_state, again.rng_state)
+    assert torch.equal(backend.forward(q, k, v, again)[2], rng_state)
+
+
+def test_given_rng_state_comes_back_as_it_is(gen):
+    q, k, v = qkv(gen)
+    rng_state = torch.tensor([3, 8])
+    options = forward_options(q, dropout_p=0.1, rng_state=rng_state)
+    assert options.rng_state is rng_state and options.generator is None
+    assert backend.forward(q, k, v, options)[2] is rng_state
+
+
+def test_where_the_dropout_state_is_drawn():
+    """CUDA tensors draw in the extension (graph-safe) unless the generator is a CPU one; CPU
+    tensors draw on the host."""
+    assert draws_in_kernel(torch.device("cuda", 0), None)
+    assert not draws_in_kernel(torch.device("cuda", 0), torch.Generator())
+    assert not draws_in_kernel(torch.device("cpu"), None)
+    assert not draws_in_kernel(torch.device("cpu"), torch.Generator())
 
 
 def test_backward_options_take_the_backward_kernel_variable(gen, monkeypatch):
@@ -116,20 +140,20 @@ def test_flash_attention_backward_runs_with_the_forward_options(gen):
 
 def test_eager_flash_attention_takes_the_autograd_function_and_gets_no_lse_gradient(gen, monkeypatch):
     """Eager calls go through ops._Attention (not torch.library's per-call autograd wrapper), and
-    the backward receives no zero-filled gradient for the non-differentiable lse."""
+    the backward receives no zero-filled gradient for the non-differentiable lse and rng_state."""
     received = []
     original = ops._gradients
 
-    def recording(ctx, grad_out, grad_lse):
-        received.append(grad_lse)
-        return original(ctx, grad_out, grad_lse)
+    def recording(ctx, grad_out, grad_lse, grad_rng_state):
+        received.append((grad_lse, grad_rng_state))
+        return original(ctx, grad_out, grad_lse, grad_rng_state)
 
     monkeypatch.setattr(ops, "_gradients", recording)
     q, k, v = qkv(gen, requires_grad=True)
     out = flash_cutlass.flash_attention(q, k, v, causal=True)
     assert type(out.grad_fn).__name__ == "_AttentionBackward"
     out.sum().backward()
-    assert received == [None]
+    assert received == [(None, None)]
 
 
 def test_a_copy_without_the_compiled_module_says_so(monkeypatch, tmp_path):

@@ -81,11 +81,23 @@ struct FwdParams {
   float alibi_slope_scale = 0.f;
   // Dropout (common/dropout.h): a probability is dropped when its Philox word is below
   // dropout_threshold = floor(p * 2^32) (0: no dropout), kept ones are scaled by
-  // dropout_keep_scale = 1 / (1 - p); the words come from philox_seed and philox_offset.
+  // dropout_keep_scale = 1 / (1 - p); the words come from the call's Philox (seed, offset).
   uint32_t dropout_threshold = 0;
   float dropout_keep_scale = 1.f;
+  // The Philox (seed, offset), resolved on the device (common/dropout.h, philox_seed_offset) with
+  // the meaning of PyTorch's at::cuda::philox::unpack: without philox_seed_ptr, the values
+  // philox_seed and philox_offset; with it, *philox_seed_ptr and *philox_offset_ptr +
+  // philox_offset_intragraph, read from device memory: a forward drawing from a CUDA generator
+  // under CUDA graph capture (the generator's seed and offset tensors, which each replay
+  // refreshes), or a state kept on the device (the one a forward returned: offset_intragraph 0).
   uint64_t philox_seed = 0;
   uint64_t philox_offset = 0;
+  const int64_t* philox_seed_ptr = nullptr;
+  const int64_t* philox_offset_ptr = nullptr;
+  uint64_t philox_offset_intragraph = 0;
+  // A forward that drew its state from a generator: one thread writes the (seed, offset) it used
+  // here (two int64 on the device), the state the backward reads back. nullptr: none.
+  int64_t* philox_state_out = nullptr;
 };
 
 // Whether a call sets any option of the extended instantiations: a soft cap, ALiBi or dropout.

@@ -10,6 +10,8 @@
 //   counter = (j / 2, i / 2, batch * heads + head, offset / 4), key = (seed low, seed high),
 //   the output word 2 * (i % 2) + (j % 2) belongs to (i, j), and (i, j) is kept iff that word is
 //   >= drop_threshold = floor(p * 2^32).
+// A call uses the one stream offset / 4; a call drawing from a generator advances its offset by 4
+// (csrc/flash_api.cpp), so calls never share counters.
 // Every accumulator layout here holds such blocks in pairs of elements: neighbouring columns of one
 // row in S (mma.sync and wgmma C layouts), neighbouring rows of one column in S^T (the Hopper
 // backward); a pair costs one Philox call.
@@ -91,15 +93,46 @@ struct Dropout<true> {
   }
 };
 
+struct PhiloxSeedOffset {
+  uint64_t seed;
+  uint64_t offset;
+};
+
+// The call's Philox (seed, offset), as PyTorch's at::cuda::philox::unpack reads an
+// at::PhiloxCudaState: the values in params, or, where the host passed pointers (CUDA graph
+// capture, or a state kept on the device), the seed and the offset plus the intra-graph offset
+// read from device memory.
+__device__ __forceinline__ PhiloxSeedOffset philox_seed_offset(FwdParams const& params) {
+  if (params.philox_seed_ptr != nullptr) {
+    return {uint64_t(*params.philox_seed_ptr), uint64_t(*params.philox_offset_ptr) + params.philox_offset_intragraph};
+  }
+  return {params.philox_seed, params.philox_offset};
+}
+
 // The dropout of (batch, head) from params; an empty policy without kDropout.
 template <bool kDropout>
 __device__ __forceinline__ Dropout<kDropout> dropout_of(FwdParams const& params, int batch, int head) {
   if constexpr (kDropout) {
-    return {make_uint2(uint32_t(params.philox_seed), uint32_t(params.philox_seed >> 32)),
-            uint32_t(params.philox_offset >> 2), uint32_t(batch * params.heads + head), params.dropout_threshold,
-            params.dropout_keep_scale};
+    const PhiloxSeedOffset state = philox_seed_offset(params);
+    return {make_uint2(uint32_t(state.seed), uint32_t(state.seed >> 32)), uint32_t(state.offset >> 2),
+            uint32_t(batch * params.heads + head), params.dropout_threshold, params.dropout_keep_scale};
   } else {
     return {};
+  }
+}
+
+// A forward whose state the host drew from a generator (params.philox_state_out set) hands the
+// (seed, offset) it used to the backward: one thread of the grid's first CTA writes them. Under
+// CUDA graph capture each replay writes its own.
+template <bool kDropout>
+__device__ __forceinline__ void record_philox_state(FwdParams const& params) {
+  if constexpr (kDropout) {
+    if (params.philox_state_out != nullptr && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 &&
+        blockIdx.z == 0) {
+      const PhiloxSeedOffset state = philox_seed_offset(params);
+      params.philox_state_out[0] = int64_t(state.seed);
+      params.philox_state_out[1] = int64_t(state.offset);
+    }
   }
 }
 

@@ -228,6 +228,7 @@ __global__ void __launch_bounds__(FwdTraitsFor<kHeadDim, Element>::kThreads, 1)
     flash_fwd_sm80(__grid_constant__ const FwdParams params) {
   using Traits = FwdTraitsFor<kHeadDim, Element>;
   extern __shared__ __align__(128) char smem[];
+  record_philox_state<carries_dropout(kExtension)>(params);
   const QueryTile tile = kMaskKind == MaskKind::kCausal ? longest_first_query_tile_of_this_cta<Traits::kBlockM>(params)
                                                        : query_tile_of_this_cta<Traits::kBlockM>(params);
   fwd_query_block<Traits, kMaskKind, kExtension>(params, smem, tile.m_block, tile.batch, tile.head);

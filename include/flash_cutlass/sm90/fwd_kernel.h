@@ -14,6 +14,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/fwd_epilogue.h"
@@ -46,6 +47,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool producer_thread = threadIdx.x == 0;
 
+  record_philox_state<carries_dropout(kExtension)>(params);
   if (producer_thread) {
     prefetch_tma_descriptor(kernel_params.tma_q.get_tma_descriptor());
     prefetch_tma_descriptor(kernel_params.tma_k.get_tma_descriptor());

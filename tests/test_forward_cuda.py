@@ -24,7 +24,7 @@ KERNELS = ("sm80", "sm90")
 
 def forward_into(q, k, v, out, lse, scale, causal, kernel):
     """The extension's forward into poisoned out and lse, with nothing allocated around it."""
-    _extension().forward(q, k, v, out, lse, AttentionOptions(softmax_scale=scale, causal=causal, kernel=kernel))
+    _extension().forward(q, k, v, out, lse, None, AttentionOptions(softmax_scale=scale, causal=causal, kernel=kernel))
 
 
 def sm90_unavailable() -> str:

@@ -77,6 +77,16 @@ def door_calls(seqlen: int, head_dim: int, direction: str, device: str = "cuda",
     return calls
 
 
+def door_times(calls: dict, rounds: int, time_ms) -> dict:
+    """Each door's median over `rounds` rounds of time_ms(call), the doors alternating within a
+    round (A B C A B C ...), so that a drift of the clocks falls on every door alike."""
+    samples = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            samples[name].append(time_ms(call))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 # What each door is compared with: the direct call on the same inputs.
 BASELINES = {"flash_attn_qkvpacked_func": "flash_attention (qkv views)",
              "flash_attention (qkv views)": "flash_attention (qkv views)"}
@@ -105,12 +115,8 @@ def main(argv=None) -> int:
     for direction in args.directions.split(","):
         for head_dim in (int(d) for d in args.head_dims.split(",")):
             for seqlen in (int(s) for s in args.seqlens.split(",")):
-                calls = door_calls(seqlen, head_dim, direction)
-                rounds = {name: [] for name in calls}
-                for _ in range(args.rounds):
-                    for name, call in calls.items():
-                        rounds[name].append(median_ms(call, 10, 20, args.min_time_ms, args.warmup_ms))
-                times = {name: statistics.median(values) for name, values in rounds.items()}
+                times = door_times(door_calls(seqlen, head_dim, direction), args.rounds,
+                                   lambda call: median_ms(call, 10, 20, args.min_time_ms, args.warmup_ms))
                 for name, ms in times.items():
                     base = times[BASELINES.get(name, "flash_attention")]
                     rows.append({"direction": direction, "head_dim": head_dim, "seqlen": seqlen, "door": name,

@@ -297,3 +297,24 @@ def test_every_door_of_the_doors_benchmark_computes_the_same_attention(direction
     views = as_bshd("flash_attention (qkv views)", results["flash_attention (qkv views)"])
     for a, b in zip(packed if isinstance(packed, list) else [packed], views if isinstance(views, list) else [views]):
         torch.testing.assert_close(a, b)
+
+
+def test_the_doors_benchmark_alternates_the_doors_and_takes_each_doors_median():
+    doors = load_script("benchmarks", "benchmark_doors")
+    order = []
+    drift = iter([5.0, 1.0, 9.0, 4.0, 2.0, 8.0, 6.0, 3.0, 7.0])
+
+    def time_ms(call):
+        order.append(call())
+        return next(drift)
+
+    times = doors.door_times({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, 3, time_ms)
+    assert order == ["a", "b", "c"] * 3
+    assert times == {"a": 5.0, "b": 2.0, "c": 8.0}
+
+
+def test_every_door_of_the_doors_benchmark_has_a_baseline_among_the_doors():
+    doors = load_script("benchmarks", "benchmark_doors")
+    names = set(doors.door_calls(64, 32, "forward", device="cpu", tokens=128, hidden=256))
+    for name in names:
+        assert doors.BASELINES.get(name, "flash_attention") in names, name

@@ -420,6 +420,13 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   // Last before the launch (a call that fails a check draws nothing), on q's device (a capture is
   // per device and stream).
   set_philox_state(params, options, q, drawn_rng_state);
+  // The Hopper forward of a packed batch takes V through a TMA descriptor per sequence, which its
+  // launcher writes here (sm90/sequence_descriptors.h); the stream orders the buffer's reuse.
+  at::Tensor sequence_descriptors;
+  if (options.is_varlen() && kernel.path == KernelPath::kSm90) {
+    sequence_descriptors = at::empty({int64_t(params.batch) * 128}, q.options().dtype(at::kByte));
+    params.sequence_descriptors = sequence_descriptors.data_ptr();
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const cudaError_t status =
       kernel.path == KernelPath::kSm90

@@ -1,19 +1,21 @@
 """Sequence isolation in a packed (variable-length) batch: a NaN or Inf in one sequence's q, k, v or
-dout changes no other sequence's gradients. The tiles of a sequence's last blocks reach into the
-next sequence's rows (TMA reads the packed tensor); the kernels must not let those values through
-(0 * NaN = NaN). Skipped without a GPU and the Hopper backward."""
+dout changes no other sequence's outputs or gradients. The tiles of a sequence's last blocks reach
+into the next sequence's rows (TMA reads the packed tensor); the kernels must not let those values
+through (0 * NaN = NaN). Skipped without a GPU."""
 
 import pytest
 import torch
 
 import flash_cutlass
-from helpers import COMPILED_SM90_BACKWARD_HEAD_DIMS, kernel_unavailable, requires_backward, requires_cuda
+from helpers import (COMPILED_SM90_BACKWARD_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, kernel_unavailable, requires_backward,
+                     requires_cuda)
 
-pytestmark = [requires_cuda, requires_backward]
+pytestmark = requires_cuda
 
 LENGTHS = (100, 77, 150)  # tails in every sequence's last query and key blocks
 
 
+@requires_backward
 @pytest.mark.parametrize("poisoned", ["q", "k", "v", "dout"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("causal", [False, True])
@@ -51,3 +53,36 @@ def test_a_non_finite_sequence_leaves_its_neighbours_gradients_alone(cuda_gen, k
             assert grad[rows].isfinite().all(), f"{name} rows {rows} not finite ({poisoned} of the middle sequence)"
             torch.testing.assert_close(grad[rows].float(), ref[rows].float(), atol=2e-2, rtol=2e-2,
                                        msg=f"{name} rows {rows}")
+
+
+@pytest.mark.parametrize("poisoned", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_HEAD_DIMS)
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+def test_a_non_finite_sequence_leaves_its_neighbours_outputs_alone(cuda_gen, kernel, head_dim, causal, value,
+                                                                   poisoned):
+    reason = kernel_unavailable(kernel, head_dim, "forward")
+    if reason:
+        pytest.skip(reason)
+    cu_seqlens = torch.tensor([0, 100, 177, 327], dtype=torch.int32, device="cuda")
+    total, longest = 327, 150
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+
+    clean = {"q": rand(total, 4, head_dim), "k": rand(total, 2, head_dim), "v": rand(total, 2, head_dim)}
+
+    def forward(tensors):
+        return flash_cutlass.flash_forward_varlen(tensors["q"], tensors["k"], tensors["v"], cu_seqlens, cu_seqlens,
+                                                  longest, longest, causal=causal, kernel=kernel)
+
+    expected_out, expected_lse = forward(clean)
+    poisoned_inputs = dict(clean)
+    poisoned_inputs[poisoned] = clean[poisoned].clone()
+    poisoned_inputs[poisoned][100:177] = value  # all of the middle sequence
+    out, lse = forward(poisoned_inputs)
+    for rows in (slice(0, 100), slice(177, 327)):
+        assert out[rows].isfinite().all() and lse[:, rows].isfinite().all(), (
+            f"rows {rows} not finite ({poisoned} of the middle sequence)")
+        assert torch.equal(out[rows], expected_out[rows]) and torch.equal(lse[:, rows], expected_lse[:, rows])

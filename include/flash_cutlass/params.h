@@ -98,6 +98,9 @@ struct FwdParams {
   // A forward that drew its state from a generator: one thread writes the (seed, offset) it used
   // here (two int64 on the device), the state the backward reads back. nullptr: none.
   int64_t* philox_state_out = nullptr;
+  // The Hopper forward of a variable-length call: device memory for one 128-byte TMA descriptor per
+  // sequence (128-byte aligned), which its launcher fills (sm90/sequence_descriptors.h).
+  void* sequence_descriptors = nullptr;
 };
 
 // Whether a call sets any option of the extended instantiations: a soft cap, ALiBi or dropout.

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (producer_thread) {
       // TMA views of Q, K, V: (seqlen, head_dim, heads, batch), or (total, head_dim, heads, 1) in a
       // variable-length call, each sequence's rows from its first one on; rows and columns past the
-      // tensor arrive as zeros (rows past a packed sequence are the next one's, masked like them).
+      // tensor arrive as zeros (V through per-sequence descriptors in a packed batch: fwd_producer.h).
       const TmaExtents extents = tma_extents(params);
       Tensor mQ = kernel_params.tma_q.get_tma_tensor(
           make_shape(extents.rows_q, params.head_dim, params.heads, extents.batch));

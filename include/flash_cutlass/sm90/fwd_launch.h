@@ -10,6 +10,7 @@
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/select.h"
 #include "flash_cutlass/sm90/fwd_kernel.h"
+#include "flash_cutlass/sm90/sequence_descriptors.h"
 
 namespace flash_cutlass::sm90 {
 
@@ -66,6 +67,15 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
     if (status != cudaSuccess) return status;
     if (params.cu_seqlens_q == nullptr && num_ctas > sms) num_ctas = sms;
     kernel_params.persistent_work = persistent_work_of<Traits::kBlockM, kInPairs>(params, num_ctas);
+  }
+  if (params.cu_seqlens_k != nullptr) {
+    // V's per-sequence descriptors (sequence_descriptors.h), in stream order before the kernel.
+    if (params.sequence_descriptors == nullptr) return cudaErrorInvalidValue;
+    constexpr int kSequencesPerCta = 128;
+    shift_value_descriptors<Element><<<(params.batch + kSequencesPerCta - 1) / kSequencesPerCta, kSequencesPerCta, 0,
+                                       stream>>>(*kernel_params.tma_v.get_tma_descriptor(), params);
+    const cudaError_t status = cudaGetLastError();
+    if (status != cudaSuccess) return status;
   }
   return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
                        kernel_params, stream);

@@ -1,6 +1,8 @@
 // The producer of the Hopper-path forward: one thread of the producer warpgroup brings each tile's
 // Q and its K/V blocks into shared memory with TMA, through the K/V pipeline's stages and Q's
 // full/empty barrier pair, running ahead into the next tile while the consumers finish this one.
+// In a variable-length call V comes through its sequence's own descriptor (sequence_descriptors.h),
+// so that the rows a tile reads past the sequence arrive as zeros.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -8,6 +10,7 @@
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/fwd_kernel_params.h"
+#include "flash_cutlass/sm90/sequence_descriptors.h"
 #include "flash_cutlass/sm90/tile_config.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/timeline.h"
@@ -55,7 +58,16 @@ struct FwdProducer {
                            select<0, 2>(TileShape{}), make_coord(work.tile.m_block, _0{}));
     Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
                            select<1, 2>(TileShape{}), make_coord(_, _0{}));
-    Tensor gV = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mV(_, _, head_k, tma_batch)),
+    const bool per_sequence_v = params.cu_seqlens_k != nullptr;
+    const int v_row_origin = per_sequence_v ? value_row_origin(params, work.sequence) : work.sequence.k_start;
+    const TmaDescriptor* v_descriptor =
+        per_sequence_v ? static_cast<TmaDescriptor const*>(params.sequence_descriptors) + work.tile.batch
+                       : kernel_params.tma_v.get_tma_descriptor();
+    if (per_sequence_v) {  // written by shift_value_descriptors, before this kernel
+      tma_descriptor_fence_acquire(v_descriptor);
+      prefetch_tma_descriptor(v_descriptor);
+    }
+    Tensor gV = local_tile(domain_offset(make_coord(v_row_origin, _0{}), mV(_, _, head_k, tma_batch)),
                            select<1, 2>(TileShape{}), make_coord(_, _0{}));
     auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                       group_modes<0, 2>(gQ));
@@ -76,14 +88,15 @@ struct FwdProducer {
     copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
     ++q_loads;
     pipeline_v.producer_acquire(state);
-    copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, last), tVsV(_, state.index()));
+    copy(kernel_params.tma_v.with(v_descriptor, *pipeline_v.producer_get_barrier(state)), tVgV(_, last),
+         tVsV(_, state.index()));
     ++state;
     for (int n_block = last - 1; n_block >= work.key_blocks.begin; --n_block) {
       pipeline_k.producer_acquire(state);
       copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block),
            tKsK(_, state.index()));
       pipeline_v.producer_acquire(state);
-      copy(kernel_params.tma_v.with(*pipeline_v.producer_get_barrier(state)), tVgV(_, n_block),
+      copy(kernel_params.tma_v.with(v_descriptor, *pipeline_v.producer_get_barrier(state)), tVgV(_, n_block),
            tVsV(_, state.index()));
       ++state;
     }

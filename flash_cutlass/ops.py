@@ -24,6 +24,15 @@ from flash_cutlass.options import AttentionOptions, check_kernel, draws_in_kerne
 _LIBRARY = torch.library.Library("flash_cutlass", "DEF")
 _LIBRARY.define(f"forward(Tensor q, Tensor k, Tensor v, {AttentionOptions.schema()}) -> (Tensor, Tensor, Tensor)",
                 tags=(torch.Tag.nondeterministic_seeded,))
+# torch releases whose graph CSE does not yet read the nondeterministic_seeded tag (2.11 merged two
+# dropout calls of one compiled graph into one mask) skip the random ops they list by name.
+try:
+    from torch._functorch import compile_utils as _compile_utils
+
+    if torch.ops.flash_cutlass.forward not in _compile_utils.rand_ops:
+        _compile_utils.rand_ops.append(torch.ops.flash_cutlass.forward)
+except (ImportError, AttributeError):
+    pass
 _LIBRARY.define(f"backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                 f"{AttentionOptions.schema()}) -> (Tensor, Tensor, Tensor)")
 

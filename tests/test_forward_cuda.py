@@ -343,12 +343,12 @@ def test_extension_checks_with_numbers_in_their_messages_raise(cuda_gen):
     lse = torch.zeros(1, 1, 4, device="cuda")
     narrow = torch.zeros(1, 4, 1, 12, device="cuda", dtype=COMPILED_DTYPES[-1])
     with pytest.raises(RuntimeError, match=r"q stride 1 \(12\) must be a multiple of 8 elements"):
-        extension.forward(narrow, narrow, narrow, narrow.clone(), lse, AttentionOptions())
+        extension.forward(narrow, narrow, narrow, narrow.clone(), lse, None, AttentionOptions())
     q = torch.zeros(1, 4, 1, 8, device="cuda", dtype=COMPILED_DTYPES[-1])
     with pytest.raises(RuntimeError, match=r"window_size entries must be >= -1, got \(-2, -1\)"):
-        extension.forward(q, q, q, q.clone(), lse, AttentionOptions(window_left=-2))
+        extension.forward(q, q, q, q.clone(), lse, None, AttentionOptions(window_left=-2))
     with pytest.raises(RuntimeError, match=r"softcap must be finite and >= 0, got -1.5"):
-        extension.forward(q, q, q, q.clone(), lse, AttentionOptions(softcap=-1.5))
+        extension.forward(q, q, q, q.clone(), lse, None, AttentionOptions(softcap=-1.5))
 
 
 @pytest.mark.skipif(not backward_left_out(), reason="this build has the backward kernels")

@@ -37,15 +37,17 @@ DEFAULT_HEAD_DIMS = (64, 128, 256)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 
 SUBJECT = "flash_cutlass"
-# flash_cutlass with its sm80 path forced (kernel="sm80"); SUBJECT is the automatic choice, the
-# Hopper path on an H100/H200.
+# flash_cutlass with a kernel path forced (kernel="sm80" / "sm90"); SUBJECT is the automatic
+# choice, the Hopper path on an H100/H200 where it has the call's head dim.
 SUBJECT_SM80 = "flash_cutlass_sm80"
+SUBJECT_SM90 = "flash_cutlass_sm90"
+FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90"}
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-IMPLS = (SUBJECT, SUBJECT_SM80, *SDPA_BACKENDS)
+IMPLS = (SUBJECT, SUBJECT_SM80, SUBJECT_SM90, *SDPA_BACKENDS)
 # What is timed, and its matmul FLOPs as a multiple of the forward's (the FlashAttention
 # convention: the backward does 2.5x the forward's matmul work).
 DIRECTIONS = {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
@@ -376,10 +378,9 @@ def make_runner(impl: str, inputs: Inputs, causal: bool, subject: ModuleType | N
                 direction: str = "forward") -> Callable[[], object]:
     if direction != "forward":
         return make_gradient_runner(impl, inputs, causal, subject, direction)
-    if impl == SUBJECT:
-        return lambda: subject.flash_forward(inputs.q, inputs.k, inputs.v, causal=causal)
-    if impl == SUBJECT_SM80:
-        return lambda: subject.flash_forward(inputs.q, inputs.k, inputs.v, causal=causal, kernel="sm80")
+    if impl in FORCED_KERNELS:
+        return lambda: subject.flash_forward(inputs.q, inputs.k, inputs.v, causal=causal,
+                                             kernel=FORCED_KERNELS[impl])
     backend = SDPBackend.MATH if impl == MATH_IMPL else SDPA_BACKENDS[impl]
     return lambda: sdpa_call(inputs, causal, backend)
 
@@ -388,8 +389,8 @@ def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: Modul
                          direction: str) -> Callable[[], object]:
     """The backward pass alone (its forward run once, outside the timed call) or forward and
     backward together, with a random upstream gradient."""
-    if impl in (SUBJECT, SUBJECT_SM80):
-        kernel = "sm80" if impl == SUBJECT_SM80 else None
+    if impl in FORCED_KERNELS:
+        kernel = FORCED_KERNELS[impl]
         q, k, v = inputs.q, inputs.k, inputs.v
         dout = torch.randn_like(q)
         if direction == "backward":
@@ -650,7 +651,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         sys.exit("--plot needs matplotlib, which is not installed.")
 
-    subject = load_subject() if SUBJECT in args.impls or SUBJECT_SM80 in args.impls else None
+    subject = load_subject() if any(impl in FORCED_KERNELS for impl in args.impls) else None
     head_dims = args.head_dims
     compiled = tuple(subject.compiled_head_dims()) if subject is not None else None
     if compiled is not None:

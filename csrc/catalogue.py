@@ -20,7 +20,7 @@ HEAD_DIMS: Dict[Tuple[str, str], Tuple[int, ...]] = {
     ("forward", "sm80"): (32, 64, 96, 128, 192, 256),
     ("forward", "sm90"): (64, 96, 128, 192, 256),
     ("backward", "sm80"): (32, 64, 96, 128, 192, 256),
-    ("backward", "sm90"): (64, 128),
+    ("backward", "sm90"): (64, 128, 256),
 }
 ALL_HEAD_DIMS = tuple(sorted({d for dims in HEAD_DIMS.values() for d in dims}))
 # Build name -> the C++ DType and the torch dtype's name.

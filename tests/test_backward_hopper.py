@@ -1,8 +1,9 @@
 """The Hopper backward kernel (kernel="sm90") at the edges of its tiles and pipeline.
 
-Its CTA owns 128 keys and walks query blocks of 64 rows through a 2-stage load pipeline: the
-lengths below put sequence ends one row before, at and after those multiples, give a CTA 1 to 5
-query blocks (fewer, as many and more than the stages), and cover GQA ratios 1 to 8. Gradients
+Its CTA owns 128 keys (64 past head dim 128) and walks query blocks of 64 rows (128 at head dim
+64) through a 2-stage load pipeline: the lengths below put sequence ends one row before, at and
+after those multiples, give a CTA 1 to 5 query blocks (fewer, as many and more than the stages),
+and cover GQA ratios 1 to 8. Head dims between the compiled ones run padded in the next one. Gradients
 are checked against the fp32 oracle with FlashAttention-2's rule. Also: a CUDA graph of the
 backward replays to the same gradients. Skipped (with the reason) without an H100/H200 build.
 """
@@ -58,6 +59,21 @@ def test_hopper_backward_tails_and_gqa_ratios(cuda_gen, head_dim, causal, seqlen
     same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16)
     for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, oracle, same_dtype):
         fa2_check(grad, ref, base, f"sm90 backward {name} ({seqlen_q}, {seqlen_k}, heads_k {heads_k})")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [d for d in (96, 160, 192) if d < max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)])
+def test_hopper_backward_pads_head_dims_it_lacks(cuda_gen, head_dim, causal):
+    """kernel="sm90" runs a head dim between its compiled ones in the next one up (columns past
+    head_dim load as zeros and are not stored)."""
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 2, 129, 200, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm90")
+    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32)
+    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16)
+    for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, oracle, same_dtype):
+        fa2_check(grad, ref, base, f"sm90 backward {name} at head dim {head_dim}")
 
 
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)

@@ -82,25 +82,33 @@ __device__ __forceinline__ QueryRowBuffers query_row_buffers(BwdParams const& pa
 
 // dK (times the softmax scale) and dV of a key block: straight into dk and dv in the inputs' dtype,
 // or, with GQA, per query head in fp32 for the caller to sum over each group. coords: each
-// accumulator element's (key, column) inside the block.
-template <class Element, int kHeadDim, int kBlockM, int kBlockN, MaskKind kMaskKind, class Acc, class Coords>
+// accumulator element's (key, column) inside the block, or with kTransposed (accumulators of
+// dK^T and dV^T) its (column, key).
+template <class Element, int kHeadDim, int kBlockM, int kBlockN, MaskKind kMaskKind, bool kTransposed = false,
+          class Acc, class Coords>
 __device__ __forceinline__ void store_dk_dv(BwdParams const& params,
                                             KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work, int rows_left_k,
                                             Acc const& acc_dk, Acc const& acc_dv, Coords const& coords) {
   const Sequence& sequence = work.sequence;
   const int head = work.tile.head;
+  auto store = [&](auto* dst, int64_t row_stride, Acc const& acc, float scale, int cols) {
+    if constexpr (kTransposed) {
+      store_rows_transposed(dst, row_stride, acc, scale, coords, rows_left_k, cols);
+    } else {
+      store_rows(dst, row_stride, acc, scale, coords, rows_left_k, cols);
+    }
+  };
   if (params.dk != nullptr) {
     const int64_t offset = sequence.k_offset(params.dkv_batch_stride, params.dkv_row_stride) +
                            int64_t(work.key_start) * params.dkv_row_stride + int64_t(head) * params.dkv_head_stride;
-    store_rows(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale, coords,
-               rows_left_k, params.head_dim);
-    store_rows(static_cast<Element*>(params.dv) + offset, params.dkv_row_stride, acc_dv, 1.f, coords, rows_left_k,
-               params.head_dim);
+    store(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale,
+          params.head_dim);
+    store(static_cast<Element*>(params.dv) + offset, params.dkv_row_stride, acc_dv, 1.f, params.head_dim);
   } else {
     const int64_t row_stride = int64_t(params.heads) * kHeadDim;
     const int64_t offset = (key_accum_row(params, sequence) + work.key_start) * row_stride + int64_t(head) * kHeadDim;
-    store_rows(params.dk_accum + offset, row_stride, acc_dk, 1.f, coords, rows_left_k, kHeadDim);
-    store_rows(params.dv_accum + offset, row_stride, acc_dv, 1.f, coords, rows_left_k, kHeadDim);
+    store(params.dk_accum + offset, row_stride, acc_dk, 1.f, kHeadDim);
+    store(params.dv_accum + offset, row_stride, acc_dv, 1.f, kHeadDim);
   }
 }
 

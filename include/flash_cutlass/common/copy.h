@@ -93,4 +93,18 @@ __device__ __forceinline__ void store_rows(To* dst, int64_t row_stride, Acc cons
   }
 }
 
+// store_rows for an accumulator of the transposed block, (columns, rows): coords gives each
+// element's (column, row); element by element (a thread's neighbours are neighbouring rows).
+template <class To, class Acc, class Coords>
+__device__ __forceinline__ void store_rows_transposed(To* dst, int64_t row_stride, Acc const& acc, float scale,
+                                                      Coords const& coords, int rows_left, int cols) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    const int col = get<0>(coords(i));
+    const int row = get<1>(coords(i));
+    if (row < rows_left && col < cols) dst[int64_t(row) * row_stride + col] = To(acc(i) * scale);
+  }
+}
+
 }  // namespace flash_cutlass

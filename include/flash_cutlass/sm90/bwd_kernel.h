@@ -2,8 +2,9 @@
 // K and V in shared memory and walks the query blocks that see them, accumulating dK and dV in
 // registers and adding each query block's dQ to an fp32 accumulator in global memory.
 // Warpgroup 0 produces (bwd_producer.h): warp 0 loads K, V, Q and dO by TMA and warp 2 the LSE and
-// D through a multi-stage pipeline, warp 1 adds dQ with TMA's reduce-add; the consumer warpgroups, 64 keys each, run the
-// five GEMMs and the softmax gradient (bwd_mainloop.h). Tile sizes, layouts and shared memory:
+// D through a multi-stage pipeline, warp 1 adds dQ with TMA's reduce-add; the consumer warpgroups,
+// 64 keys each, run the five GEMMs and the softmax gradient (bwd_mainloop.h). Past head dim 128
+// the consumers split the head dim instead and add dQ themselves (bwd_head_split_mainloop.h). Tile sizes, layouts and shared memory:
 // bwd_tile_config.h; named barriers: barriers.h. The preprocess (D, dq_accum zeroed) and the
 // postprocess (dQ scaled, converted) are both paths' (common/bwd_stages.h).
 #pragma once
@@ -15,6 +16,7 @@
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
+#include "flash_cutlass/sm90/bwd_head_split_mainloop.h"
 #include "flash_cutlass/sm90/bwd_mainloop.h"
 #include "flash_cutlass/sm90/bwd_producer.h"
 #include "flash_cutlass/sm90/bwd_tile_config.h"
@@ -36,7 +38,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(kernel_params.tma_dout.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kernel_params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kernel_params.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(kernel_params.tma_dq.get_tma_descriptor());
+    if constexpr (!Traits::kHeadSplit) cute::prefetch_tma_descriptor(kernel_params.tma_dq.get_tma_descriptor());
     storage.kv_full.init(1);
     storage.kv_landed.init(1);
     storage.query_landed.init(1);
@@ -58,14 +60,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0) {
       load_key_block<Traits, kMaskKind>(kernel_params, work, storage, lane);
     } else if (warp == 1) {
-      write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
+      if constexpr (!Traits::kHeadSplit) write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
     } else if (warp == 2) {
       stage_query_statistics<Traits, kMaskKind>(params, work, storage, lane);
     }
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-  consume_query_blocks<Traits, kMaskKind, kExtension>(params, work, storage, int(threadIdx.x) - 128);
+  if constexpr (Traits::kHeadSplit) {
+    consume_query_blocks_head_split<Traits, kMaskKind, kExtension>(params, work, storage, int(threadIdx.x) - 128);
+  } else {
+    consume_query_blocks<Traits, kMaskKind, kExtension>(params, work, storage, int(threadIdx.x) - 128);
+  }
 #endif  // Other targets get an empty body: the host launches this kernel only on sm_90.
 }
 

@@ -35,23 +35,28 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
                          params.k_batch_stride);
   const auto v = operand(params.v, extents.rows_k, params.heads_k, params.v_row_stride, params.v_head_stride,
                          params.v_batch_stride);
-  // dq_accum: (batch, heads, seqlen_q, kHeadDim), or (heads, total_q, kHeadDim) in a variable-length call.
-  const bool varlen = params.cu_seqlens_q != nullptr;
-  const int64_t dq_head_stride = int64_t(extents.rows_q) * kHeadDim;
-  const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads, extents.batch,
-                                            int64_t(kHeadDim), dq_head_stride,
-                                            varlen ? int64_t(0) : dq_head_stride * params.heads);
   using TileQ = typename Traits::TileQ;
   using TileKV = typename Traits::TileKV;
   const auto smem_q_stage = take<0, 2>(typename Traits::SmemLayoutQ{});
-  const BwdKernelParams<Traits> kernel_params{
-      params,
-      make_tma_copy(SM90_TMA_LOAD{}, q, smem_q_stage, TileQ{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q_stage, TileQ{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
-      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, TileQ{}, _1{}),
-  };
+  const auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, smem_q_stage, TileQ{}, _1{});
+  const auto tma_dout = make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q_stage, TileQ{}, _1{});
+  const auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, TileKV{}, _1{});
+  const auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, TileKV{}, _1{});
+  const BwdKernelParams<Traits> kernel_params = [&] {
+    if constexpr (Traits::kHeadSplit) {
+      return BwdKernelParams<Traits>{params, tma_q, tma_dout, tma_k, tma_v};
+    } else {
+      // dq_accum: (batch, heads, seqlen_q, kHeadDim), or (heads, total_q, kHeadDim) in a variable-length call.
+      const bool varlen = params.cu_seqlens_q != nullptr;
+      const int64_t dq_head_stride = int64_t(extents.rows_q) * kHeadDim;
+      const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads,
+                                                extents.batch, int64_t(kHeadDim), dq_head_stride,
+                                                varlen ? int64_t(0) : dq_head_stride * params.heads);
+      return BwdKernelParams<Traits>{
+          params, tma_q, tma_dout, tma_k, tma_v,
+          make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, TileQ{}, _1{})};
+    }
+  }();
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
     const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension>,

@@ -21,6 +21,9 @@ struct BwdKernelTraits {
   static constexpr int kStages = kStages_;  // query blocks (Q, dO, LSE, D) in flight
   static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0, "query rows and keys in 64s (64 keys a consumer warpgroup)");
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "rows of 128-byte swizzle atoms; registers");
+  // dK and dV as (keys, head dim), each consumer warpgroup its 64 keys; dQ through shared memory
+  // and the dQ warp's TMA reduce-add (BwdHeadSplitKernelTraits below has neither).
+  static constexpr bool kHeadSplit = false;
 
   // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory (TMA
   // reduce-add), warp 2 stages LSE and D; warp 3 exits at once. Warpgroups 1.. are the consumers,
@@ -136,6 +139,114 @@ struct BwdKernelTraits {
                                              cute::_1{}));
 };
 
+// The wide head dims (256): dK and dV of 64 keys x 256 do not fit one warpgroup's registers next
+// to S and dP, so the consumers split the head dim instead of the keys. Per query block:
+//   S^T = K Q^T, dP^T = V dO^T: (64 keys, kBlockM queries), each warpgroup half of the queries;
+//   P^T and dS^T go to shared memory (keys, queries), where both warpgroups read all of them;
+//   dV^T += dO^T P and dK^T += Q^T dS: (head dim, 64 keys), each warpgroup half of the head dim,
+//   both operands from shared memory;
+//   dQ = dS K: (queries, head dim), each warpgroup half of the head dim, added to dq_accum by the
+//   consumers' own vector atomics (a 64 x 256 fp32 staging tile does not fit next to two stages).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
+struct BwdHeadSplitKernelTraits {
+  using Element = Element_;
+  static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
+  static constexpr bool kHeadSplit = true;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWarpgroups = 2;
+  static_assert(kBlockN == 64, "the keys are the M of S^T and dP^T: one 64-row wgmma");
+  static_assert(kBlockM % (8 * kConsumerWarpgroups) == 0 && kBlockM % 64 == 0, "query halves of whole atoms");
+  static_assert(kHeadDim % (64 * kConsumerWarpgroups) == 0, "head-dim halves of 64-row wgmmas");
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(kLaunchRegisters - kProducerRegisters ==
+                kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
+
+  using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
+  using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+  using TileKVt = cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>;
+  using TileSt = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>;
+
+  // S^T and dP^T: (keys, queries, head dim), the warpgroups split the queries.
+  using TileShapeSdPPerWarpgroup =
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM / kConsumerWarpgroups>, cute::Int<kHeadDim>>;
+  // dV^T and dK^T: (head dim, keys, queries), A (dO^T, Q^T) head-dim-major, the warpgroups split the
+  // head dim.
+  using TileShapedKVt = cute::Shape<cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>, cute::Int<kBlockM>>;
+  // dQ: (queries, head dim, keys), the warpgroups split the head dim.
+  using TileShapedQPerWarpgroup =
+      cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>>;
+  using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
+  using WarpgroupsAlongN = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;
+
+  using TiledMmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShapeSdPPerWarpgroup>(), WarpgroupsAlongN{}));
+  using TiledMmadKVt = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShapedKVt, cute::GMMA::Major::MN,
+                                 cute::GMMA::Major::K>(),
+      WarpgroupsAlongM{}));
+  using TiledMmadQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShapedQPerWarpgroup, cute::GMMA::Major::MN,
+                                 cute::GMMA::Major::MN>(),
+      WarpgroupsAlongN{}));
+
+  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
+                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
+                                                cute::Step<cute::_2, cute::_1>{})));
+  // P^T and dS^T (keys, queries), queries contiguous, two buffers each (the other warpgroup may
+  // still read a step's while this one writes the next's): the K-major B of dV^T and dK^T; dS^T
+  // seen as dS (queries, keys) is the MN-major A of dQ.
+  using SmemLayoutPt = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::_2>{}));
+  using SmemLayoutdS = decltype(cute::composition(
+      SmemLayoutPt{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{},
+                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemCopyAtomPt = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutPt>> pt;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutPt>> ds;
+    alignas(16) float lse_log2[kStages][kBlockM];
+    alignas(16) float dsum[kStages][kBlockM];
+    cutlass::arch::ClusterTransactionBarrier kv_full;
+    cutlass::arch::ClusterTransactionBarrier query_full[kStages];
+    cutlass::arch::ClusterBarrier query_empty[kStages];
+    cutlass::arch::ClusterTransactionBarrier kv_landed;
+    cutlass::arch::ClusterTransactionBarrier query_landed;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
+                                  cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                GmemLayout{}));
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                            cute::take<0, 2>(SmemLayoutQ{}), TileQ{}, cute::_1{}));
+  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{},
+                                             cute::_1{}));
+};
+
 // Tile sizes per head dim: 128 keys a CTA; query blocks of 128 rows at head dim 64 (twice the N of
 // the S^T and dP^T GEMMs, half the steps), of 64 at 128 (the registers of dK and dV).
 template <int kHeadDim>
@@ -143,7 +254,9 @@ struct BwdTileSizes {
   static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64, kBlockN = 128, kStages = 2;
 };
 
+// Past 128: 64 keys a CTA, query blocks of 64 rows, two stages (BwdHeadSplitKernelTraits).
 template <int kHeadDim, class Element, class Sizes = BwdTileSizes<kHeadDim>>
-using BwdTraitsFor = BwdKernelTraits<kHeadDim, Sizes::kBlockM, Sizes::kBlockN, Sizes::kStages, Element>;
+using BwdTraitsFor = std::conditional_t<(kHeadDim > 128), BwdHeadSplitKernelTraits<kHeadDim, 64, 64, 2, Element>,
+                                        BwdKernelTraits<kHeadDim, Sizes::kBlockM, Sizes::kBlockN, Sizes::kStages, Element>>;
 
 }  // namespace flash_cutlass::sm90

@@ -5,7 +5,8 @@
 //   dV^T += dO^T P, dK^T += Q^T dS           (each warpgroup half of the head dim, both operands
 //                                            in shared memory: P and dS of both warpgroups)
 //   dQ = dS K                                (each warpgroup half of the head dim)
-// and each warpgroup adds its half of the block's dQ to dq_accum with 8-byte atomics.
+// and each warpgroup adds its half of the block's dQ to dq_accum with 8-byte atomics while the
+// tensor cores run dV^T and dK^T.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -49,8 +50,8 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKt{});
   Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
-  Tensor sPt = make_tensor(make_smem_ptr(storage.pt.data()), typename Traits::SmemLayoutPt{});
-  Tensor sdSt = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutPt{});
+  Tensor sPt = make_tensor(make_smem_ptr(storage.pt.data()), typename Traits::SmemLayoutdSt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdSt{});
   Tensor sdS = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdS{});
 
   typename Traits::TiledMmaSdP mma_sdp;
@@ -69,7 +70,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   Tensor tdKrdSt = thr_dkv.partition_fragment_B(sdSt);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, buffer)
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-  auto smem_tiled_copy_pt = make_tiled_copy_C(typename Traits::SmemCopyAtomPt{}, mma_sdp);
+  auto smem_tiled_copy_pt = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
   auto smem_thr_copy_pt = smem_tiled_copy_pt.get_thread_slice(consumer_idx);
   Tensor tPsPt = smem_thr_copy_pt.partition_D(sPt);     // (CPY, CPY_M, CPY_N, buffer)
   Tensor tdSsdSt = smem_thr_copy_pt.partition_D(sdSt);
@@ -82,47 +83,21 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   Tensor tScS = as_rows_cols(thr_sdp.partition_C(make_identity_tensor(TileSt{})));
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
   float* dq_accum = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head).dq_accum;
+  const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
 
-  if (work.m_block_begin < work.m_block_end) storage.kv_full.wait(0);
+  if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(0);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
     const int stage = step % Traits::kStages;
     const int buffer = step & 1;
     const int row_start = m_block * Traits::kBlockM;
-    storage.query_full[stage].wait((step / Traits::kStages) & 1);
+    storage.pipeline.query_full[stage].wait((step / Traits::kStages) & 1);
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
-    issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
-    issue_gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
-    Tensor st = as_rows_cols(acc_s);
-    Tensor dpt = as_rows_cols(acc_dp);
-    const float* lse_log2 = storage.lse_log2[stage];
-    const float* dsum = storage.dsum[stage];
-    const bool needs_mask = work.mask.tile_needs_mask(row_start, Traits::kBlockM, work.key_start, Traits::kBlockN);
-    if constexpr (kExtended) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      warpgroup_fence_operand(acc_dp);
-      if (needs_mask) {
-        extended_probabilities_and_ds_transposed<true>(st, dpt, tScS, work.key_start, row_start, work.mask,
-                                                       score_mods, dropout, params.exp2_scale, lse_log2, dsum);
-      } else {
-        extended_probabilities_and_ds_transposed<false>(st, dpt, tScS, work.key_start, row_start, work.mask,
-                                                        score_mods, dropout, params.exp2_scale, lse_log2, dsum);
-      }
-    } else {
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc_s);
-      if (needs_mask) {
-        probabilities_transposed<true>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
-      } else {
-        probabilities_transposed<false>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dp);
-      ds_transposed(st, dpt, tScS, dsum);
-    }
+    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
+                                             acc_dp, tScS, params, work, score_mods, dropout, row_start,
+                                             storage.pipeline.lse_log2[stage], storage.pipeline.dsum[stage]);
     // This warpgroup's queries of P^T and dS^T to shared memory. The buffer's previous contents
     // (two steps back) were read by GEMMs that both warpgroups waited for before the last barrier.
     Tensor pt = convert_fragment<Element>(acc_s);
@@ -132,29 +107,31 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
 
-    issue_gemm_wgmma<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, buffer), acc_dvt);
-    issue_gemm_wgmma<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, buffer), acc_dkt);
+    // dQ first: its atomics then run while the tensor cores compute dV^T and dK^T.
     Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
     issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, acc_dq);
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(acc_dvt);
-    warpgroup_fence_operand(acc_dkt);
-    // This thread's GEMMs are done with the stage's Q and dO (dQ reads dS and K only).
-    storage.query_empty[stage].arrive();
-    warpgroup_wait<0>();
+    issue_gemm_wgmma<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, buffer), acc_dvt);
+    issue_gemm_wgmma<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, buffer), acc_dkt);
+    warpgroup_wait<2>();
     warpgroup_fence_operand(acc_dq);
-
     // Rows past the sequence are not added (in a variable-length call they are the next one's).
-    const int rows_left = work.sequence.seqlen_q - row_start;
-    float* dq_block = dq_accum + int64_t(row_start) * kHeadDim;
+    // An element's distance from the thread's first is known at compile time: its address is a
+    // base plus an immediate.
+    const int rows_left = work.sequence.seqlen_q - row_start - dq_row0;
+    float* dq_thread = dq_accum + int64_t(row_start + dq_row0) * kHeadDim + dq_col0;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
-      const int row = get<0>(tdQcdQ(i));
-      if (row < rows_left) {
-        atomicAdd(reinterpret_cast<float2*>(dq_block + row * kHeadDim + get<1>(tdQcdQ(i))),
+      const int dr = get<0>(tdQcdQ(i)) - dq_row0;
+      if (dr < rows_left) {
+        atomicAdd(reinterpret_cast<float2*>(dq_thread + dr * kHeadDim + (get<1>(tdQcdQ(i)) - dq_col0)),
                   make_float2(acc_dq(i), acc_dq(i + 1)));
       }
     }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dvt);
+    warpgroup_fence_operand(acc_dkt);
+    // This thread's GEMMs are done with the stage's Q and dO.
+    storage.pipeline.query_empty[stage].arrive();
   }
 
   Tensor tKVtc = thr_dkv.partition_C(make_identity_tensor(TileKVt{}));

@@ -39,14 +39,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(kernel_params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kernel_params.tma_v.get_tma_descriptor());
     if constexpr (!Traits::kHeadSplit) cute::prefetch_tma_descriptor(kernel_params.tma_dq.get_tma_descriptor());
-    storage.kv_full.init(1);
-    storage.kv_landed.init(1);
-    storage.query_landed.init(1);
+    storage.pipeline.kv_full.init(1);
+    storage.pipeline.kv_landed.init(1);
+    storage.pipeline.query_landed.init(1);
     CUTE_UNROLL
     for (int stage = 0; stage < Traits::kStages; ++stage) {
       // The TMA transaction's arrival and one a statistics-warp lane (its LSE and D stores).
-      storage.query_full[stage].init(1 + 32);
-      storage.query_empty[stage].init(Traits::kConsumerThreads);
+      storage.pipeline.query_full[stage].init(1 + 32);
+      storage.pipeline.query_empty[stage].init(Traits::kConsumerThreads);
     }
     cutlass::arch::fence_barrier_init();
   }

@@ -116,6 +116,47 @@ __device__ __forceinline__ void extended_probabilities_and_ds_transposed(
   }
 }
 
+// A query block's S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), turned in place
+// into P^T and dS^T: the exponentials while dP^T is still computed (the extended kernels, which
+// need both at once, wait for both). Both consumer layouts run it on their part of the tile.
+template <MaskKind kMaskKind, int kBlockM, int kBlockN, class TiledMma, class FragK, class FragQ, class FragV,
+          class FragdO, class Acc, class Coords, bool kExtended, bool kDropout>
+__device__ __forceinline__ void probabilities_and_ds_of_block(
+    TiledMma& mma_sdp, FragK const& tSrK, FragQ const& tSrQ, FragV const& tdPrV, FragdO const& tdPrdO, Acc& acc_s,
+    Acc& acc_dp, Coords const& tScS, BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
+    ScoreMods<kExtended> const& score_mods, Dropout<kDropout> const& dropout, int row_start, const float* lse_log2,
+    const float* dsum) {
+  using namespace cute;
+  issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ, acc_s);
+  issue_gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO, acc_dp);
+  Tensor st = as_rows_cols(acc_s);
+  Tensor dpt = as_rows_cols(acc_dp);
+  const bool needs_mask = work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN);
+  if constexpr (kExtended) {
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
+    warpgroup_fence_operand(acc_dp);
+    if (needs_mask) {
+      extended_probabilities_and_ds_transposed<true>(st, dpt, tScS, work.key_start, row_start, work.mask, score_mods,
+                                                     dropout, params.exp2_scale, lse_log2, dsum);
+    } else {
+      extended_probabilities_and_ds_transposed<false>(st, dpt, tScS, work.key_start, row_start, work.mask, score_mods,
+                                                      dropout, params.exp2_scale, lse_log2, dsum);
+    }
+  } else {
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc_s);
+    if (needs_mask) {
+      probabilities_transposed<true>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
+    } else {
+      probabilities_transposed<false>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dp);
+    ds_transposed(st, dpt, tScS, dsum);
+  }
+}
+
 // Where a thread's dQ accumulator elements go in the 128-byte-swizzled fp32 dQ tile (atoms of 8
 // rows x 32 floats, column-major over the tile): element (row, col) sits at
 //   (col / 32) kBlockM 32 + (row / 8) 256 + (row % 8) 32 + 4 (((col % 32) / 4) ^ (row % 8)) + col % 4.
@@ -201,47 +242,19 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
   const DqTileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0);
   float* sdq = storage.dq.data();
 
-  if (work.m_block_begin < work.m_block_end) storage.kv_full.wait(0);
+  if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(0);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
     const int stage = step % Traits::kStages;
     const int ds_buffer = step & 1;
     const int row_start = m_block * Traits::kBlockM;
-    storage.query_full[stage].wait((step / Traits::kStages) & 1);
+    storage.pipeline.query_full[stage].wait((step / Traits::kStages) & 1);
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
-    issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
-    issue_gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
-    Tensor st = as_rows_cols(acc_s);
-    Tensor dpt = as_rows_cols(acc_dp);
-    const float* lse_log2 = storage.lse_log2[stage];
-    const float* dsum = storage.dsum[stage];
-    const bool needs_mask = work.mask.tile_needs_mask(row_start, Traits::kBlockM, work.key_start, Traits::kBlockN);
-    if constexpr (kExtended) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      warpgroup_fence_operand(acc_dp);
-      if (needs_mask) {
-        extended_probabilities_and_ds_transposed<true>(st, dpt, tScS, work.key_start, row_start, work.mask,
-                                                       score_mods, dropout, params.exp2_scale, lse_log2, dsum);
-      } else {
-        extended_probabilities_and_ds_transposed<false>(st, dpt, tScS, work.key_start, row_start, work.mask,
-                                                        score_mods, dropout, params.exp2_scale, lse_log2, dsum);
-      }
-    } else {
-      // P^T while dP^T is still computed.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc_s);
-      if (needs_mask) {
-        probabilities_transposed<true>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
-      } else {
-        probabilities_transposed<false>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dp);
-      ds_transposed(st, dpt, tScS, dsum);
-    }
+    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
+                                             acc_dp, tScS, params, work, score_mods, dropout, row_start,
+                                             storage.pipeline.lse_log2[stage], storage.pipeline.dsum[stage]);
     // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared
     // memory for dQ.
     Tensor pt = convert_fragment<Element>(acc_s);
@@ -266,7 +279,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
     warpgroup_fence_operand(pt);
     warpgroup_fence_operand(dst);
     // This thread's GEMMs are done with the stage's Q and dO.
-    storage.query_empty[stage].arrive();
+    storage.pipeline.query_empty[stage].arrive();
 
     // The dQ warp has read the block before's dQ out of shared memory; this block's goes in.
     if (step > 0) named_barrier_sync<BwdBarrier::kDqEmpty, 0, kDqThreads>();

@@ -73,31 +73,31 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   const bool varlen = params.cu_seqlens_q != nullptr;
   const int keys_in_block = work.sequence.seqlen_k - work.key_start;
   const bool zero_key_tail = varlen && keys_in_block < Traits::kBlockN;
-  auto& kv_arrival = zero_key_tail ? storage.kv_landed : storage.kv_full;
+  auto& kv_arrival = zero_key_tail ? storage.pipeline.kv_landed : storage.pipeline.kv_full;
   if (lane == 0) {
     kv_arrival.arrive_and_expect_tx(2 * Traits::kBytesKV);
     copy(kernel_params.tma_k.with(reinterpret_cast<uint64_t&>(kv_arrival)), tKgK, tKsK);
     copy(kernel_params.tma_v.with(reinterpret_cast<uint64_t&>(kv_arrival)), tVgV, tVsV);
   }
   if (zero_key_tail) {
-    storage.kv_landed.wait(0);
+    storage.pipeline.kv_landed.wait(0);
     zero_tile_rows<Traits::kHeadDim, 32>(storage.k.data(), typename Traits::SmemLayoutKV{}, keys_in_block,
                                          Traits::kBlockN, lane);
     zero_tile_rows<Traits::kHeadDim, 32>(storage.v.data(), typename Traits::SmemLayoutKV{}, keys_in_block,
                                          Traits::kBlockN, lane);
     cutlass::arch::fence_view_async_shared();  // the zeros, before wgmma (the async proxy) reads them
     __syncwarp();
-    if (lane == 0) storage.kv_full.arrive();
+    if (lane == 0) storage.pipeline.kv_full.arrive();
   }
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
     const int stage = step % kStages;
     // The stage's previous block is done (the first kStages steps find it free).
-    storage.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
+    storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
     // Only a sequence's last query block can hold rows past it: its loads land on query_landed.
     const int queries_in_block = work.sequence.seqlen_q - m_block * kBlockM;
     const bool zero_query_tail = varlen && queries_in_block < kBlockM;
-    auto& query_arrival = zero_query_tail ? storage.query_landed : storage.query_full[stage];
+    auto& query_arrival = zero_query_tail ? storage.pipeline.query_landed : storage.pipeline.query_full[stage];
     if (lane == 0) {
       query_arrival.arrive_and_expect_tx(2 * Traits::kBytesQ);
       copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
@@ -105,14 +105,14 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
            tdOsdO(_, stage));
     }
     if (zero_query_tail) {
-      storage.query_landed.wait(0);  // once per CTA: the walk has one last block
+      storage.pipeline.query_landed.wait(0);  // once per CTA: the walk has one last block
       zero_tile_rows<Traits::kHeadDim, 32>(storage.q.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
                                            kBlockM, lane, stage);
       zero_tile_rows<Traits::kHeadDim, 32>(storage.dout.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
                                            kBlockM, lane, stage);
       cutlass::arch::fence_view_async_shared();
       __syncwarp();
-      if (lane == 0) storage.query_full[stage].arrive();  // in place of the TMA transaction's arrival
+      if (lane == 0) storage.pipeline.query_full[stage].arrive();  // in place of the TMA transaction's arrival
     }
   }
 }
@@ -129,7 +129,7 @@ __device__ __forceinline__ void stage_query_statistics(
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
     const int stage = step % kStages;
-    storage.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
+    storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
     CUTE_UNROLL
     for (int local_row = lane; local_row < kBlockM; local_row += 32) {
       const int row = m_block * kBlockM + local_row;
@@ -139,10 +139,10 @@ __device__ __forceinline__ void stage_query_statistics(
         dsum = query_rows.dsum[row];
         if (lse == -INFINITY) lse = INFINITY;  // a row that sees no key: P = 0, not exp(-inf + inf)
       }
-      storage.lse_log2[stage][local_row] = lse * float(M_LOG2E);
-      storage.dsum[stage][local_row] = dsum;
+      storage.pipeline.lse_log2[stage][local_row] = lse * float(M_LOG2E);
+      storage.pipeline.dsum[stage][local_row] = dsum;
     }
-    storage.query_full[stage].arrive();  // each lane releases its own stores
+    storage.pipeline.query_full[stage].arrive();  // each lane releases its own stores
   }
 }
 

@@ -11,30 +11,29 @@
 
 namespace flash_cutlass::sm90 {
 
+// What both consumer layouts share: the roles and register budgets of a CTA of a producer
+// warpgroup and two consumer warpgroups, the tiles, the K-major 128-byte-swizzled layouts that TMA
+// writes Q, dO, K and V in (and their transposed views), and the TMA copy types.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
-struct BwdKernelTraits {
+struct BwdCommonTraits {
   using Element = Element_;
   static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step of a CTA's walk
-  static constexpr int kBlockN = kBlockN_;  // keys of a CTA: 64 per consumer warpgroup
+  static constexpr int kBlockN = kBlockN_;  // keys of a CTA
   static constexpr int kStages = kStages_;  // query blocks (Q, dO, LSE, D) in flight
-  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0, "query rows and keys in 64s (64 keys a consumer warpgroup)");
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "rows of 128-byte swizzle atoms; registers");
-  // dK and dV as (keys, head dim), each consumer warpgroup its 64 keys; dQ through shared memory
-  // and the dQ warp's TMA reduce-add (BwdHeadSplitKernelTraits below has neither).
-  static constexpr bool kHeadSplit = false;
+  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 64 == 0,
+                "query rows, keys and head dim in 64s (rows of 128-byte swizzle atoms, 64-row wgmmas)");
 
-  // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory (TMA
-  // reduce-add), warp 2 stages LSE and D; warp 3 exits at once. Warpgroups 1.. are the consumers,
-  // 64 keys each.
-  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory where the
+  // consumers leave it in shared memory (TMA reduce-add), warp 2 stages LSE and D; the others exit
+  // at once. Warpgroups 1 and 2 are the consumers.
+  static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kConsumerWarpgroups == 2);
   static_assert(kLaunchRegisters - kProducerRegisters ==
                 kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
 
@@ -42,31 +41,18 @@ struct BwdKernelTraits {
   using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
   using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileSt = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>;
-
-  // S^T = K Q^T and dP^T = V dO^T: (keys, queries, head dim), the warpgroups split the keys.
-  using TileShapeSdP = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::Int<kHeadDim>>;
-  // dV = P^T dO and dK = dS^T Q: (keys, head dim, queries), A from registers.
-  using TileShapedKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kBlockM>>;
   // dQ = dS K: (queries, head dim, keys), the warpgroups split the head dim.
-  using TileShapedQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBlockN>>;
   using TileShapedQPerWarpgroup =
       cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>>;
   using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
   using WarpgroupsAlongN = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;
-
-  using TiledMmaSdP = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, TileShapeSdP>(), WarpgroupsAlongM{}));
-  using TiledMmadKV = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float, TileShapedKV, cute::GMMA::Major::K,
-                                 cute::GMMA::Major::MN>(),
-      WarpgroupsAlongM{}));
   using TiledMmadQ = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float, TileShapedQPerWarpgroup, cute::GMMA::Major::MN,
                                  cute::GMMA::Major::MN>(),
       WarpgroupsAlongN{}));
 
-  // 128-byte-swizzled rows of 64 elements, the head dim (or, for dS^T, the queries) contiguous: the
-  // layout TMA writes and wgmma reads.
+  // 128-byte-swizzled rows of 64 elements, the head dim (or, for P^T and dS^T, the queries)
+  // contiguous: the layout TMA writes and wgmma reads.
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   // Q and dO: one buffer a stage.
   using SmemLayoutQ = decltype(cute::tile_to_shape(
@@ -78,48 +64,16 @@ struct BwdKernelTraits {
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
                                                 cute::Step<cute::_2, cute::_1>{})));
-  // dS^T (keys, queries), queries contiguous, two buffers (a step's dQ GEMM may still read one while
-  // the other warpgroup writes the next step's); seen as dS (queries, keys) it is the MN-major A of dQ.
+  // (keys, queries), queries contiguous, two buffers (a step's GEMM of one warpgroup may still read
+  // one while the other writes the next step's); seen as (queries, keys) it is the MN-major A of dQ.
   using SmemLayoutdSt = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::_2>{}));
   using SmemLayoutdS = decltype(cute::composition(
       SmemLayoutdSt{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{},
                                                  cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  // dS^T from the accumulators to shared memory with stmatrix: four 8x8 tiles an instruction (the
+  // From the accumulators to shared memory with stmatrix: four 8x8 tiles an instruction (the
   // 32-bit generic stores before took 16 instructions a thread, each with its own swizzled address).
   using SmemCopyAtomdS = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
-  // A query block's dQ in fp32, 128-byte swizzled (columns in chunks of 32): the layout the TMA
-  // reduce-add reads, on which a warp's 64-bit stores of an accumulator (8 rows of 32 bytes) hit
-  // every bank once per 128 bytes; unswizzled rows of kHeadDim floats put all 8 rows on the same
-  // 8 banks.
-  using SmemLayoutdQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{},
-                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-
-  struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> dout;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutdSt>> ds;
-    // A query block's dQ, staged for the dQ warp.
-    alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>> dq;
-    // Per stage and query row: the log-sum-exp in log2 units (+inf past the sequence, so that P = 0
-    // there) and D (0 past the sequence).
-    alignas(16) float lse_log2[kStages][kBlockM];
-    alignas(16) float dsum[kStages][kBlockM];
-    cutlass::arch::ClusterTransactionBarrier kv_full;
-    // A stage is full when its Q and dO have landed (TMA transaction bytes) and every lane of the
-    // statistics warp has stored its LSE and D (an arrival each); empty when every consumer thread is
-    // done with it.
-    cutlass::arch::ClusterTransactionBarrier query_full[kStages];
-    cutlass::arch::ClusterBarrier query_empty[kStages];
-    // Variable-length calls only: the K/V tile, and a sequence's last query block, land here when
-    // they hold rows past the sequence; the loader zeroes those rows before it marks them full.
-    cutlass::arch::ClusterTransactionBarrier kv_landed;
-    cutlass::arch::ClusterTransactionBarrier query_landed;
-  };
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);    // one stage of Q (or dO)
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // K (or V)
@@ -133,8 +87,72 @@ struct BwdKernelTraits {
                                             cute::take<0, 2>(SmemLayoutQ{}), TileQ{}, cute::_1{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{},
                                              cute::_1{}));
+};
+
+// The pipeline's shared state: per stage and query row the log-sum-exp in log2 units (+inf past
+// the sequence, so that P = 0 there) and D (0 past the sequence), and the barriers.
+template <int kStages, int kBlockM>
+struct BwdPipelineStorage {
+  alignas(16) float lse_log2[kStages][kBlockM];
+  alignas(16) float dsum[kStages][kBlockM];
+  cutlass::arch::ClusterTransactionBarrier kv_full;
+  // A stage is full when its Q and dO have landed (TMA transaction bytes) and every lane of the
+  // statistics warp has stored its LSE and D (an arrival each); empty when every consumer thread is
+  // done with it.
+  cutlass::arch::ClusterTransactionBarrier query_full[kStages];
+  cutlass::arch::ClusterBarrier query_empty[kStages];
+  // Variable-length calls only: the K/V tile, and a sequence's last query block, land here when
+  // they hold rows past the sequence; the loader zeroes those rows before it marks them full.
+  cutlass::arch::ClusterTransactionBarrier kv_landed;
+  cutlass::arch::ClusterTransactionBarrier query_landed;
+};
+
+// Up to head dim 128: each consumer warpgroup owns 64 keys, dK and dV (keys, head dim) in its
+// registers; dQ goes through shared memory to the dQ warp's TMA reduce-add.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
+struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_> {
+  using Base = BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_>;
+  using typename Base::Element;
+  using typename Base::TileQ;
+  using typename Base::WarpgroupsAlongM;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
+  static constexpr bool kHeadSplit = false;
+  static_assert(kBlockN == 64 * Base::kConsumerWarpgroups && kHeadDim <= 128, "64 keys a warpgroup; registers");
+
+  // S^T = K Q^T and dP^T = V dO^T: (keys, queries, head dim), the warpgroups split the keys.
+  using TileShapeSdP = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::Int<kHeadDim>>;
+  // dV = P^T dO and dK = dS^T Q: (keys, head dim, queries), A from registers.
+  using TileShapedKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kBlockM>>;
+  using TiledMmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShapeSdP>(), WarpgroupsAlongM{}));
+  using TiledMmadKV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, TileShapedKV, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      WarpgroupsAlongM{}));
+  // A query block's dQ in fp32, 128-byte swizzled (columns in chunks of 32): the layout the TMA
+  // reduce-add reads, on which a warp's 64-bit stores of an accumulator (8 rows of 32 bytes) hit
+  // every bank once per 128 bytes; unswizzled rows of kHeadDim floats put all 8 rows on the same
+  // 8 banks.
+  using SmemLayoutdQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{},
+                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> k;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> v;
+    // dS^T, two buffers.
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdSt>> ds;
+    // A query block's dQ, staged for the dQ warp.
+    alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>> dq;
+    BwdPipelineStorage<kStages, kBlockM> pipeline;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+
   // dq_accum as (rows, kHeadDim, heads, batch) fp32, added to with TMA's reduce-add.
-  using GmemTensordQ = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<float*>(nullptr)), GmemLayout{}));
+  using GmemTensordQ =
+      decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<float*>(nullptr)), typename Base::GmemLayout{}));
   using TmadQ = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutdQ{}, TileQ{},
                                              cute::_1{}));
 };
@@ -148,103 +166,43 @@ struct BwdKernelTraits {
 //   dQ = dS K: (queries, head dim), each warpgroup half of the head dim, added to dq_accum by the
 //   consumers' own vector atomics (a 64 x 256 fp32 staging tile does not fit next to two stages).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
-struct BwdHeadSplitKernelTraits {
-  using Element = Element_;
-  static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
+struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_> {
+  using Base = BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_>;
+  using typename Base::Element;
+  using typename Base::WarpgroupsAlongM;
+  using typename Base::WarpgroupsAlongN;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages, Base::kConsumerWarpgroups;
   static constexpr bool kHeadSplit = true;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = kStages_;
-  static constexpr int kConsumerWarpgroups = 2;
   static_assert(kBlockN == 64, "the keys are the M of S^T and dP^T: one 64-row wgmma");
-  static_assert(kBlockM % (8 * kConsumerWarpgroups) == 0 && kBlockM % 64 == 0, "query halves of whole atoms");
+  static_assert(kBlockM % (8 * kConsumerWarpgroups) == 0, "query halves of whole swizzle atoms");
   static_assert(kHeadDim % (64 * kConsumerWarpgroups) == 0, "head-dim halves of 64-row wgmmas");
-  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
-  static constexpr int kThreads = 128 + kConsumerThreads;
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
-  static_assert(kLaunchRegisters - kProducerRegisters ==
-                kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
 
-  using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
-  using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileKVt = cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>;
-  using TileSt = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>;
-
   // S^T and dP^T: (keys, queries, head dim), the warpgroups split the queries.
   using TileShapeSdPPerWarpgroup =
       cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM / kConsumerWarpgroups>, cute::Int<kHeadDim>>;
   // dV^T and dK^T: (head dim, keys, queries), A (dO^T, Q^T) head-dim-major, the warpgroups split the
   // head dim.
   using TileShapedKVt = cute::Shape<cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>, cute::Int<kBlockM>>;
-  // dQ: (queries, head dim, keys), the warpgroups split the head dim.
-  using TileShapedQPerWarpgroup =
-      cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>>;
-  using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
-  using WarpgroupsAlongN = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;
-
   using TiledMmaSdP = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float, TileShapeSdPPerWarpgroup>(), WarpgroupsAlongN{}));
   using TiledMmadKVt = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float, TileShapedKVt, cute::GMMA::Major::MN,
                                  cute::GMMA::Major::K>(),
       WarpgroupsAlongM{}));
-  using TiledMmadQ = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, TileShapedQPerWarpgroup, cute::GMMA::Major::MN,
-                                 cute::GMMA::Major::MN>(),
-      WarpgroupsAlongN{}));
-
-  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutQ = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-  using SmemLayoutQt = decltype(cute::composition(
-      SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
-                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  using SmemLayoutKt = decltype(cute::composition(
-      SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
-                                                cute::Step<cute::_2, cute::_1>{})));
-  // P^T and dS^T (keys, queries), queries contiguous, two buffers each (the other warpgroup may
-  // still read a step's while this one writes the next's): the K-major B of dV^T and dK^T; dS^T
-  // seen as dS (queries, keys) is the MN-major A of dQ.
-  using SmemLayoutPt = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::_2>{}));
-  using SmemLayoutdS = decltype(cute::composition(
-      SmemLayoutPt{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{},
-                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  using SmemCopyAtomPt = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
 
   struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> dout;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutPt>> pt;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutPt>> ds;
-    alignas(16) float lse_log2[kStages][kBlockM];
-    alignas(16) float dsum[kStages][kBlockM];
-    cutlass::arch::ClusterTransactionBarrier kv_full;
-    cutlass::arch::ClusterTransactionBarrier query_full[kStages];
-    cutlass::arch::ClusterBarrier query_empty[kStages];
-    cutlass::arch::ClusterTransactionBarrier kv_landed;
-    cutlass::arch::ClusterTransactionBarrier query_landed;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> k;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> v;
+    // P^T and dS^T, two buffers each: the K-major B of dV^T and dK^T.
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdSt>> pt;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdSt>> ds;
+    BwdPipelineStorage<kStages, kBlockM> pipeline;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
-
-  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
-
-  using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
-                                  cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
-  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                                GmemLayout{}));
-  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
-                                            cute::take<0, 2>(SmemLayoutQ{}), TileQ{}, cute::_1{}));
-  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{},
-                                             cute::_1{}));
 };
 
 // Tile sizes per head dim: 128 keys a CTA; query blocks of 128 rows at head dim 64 (twice the N of

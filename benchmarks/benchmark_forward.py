@@ -561,7 +561,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--impls", type=_impl_list, metavar="NAME[,NAME...]",
                         default=",".join(IMPLS),
                         help=f"implementations to run (default: all of {', '.join(IMPLS)}); "
-                             f"without {SUBJECT} the extension is not imported")
+                             "without a flash_cutlass one the extension is not imported")
     parser.add_argument("--check", action="store_true",
                         help="before timing each shape, compare flash_cutlass's output with "
                              "SDPA's default backend and its LSE with fp32 math on sampled rows; "

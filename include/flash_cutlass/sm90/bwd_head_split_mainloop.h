@@ -43,16 +43,8 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
                                                                    work.sequence.seqlen_q, work.sequence.seqlen_k);
   const Dropout<kDropout> dropout = dropout_of<kDropout>(params, work.tile.batch, work.tile.head);
 
-  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sQt = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQt{});
-  Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQ{});
-  Tensor sdOt = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQt{});
-  Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
-  Tensor sKt = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKt{});
-  Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
+  auto [sQ, sQt, sdO, sdOt, sK, sKt, sV, sdSt, sdS] = smem_operands<Traits>(storage);
   Tensor sPt = make_tensor(make_smem_ptr(storage.pt.data()), typename Traits::SmemLayoutdSt{});
-  Tensor sdSt = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdSt{});
-  Tensor sdS = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdS{});
 
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKVt mma_dkv;
@@ -95,9 +87,9 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
-    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
-                                             acc_dp, tScS, params, work, score_mods, dropout, row_start,
-                                             storage.pipeline.lse_log2[stage], storage.pipeline.dsum[stage]);
+    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s, acc_dp,
+                                  tScS, params, work, score_mods, dropout, row_start,
+                                  storage.pipeline.lse_log2[stage], storage.pipeline.dsum[stage]);
     // This warpgroup's queries of P^T and dS^T to shared memory. The buffer's previous contents
     // (two steps back) were read by GEMMs that both warpgroups waited for before the last barrier.
     Tensor pt = convert_fragment<Element>(acc_s);

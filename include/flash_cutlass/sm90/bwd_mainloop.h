@@ -116,6 +116,22 @@ __device__ __forceinline__ void extended_probabilities_and_ds_transposed(
   }
 }
 
+// The operands both consumer layouts read from shared memory, as tensors: Q and dO (and their
+// head-dim-major views), K (and K^T), V, and dS^T (and dS).
+template <class Traits>
+__device__ __forceinline__ auto smem_operands(typename Traits::SharedStorage& storage) {
+  using namespace cute;
+  return cute::make_tuple(make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{}),
+                          make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQt{}),
+                          make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQ{}),
+                          make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQt{}),
+                          make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{}),
+                          make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKt{}),
+                          make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{}),
+                          make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdSt{}),
+                          make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdS{}));
+}
+
 // A query block's S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), turned in place
 // into P^T and dS^T: the exponentials while dP^T is still computed (the extended kernels, which
 // need both at once, wait for both). Both consumer layouts run it on their part of the tile.
@@ -200,15 +216,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
                                                                    work.sequence.seqlen_q, work.sequence.seqlen_k);
   const Dropout<kDropout> dropout = dropout_of<kDropout>(params, work.tile.batch, work.tile.head);
 
-  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sQt = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQt{});
-  Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQ{});
-  Tensor sdOt = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQt{});
-  Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
-  Tensor sKt = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKt{});
-  Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
-  Tensor sdSt = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdSt{});
-  Tensor sdS = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdS{});
+  auto [sQ, sQt, sdO, sdOt, sK, sKt, sV, sdSt, sdS] = smem_operands<Traits>(storage);
 
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKV mma_dkv;
@@ -252,9 +260,9 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
-    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
-                                             acc_dp, tScS, params, work, score_mods, dropout, row_start,
-                                             storage.pipeline.lse_log2[stage], storage.pipeline.dsum[stage]);
+    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s, acc_dp,
+                                  tScS, params, work, score_mods, dropout, row_start,
+                                  storage.pipeline.lse_log2[stage], storage.pipeline.dsum[stage]);
     // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared
     // memory for dQ.
     Tensor pt = convert_fragment<Element>(acc_s);

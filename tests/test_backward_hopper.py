@@ -46,19 +46,25 @@ def random_inputs(gen, batch, seqlen_q, seqlen_k, heads_k, head_dim):
             rand(batch, seqlen_k, heads_k, head_dim), rand(batch, seqlen_q, HEADS, head_dim))
 
 
+def check_hopper_backward(gen, head_dim, causal, seqlen_q, seqlen_k, heads_k):
+    """kernel="sm90"'s gradients of random inputs against the fp32 oracle, FlashAttention-2's rule."""
+    q, k, v, dout = random_inputs(gen, 2, seqlen_q, seqlen_k, heads_k, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm90")
+    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32)
+    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16)
+    for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, oracle, same_dtype):
+        fa2_check(grad, ref, base,
+                  f"sm90 backward {name} (head dim {head_dim}, {seqlen_q}, {seqlen_k}, heads_k {heads_k})")
+
+
 @pytest.mark.parametrize("heads_k", [8, 4, 2, 1], ids=["gqa1", "gqa2", "gqa4", "gqa8"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", TAIL_SEQLENS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
 def test_hopper_backward_tails_and_gqa_ratios(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, heads_k):
     skip_unless_hopper_backward(head_dim)
-    q, k, v, dout = random_inputs(cuda_gen, 2, seqlen_q, seqlen_k, heads_k, head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm90")
-    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32)
-    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16)
-    for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, oracle, same_dtype):
-        fa2_check(grad, ref, base, f"sm90 backward {name} ({seqlen_q}, {seqlen_k}, heads_k {heads_k})")
+    check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, heads_k)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -67,13 +73,7 @@ def test_hopper_backward_pads_head_dims_it_lacks(cuda_gen, head_dim, causal):
     """kernel="sm90" runs a head dim between its compiled ones in the next one up (columns past
     head_dim load as zeros and are not stored)."""
     skip_unless_hopper_backward(head_dim)
-    q, k, v, dout = random_inputs(cuda_gen, 2, 129, 200, 2, head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm90")
-    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32)
-    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16)
-    for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, oracle, same_dtype):
-        fa2_check(grad, ref, base, f"sm90 backward {name} at head dim {head_dim}")
+    check_hopper_backward(cuda_gen, head_dim, causal, 129, 200, 2)
 
 
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)

@@ -119,21 +119,32 @@ def _check_real(value, name: str, what: str) -> float:
             f"{name} must be finite, got a value too large for a float ({_type_name(value)})") from None
 
 
+# The kernels scale scores by softmax_scale (or the soft cap) times log2(e) in fp32: the largest
+# scale whose product stays finite.
+MAX_SCORE_SCALE = 3.4028234663852886e38 / math.log2(math.e)
+
+
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
-    """softmax_scale as a finite float > 0, 1/sqrt(head_dim) for None."""
+    """softmax_scale as a finite float in (0, MAX_SCORE_SCALE], 1/sqrt(head_dim) for None."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     scale = _check_real(softmax_scale, "softmax_scale", "a float or None")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    if scale > MAX_SCORE_SCALE:
+        raise ValueError(f"softmax_scale must be at most {MAX_SCORE_SCALE:.4g} (times log2(e) it must stay a finite "
+                         f"float32), got {softmax_scale}")
     return scale
 
 
 def check_softcap(softcap) -> float:
-    """softcap as a float >= 0 (0: no soft-capping)."""
+    """softcap as a float in [0, MAX_SCORE_SCALE] (0: no soft-capping)."""
     value = _check_real(softcap, "softcap", "a float")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"softcap must be finite and >= 0 (0: no soft-capping), got {softcap}")
+    if value > MAX_SCORE_SCALE:
+        raise ValueError(f"softcap must be at most {MAX_SCORE_SCALE:.4g} (times log2(e) it must stay a finite "
+                         f"float32), got {softcap}")
     return value
 
 

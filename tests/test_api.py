@@ -157,6 +157,12 @@ def test_rejects_bad_softmax_scale(scale):
     expect(ValueError, r"^softmax_scale must be finite and > 0", *qkv(), softmax_scale=scale)
 
 
+def test_rejects_a_softmax_scale_past_float32_once_times_log2e():
+    """The kernels take softmax_scale * log2(e) in fp32: 3e38 is a finite float32, its product is not."""
+    expect(ValueError, r"^softmax_scale must be at most 2\.359e\+38 \(times log2\(e\) it must stay a finite float32\), "
+           r"got 3e\+38", *qkv(), softmax_scale=3e38)
+
+
 @pytest.mark.parametrize("name", ["softmax_scale", "softcap", "dropout_p"])
 def test_rejects_ints_past_the_float_range_naming_the_argument(name):
     # float(10**400) raises OverflowError, which is neither TypeError nor ValueError.

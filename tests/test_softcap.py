@@ -64,6 +64,7 @@ def test_cpu_entry_points_take_softcap(gen):
     (-1.0, ValueError, r"softcap must be finite and >= 0"),
     (math.inf, ValueError, r"softcap must be finite and >= 0"),
     (math.nan, ValueError, r"softcap must be finite and >= 0"),
+    (3e38, ValueError, r"softcap must be at most 2\.359e\+38 \(times log2\(e\) it must stay a finite float32\)"),
     ("5", TypeError, r"softcap must be a float"),
     (True, TypeError, r"softcap must be a float"),
 ])

@@ -35,12 +35,15 @@ Layout and conventions shared by every function here:
 * The log-sum-exp is the natural logarithm of ``sum_j exp(scaled score_j)``,
   shaped ``(batch, heads, seqlen_q)``.
 
-Three functions are provided: :func:`attention_forward`, a tiled
+The main functions: :func:`attention_forward`, a tiled
 online-softmax forward that follows the kernels' algorithm without ever holding
 the full score matrix; :func:`attention_backward`, its tiled gradient, which
 recomputes the probabilities from the log-sum-exp one key block at a time; and
 :func:`naive_attention`, which materializes the scores and is used to measure
-what PyTorch achieves in a given dtype.
+what PyTorch achieves in a given dtype. :func:`attention_with_kvcache` is the
+serving form (FlashAttention-2's ``flash_attn_with_kvcache``): new keys appended
+to a contiguous or paged KV cache in place, then attention over each sequence's
+cache.
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ from typing import Iterator, NamedTuple
 import torch
 
 __all__ = ["alibi_bias", "attention_backward", "attention_backward_varlen", "attention_forward",
-           "attention_forward_varlen", "causal_mask", "check_alibi_slopes", "check_window_size", "dropout_keep_mask",
-           "keep_mask", "naive_attention", "philox4x32_10"]
+           "attention_forward_varlen", "attention_with_kvcache", "causal_mask", "check_alibi_slopes",
+           "check_window_size", "dropout_keep_mask", "keep_mask", "naive_attention", "philox4x32_10"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -324,6 +327,348 @@ def attention_backward_varlen(
         for grad, seq_grad, rows in zip(grads, seq_grads, (rows_q, rows_k, rows_k)):
             grad[rows] = seq_grad[0]
     return tuple(grads)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | int | None = None,
+    *,
+    block_table: torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    rotary_interleaved: bool = True,
+    block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a KV cache, appending new keys first: FlashAttention-2's
+    ``flash_attn_with_kvcache`` (forward only), the oracle of the coming serving kernel.
+
+    Shapes (``heads % kv_heads == 0``; query head ``i`` reads kv head ``i // (heads // kv_heads)``):
+
+    * ``q``: ``(batch, seqlen_q, heads, head_dim)``.
+    * ``k_cache``, ``v_cache`` (one shape): contiguous ``(batch_cache, seqlen_cache, kv_heads,
+      head_dim)``; or, with ``block_table``, paged ``(num_blocks, page_size, kv_heads, head_dim)``.
+    * ``k``, ``v`` (both or neither): ``(batch, seqlen_new, kv_heads, head_dim)``, the new tokens.
+    * ``cache_seqlens``: int32 ``(batch,)`` on q's device, or an int for every batch entry: the
+      tokens already in each sequence's cache. ``None`` (only without ``k``/``v``): every sequence
+      is its whole cache (``seqlen_cache``, or ``max_blocks_per_seq * page_size`` when paged).
+    * ``block_table``: int32 ``(batch, max_blocks_per_seq)`` on q's device: position ``p`` of
+      sequence ``b`` lives at ``k_cache[block_table[b, p // page_size], p % page_size]``. Only
+      the entries covering the sequence's length are read (the rest may hold anything, e.g. -1).
+    * ``cache_batch_idx``: int32 ``(batch,)``: batch entry ``b`` uses cache row
+      ``cache_batch_idx[b]`` (contiguous cache only); ``None``: row ``b`` (then
+      ``batch_cache == batch``).
+
+    What it does, in order:
+
+    1. Checks every argument; any error (``TypeError``/``ValueError`` naming the argument) is
+       raised before the cache is touched.
+    2. With ``rotary_cos``/``rotary_sin`` ``(seqlen_ro, rotary_dim / 2)`` (q's dtype; they need
+       ``k``/``v``), rotates the first ``rotary_dim`` (even, ``<= head_dim``) features of the new
+       keys at positions ``cache_seqlens[b] + j`` and of the queries at ``cache_seqlens[b] + i``
+       when ``causal`` or ``window_size != (-1, -1)``, else at ``cache_seqlens[b]`` for every
+       query row (FlashAttention-2: without a mask all queries are the newest token). Rotation by
+       angle ``t`` of pair ``(x1, x2)``: ``(x1 cos t - x2 sin t, x1 sin t + x2 cos t)``; the pairs
+       are features ``(2m, 2m + 1)`` with ``rotary_interleaved`` (GPT-J) or ``(m, m + rotary_dim
+       / 2)`` without (GPT-NeoX). Computed in fp32 (fp64 for fp64 inputs) and rounded to the
+       inputs' dtype, as the kernels hold the rotated q and k. ``q``, ``k`` and ``v`` are never
+       modified.
+    3. Writes the (rotated) ``k`` and ``v`` in place into the cache at positions
+       ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` of sequence ``b`` (through the
+       block table when paged). Every write slot must be distinct and no sequence may read a
+       slot another batch entry writes (shared rows or pages): a kernel could not order them.
+    4. Attends each sequence ``b`` over its first ``len_b = cache_seqlens[b] + seqlen_new``
+       keys, as :func:`attention_forward` on that sequence alone: ``causal``, ``window_size``
+       and ALiBi are aligned to ``len_b`` (query ``i`` may attend key ``j`` iff ``j <= i + len_b
+       - seqlen_q`` when causal), ``softcap`` as in the module docstring, ``alibi_slopes`` of
+       shape ``(batch, heads)`` give sequence ``b`` its row. ``softmax_scale`` defaults to
+       ``1 / sqrt(head_dim)``. The keys are gathered into one contiguous tensor per sequence
+       first, so a paged cache gives bitwise the result of a contiguous one holding the same
+       values.
+
+    ``block_size`` is the key block of :func:`attention_forward`'s walk: the order of its sums,
+    not what it computes.
+
+    Returns ``(out, lse)``: ``out`` like ``q`` in q's dtype, ``lse`` ``(batch, heads, seqlen_q)``
+    in fp32 (fp64 for fp64 inputs). A query row that sees no key (``len_b == 0``, or masked away)
+    gets output 0 and log-sum-exp ``-inf``.
+
+    Differences from FlashAttention-2, where its kernel's limits are not semantics: any
+    ``page_size >= 1`` (FA2: a multiple of 256) and any even ``rotary_dim`` (FA2: a multiple of
+    16); an int ``cache_seqlens`` is broadcast to ``batch`` (FA2: to ``batch_cache``);
+    conflicting writes raise instead of racing; the queries' rotary positions follow ``causal`` and
+    ``window_size`` as given (FA2 first drops a window side at least the cache's length, and then
+    rotates every query row at ``cache_seqlens`` when no mask is left); FA2's ``cache_leftpad``,
+    ``num_splits`` and ``return_softmax_lse`` are not taken (the log-sum-exp is always returned).
+    """
+    plan = _KVCachePlan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, softmax_scale,
+                        causal, window_size, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
+                        block_size)
+    # Everything is checked: from here on the cache is written.
+    plan.append()
+    batch, sq, heads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, sq, dtype=plan.dtype, device=q.device)
+    for b in range(batch):
+        keys, values = plan.gathered(b)
+        seq_out, seq_lse = attention_forward(
+            plan.queries(b), keys.unsqueeze(0), values.unsqueeze(0), plan.scale, plan.causal, block_size,
+            window_size=plan.window_size, softcap=plan.softcap, alibi_slopes=_sequence_slopes(plan.alibi_slopes, b))
+        out[b], lse[b] = seq_out[0], seq_lse[0]
+    return out, lse
+
+
+def _int32_tensor(value: object, name: str, device: torch.device, dims: int, what: str) -> torch.Tensor:
+    """``value`` checked to be an int32 ``dims``-D tensor on ``device``; raises naming ``name``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor ({what}), got {type(value).__name__}")
+    if value.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but q is on {device}; they must be on one device")
+    if value.dim() != dims:
+        raise ValueError(f"{name} must be {what}, got shape {tuple(value.shape)}")
+    return value
+
+
+class _KVCachePlan:
+    """The checked arguments of :func:`attention_with_kvcache` and where each token lives.
+
+    A token lives at ``cache[row, position]`` (contiguous) or ``cache[block, offset]`` (paged);
+    the cache is indexed in place, whatever its strides."""
+
+    def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, softmax_scale, causal,
+                 window_size, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved, block_size):
+        from flash_cutlass import options as _options  # options imports this module
+
+        self._check_tensors(q, k_cache, v_cache, k, v)
+        batch, sq, heads, head_dim = q.shape
+        device = q.device
+        self.q, self.k_cache, self.v_cache, self.k, self.v = q, k_cache, v_cache, k, v
+        self.dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.seqlen_new = 0 if k is None else k.shape[1]
+
+        self.paged = block_table is not None
+        if self.paged:
+            block_table = _int32_tensor(block_table, "block_table", device, 2, "(batch, max_blocks_per_seq)")
+            if block_table.shape[0] != batch:
+                raise ValueError(f"block_table must have batch = {batch} rows (q's batch), got {block_table.shape[0]}")
+            if cache_batch_idx is not None:
+                raise ValueError("cache_batch_idx is for a contiguous cache; a paged cache (block_table given) "
+                                 "maps batch entries to pages through block_table")
+            self.page_size = k_cache.shape[1]
+            if self.page_size < 1:
+                raise ValueError(f"page size (k_cache.shape[1]) must be >= 1 for a paged cache, got {self.page_size}")
+            self.capacity = block_table.shape[1] * self.page_size
+            self.block_table = block_table.tolist()
+        else:
+            self.capacity = k_cache.shape[1]
+            if cache_batch_idx is None:
+                if k_cache.shape[0] != batch:
+                    raise ValueError(f"k_cache batch ({k_cache.shape[0]}) must equal q's batch ({batch}) "
+                                     "without cache_batch_idx")
+                self.rows = list(range(batch))
+            else:
+                cache_batch_idx = _int32_tensor(cache_batch_idx, "cache_batch_idx", device, 1, "(batch,)")
+                if cache_batch_idx.shape[0] != batch:
+                    raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},), "
+                                     f"got {tuple(cache_batch_idx.shape)}")
+                self.rows = cache_batch_idx.tolist()
+                bad = [r for r in self.rows if not 0 <= r < k_cache.shape[0]]
+                if bad:
+                    raise ValueError(f"cache_batch_idx entries must be in [0, {k_cache.shape[0]}) (k_cache's batch), "
+                                     f"got {bad[0]}")
+
+        self.start = self._check_seqlens(cache_seqlens, batch, device, k is not None)
+        self.lengths = [s + self.seqlen_new for s in self.start]
+        if self.paged:
+            for b, length in enumerate(self.lengths):
+                used = self.block_table[b][:-(-length // self.page_size)]
+                bad = [block for block in used if not 0 <= block < k_cache.shape[0]]
+                if bad:
+                    raise ValueError(f"block_table[{b}] holds block id {bad[0]} among the blocks of its first "
+                                     f"{length} tokens; block ids must be in [0, {k_cache.shape[0]}) "
+                                     "(k_cache's num_blocks)")
+
+        self.scale = _options.check_softmax_scale(softmax_scale, head_dim)
+        self.causal = _options.check_bool(causal, "causal")
+        self.window_size = check_window_size(window_size)
+        self.softcap = _options.check_softcap(softcap)
+        self.alibi_slopes = _options.check_alibi_slopes(alibi_slopes, q, batch)
+        if not _is_int(block_size) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self._check_rotary(rotary_cos, rotary_sin, rotary_interleaved, k is not None, sq, head_dim, device, q.dtype)
+        self._check_conflicts()
+
+    @staticmethod
+    def _check_tensors(q, k_cache, v_cache, k, v):
+        given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+        if (k is None) != (v is None):
+            raise ValueError("k and v must be given together (the new tokens) or both be None")
+        if k is not None:
+            given += [("k", k), ("v", v)]
+        for name, t in given:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+            if t.dtype not in _FLOAT_DTYPES:
+                raise TypeError(f"{name} dtype must be one of {_FLOAT_DTYPES}, got {t.dtype}")
+        for name, t in given[1:]:
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on one device")
+        if v_cache.shape != k_cache.shape:
+            raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+        batch, _, heads, head_dim = q.shape
+        kv_heads = k_cache.shape[2]
+        if k_cache.shape[3] != head_dim:
+            raise ValueError(f"k_cache head_dim ({k_cache.shape[3]}) must equal q's ({head_dim})")
+        if kv_heads < 1 or heads % kv_heads != 0:
+            raise ValueError(f"q heads ({heads}) must be a multiple of k_cache heads ({kv_heads}), "
+                             "and k_cache heads must be >= 1")
+        if k is not None:
+            if k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+                raise ValueError(f"k must be (batch, seqlen_new, kv_heads, head_dim) = ({batch}, seqlen_new, "
+                                 f"{kv_heads}, {head_dim}), got {tuple(k.shape)}")
+            if v.shape != k.shape:
+                raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+
+    def _check_seqlens(self, cache_seqlens, batch, device, appending) -> list[int]:
+        if cache_seqlens is None:
+            if appending:
+                raise ValueError("cache_seqlens is required with k and v: it says where the new tokens go")
+            return [self.capacity] * batch
+        if _is_int(cache_seqlens):
+            start = [int(cache_seqlens)] * batch
+        else:
+            seqlens = _int32_tensor(cache_seqlens, "cache_seqlens", device, 1, "an int or (batch,)")
+            if seqlens.shape[0] != batch:
+                raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(seqlens.shape)}")
+            start = seqlens.tolist()
+        for b, s in enumerate(start):
+            if s < 0:
+                raise ValueError(f"cache_seqlens must be >= 0, got {s} for batch entry {b}")
+            if s + self.seqlen_new > self.capacity:
+                where = ("block_table holds max_blocks_per_seq * page_size" if self.paged
+                         else "k_cache holds seqlen_cache")
+                raise ValueError(f"cache_seqlens[{b}] = {s} plus {self.seqlen_new} new tokens is past the cache: "
+                                 f"{where} = {self.capacity} positions")
+        return start
+
+    def _check_rotary(self, cos, sin, interleaved, appending, sq, head_dim, device, dtype):
+        self.rotary = cos is not None or sin is not None
+        if not self.rotary:
+            return
+        if cos is None or sin is None:
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        if not appending:
+            raise ValueError("rotary_cos and rotary_sin need k and v: the new keys are rotated before they are "
+                             "appended (FlashAttention-2)")
+        for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != dtype:
+                raise TypeError(f"{name} must have q's dtype {dtype}, got {t.dtype}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but q is on {device}; they must be on one device")
+            if t.dim() != 2 or t.shape[1] < 1 or 2 * t.shape[1] > head_dim:
+                raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= head_dim = "
+                                 f"{head_dim}, got shape {tuple(t.shape)}")
+        if sin.shape != cos.shape:
+            raise ValueError(f"rotary_sin must have rotary_cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+        self.interleaved = _options_bool(interleaved, "rotary_interleaved")
+        self.q_per_row = self.causal or self.window_size != (-1, -1)
+        rows = max(self.seqlen_new, sq if self.q_per_row else 1)
+        needed = max(self.start) + rows if self.start else 0
+        if needed > cos.shape[0]:
+            raise ValueError(f"rotary_cos/rotary_sin have {cos.shape[0]} positions (seqlen_ro) but the call rotates "
+                             f"positions up to {needed - 1}")
+        self.cos, self.sin = cos, sin
+
+    def _slots(self, b: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where ``positions`` of sequence ``b`` live: the (row or block, position or offset)
+        indices (int64) into the cache's first two dimensions."""
+        pos = torch.arange(positions.start, positions.stop, dtype=torch.int64)
+        if self.paged:
+            table = torch.tensor(self.block_table[b], dtype=torch.int64)
+            return table[pos // self.page_size], pos % self.page_size
+        return torch.full_like(pos, self.rows[b]), pos
+
+    def _check_conflicts(self):
+        if self.seqlen_new == 0:
+            return
+        writer = torch.full(tuple(self.k_cache.shape[:2]), -1, dtype=torch.int64)
+        for b, s in enumerate(self.start):
+            written = self._slots(b, range(s, s + self.seqlen_new))
+            taken = writer[written]
+            if (taken >= 0).any():
+                raise ValueError(f"batch entries {int(taken[taken >= 0][0])} and {b} write the same cache slot "
+                                 "(cache_batch_idx or block_table shared between them)")
+            writer[written] = b
+        for b, length in enumerate(self.lengths):
+            readers = writer[self._slots(b, range(length))]
+            foreign = (readers >= 0) & (readers != b)
+            if foreign.any():
+                raise ValueError(f"batch entry {b} reads a cache slot that batch entry {int(readers[foreign][0])} "
+                                 "writes (cache_batch_idx or block_table shared between them)")
+
+    def _rotated(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(n, heads, head_dim)`` with each row ``r`` rotated at ``positions[r]``."""
+        half = self.cos.shape[1]
+        cos = self.cos[positions].to(self.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
+        x = x.to(self.dtype)
+        rot = x[..., :2 * half]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rot = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot[..., :half], rot[..., half:]
+            rot = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return torch.cat((rot, x[..., 2 * half:]), dim=-1).to(self.q.dtype)
+
+    def append(self):
+        """Write the new (rotated) keys and values into the cache."""
+        if self.seqlen_new == 0:
+            return
+        for b, s in enumerate(self.start):
+            slots = tuple(index.to(self.k_cache.device) for index in self._slots(b, range(s, s + self.seqlen_new)))
+            keys = self.k[b]
+            if self.rotary:
+                keys = self._rotated(keys, torch.arange(s, s + self.seqlen_new, device=self.cos.device))
+            self.k_cache[slots] = keys
+            self.v_cache[slots] = self.v[b]
+
+    def gathered(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``b``'s keys and values ``(len_b, kv_heads, head_dim)``, contiguous."""
+        slots = tuple(index.to(self.k_cache.device) for index in self._slots(b, range(self.lengths[b])))
+        return self.k_cache[slots], self.v_cache[slots]
+
+    def queries(self, b: int) -> torch.Tensor:
+        """Sequence ``b``'s queries ``(1, seqlen_q, heads, head_dim)``, rotated when asked."""
+        q = self.q[b]
+        if self.rotary:
+            offsets = torch.arange(q.shape[0], device=self.cos.device) if self.q_per_row else torch.zeros(
+                q.shape[0], dtype=torch.int64, device=self.cos.device)
+            q = self._rotated(q, self.start[b] + offsets)
+        return q.unsqueeze(0)
+
+
+def _options_bool(value: object, name: str) -> bool:
+    from flash_cutlass import options as _options  # options imports this module
+
+    return _options.check_bool(value, name)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> float:

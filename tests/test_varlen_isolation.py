@@ -13,6 +13,26 @@ from helpers import (COMPILED_SM90_BACKWARD_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, 
 pytestmark = requires_cuda
 
 LENGTHS = (100, 77, 150)  # tails in every sequence's last query and key blocks
+TOTAL, LONGEST = sum(LENGTHS), max(LENGTHS)
+MIDDLE = slice(100, 177)  # all of the middle sequence
+NEIGHBOURS = (slice(0, 100), slice(177, 327))
+
+
+def packed_inputs(gen, head_dim):
+    """cu_seqlens of LENGTHS and random packed q, k, v, dout (4 query heads, 2 kv heads) in bf16."""
+    def rand(heads):
+        return torch.randn(TOTAL, heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
+
+    cu_seqlens = torch.tensor([0, 100, 177, 327], dtype=torch.int32, device="cuda")
+    return cu_seqlens, {"q": rand(4), "k": rand(2), "v": rand(2), "dout": rand(4)}
+
+
+def poisoned_copy(clean, name, value):
+    """clean with a copy of tensor `name` whose middle sequence is all `value`."""
+    poisoned = dict(clean)
+    poisoned[name] = clean[name].clone()
+    poisoned[name][MIDDLE] = value
+    return poisoned
 
 
 @requires_backward
@@ -26,30 +46,19 @@ def test_a_non_finite_sequence_leaves_its_neighbours_gradients_alone(cuda_gen, k
     reason = kernel_unavailable(kernel, head_dim, "backward")
     if reason:
         pytest.skip(reason)
-    total = sum(LENGTHS)
-    cu_seqlens = torch.tensor([0, 100, 177, 327], dtype=torch.int32, device="cuda")
-    longest = max(LENGTHS)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(torch.bfloat16)
-
-    clean = {"q": rand(total, 4, head_dim), "k": rand(total, 2, head_dim), "v": rand(total, 2, head_dim),
-             "dout": rand(total, 4, head_dim)}
-    out, lse = flash_cutlass.flash_forward_varlen(clean["q"], clean["k"], clean["v"], cu_seqlens, cu_seqlens, longest,
-                                                  longest, causal=causal)
+    cu_seqlens, clean = packed_inputs(cuda_gen, head_dim)
+    out, lse = flash_cutlass.flash_forward_varlen(clean["q"], clean["k"], clean["v"], cu_seqlens, cu_seqlens, LONGEST,
+                                                  LONGEST, causal=causal)
 
     def gradients(tensors):
         return flash_cutlass.flash_backward_varlen(tensors["dout"], tensors["q"], tensors["k"], tensors["v"], out, lse,
-                                                   cu_seqlens, cu_seqlens, longest, longest, causal=causal,
+                                                   cu_seqlens, cu_seqlens, LONGEST, LONGEST, causal=causal,
                                                    kernel=kernel)
 
     expected = gradients(clean)
-    poisoned_inputs = dict(clean)
-    poisoned_inputs[poisoned] = clean[poisoned].clone()
-    poisoned_inputs[poisoned][100:177] = value  # all of the middle sequence
-    got = gradients(poisoned_inputs)
+    got = gradients(poisoned_copy(clean, poisoned, value))
     for name, grad, ref in zip(("dq", "dk", "dv"), got, expected):
-        for rows in (slice(0, 100), slice(177, 327)):
+        for rows in NEIGHBOURS:
             assert grad[rows].isfinite().all(), f"{name} rows {rows} not finite ({poisoned} of the middle sequence)"
             torch.testing.assert_close(grad[rows].float(), ref[rows].float(), atol=2e-2, rtol=2e-2,
                                        msg=f"{name} rows {rows}")
@@ -65,24 +74,15 @@ def test_a_non_finite_sequence_leaves_its_neighbours_outputs_alone(cuda_gen, ker
     reason = kernel_unavailable(kernel, head_dim, "forward")
     if reason:
         pytest.skip(reason)
-    cu_seqlens = torch.tensor([0, 100, 177, 327], dtype=torch.int32, device="cuda")
-    total, longest = 327, 150
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(torch.bfloat16)
-
-    clean = {"q": rand(total, 4, head_dim), "k": rand(total, 2, head_dim), "v": rand(total, 2, head_dim)}
+    cu_seqlens, clean = packed_inputs(cuda_gen, head_dim)
 
     def forward(tensors):
         return flash_cutlass.flash_forward_varlen(tensors["q"], tensors["k"], tensors["v"], cu_seqlens, cu_seqlens,
-                                                  longest, longest, causal=causal, kernel=kernel)
+                                                  LONGEST, LONGEST, causal=causal, kernel=kernel)
 
     expected_out, expected_lse = forward(clean)
-    poisoned_inputs = dict(clean)
-    poisoned_inputs[poisoned] = clean[poisoned].clone()
-    poisoned_inputs[poisoned][100:177] = value  # all of the middle sequence
-    out, lse = forward(poisoned_inputs)
-    for rows in (slice(0, 100), slice(177, 327)):
+    out, lse = forward(poisoned_copy(clean, poisoned, value))
+    for rows in NEIGHBOURS:
         assert out[rows].isfinite().all() and lse[:, rows].isfinite().all(), (
             f"rows {rows} not finite ({poisoned} of the middle sequence)")
         assert torch.equal(out[rows], expected_out[rows]) and torch.equal(lse[:, rows], expected_lse[:, rows])

@@ -502,7 +502,9 @@ class _Transfer:
             work.wait()
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
-        self._sent = None  # the sent tensors may be freed once the transfer is done
+        # Done: let go of the operations and the sent tensors (gloo aborted processes that exited
+        # while finished operations still held tensors).
+        self._works, self._sent = (), None
         return self._received
 
 

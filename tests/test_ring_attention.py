@@ -24,7 +24,7 @@ import flash_cutlass
 import flash_cutlass.distributed as cp
 import ring_cases
 from flash_cutlass.reference import attention_forward
-from helpers import fa2_check, options_left_out, requires_cuda, window_keep
+from helpers import fa2_check, load_script, options_left_out, requires_cuda, window_keep
 
 BANDS = [(False, (-1, -1)), (True, (-1, -1)), (True, (3, -1)), (True, (11, -1)), (False, (4, 2)), (False, (0, 0)),
          (False, (-1, 5)), (False, (2, 30))]
@@ -438,3 +438,30 @@ def test_nccl_ring_matches_full_sequence():
     for index, case in enumerate(cases):
         inputs = ring_cases.full_inputs(case, world_size, 7 + index)
         ring_cases.check(case, inputs, [rank["cases"][index] for rank in results], fa2_check)
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark (benchmarks/benchmark_ring.py)
+
+
+def test_benchmark_counts_the_same_work_per_gpu():
+    benchmark = load_script("benchmarks", "benchmark_ring")
+    assert benchmark.attention_flops(1, 64, 8192, 128, False, "forward") == 4.0 * 64 * 8192**2 * 128
+    assert benchmark.attention_flops(2, 8, 1024, 64, True, "forward+backward") == 3.5 * 4.0 * 2 * 8 * 1024**2 * 64 / 2
+    # A rank's share of a ring over 8 GPUs: 1/8 of the FLOPs, as a sequence 1/sqrt(8) as long.
+    assert benchmark.same_work_seqlen(131072, 8) == 46336 and benchmark.same_work_seqlen(16384, 1) == 16384
+    assert abs(benchmark.same_work_seqlen(131072, 8) ** 2 / 131072**2 - 1 / 8) < 1e-2
+
+
+def test_benchmark_runs_the_emulated_ring_on_the_cpu(tmp_path, capsys):
+    benchmark = load_script("benchmarks", "benchmark_ring")
+    assert benchmark.main(["--device", "cpu", "--emulate", "2", "--seqlens", "32", "--heads", "2", "--heads-k", "1",
+                           "--head-dim", "16", "--causal", "true", "--direction", "forward+backward", "--warmup",
+                           "0", "--reps", "1", "--rounds", "1", "--json", str(tmp_path / "rows.json")]) == 0
+    assert "2 ranks emulated on 1 GPU" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [(row["seqlen"], row["causal"], row["world_size"], row["single_seqlen"]) for row in rows] == [
+        (32, True, 2, 32)]
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.parse_args(["--help"])
+    assert exit_info.value.code == 0

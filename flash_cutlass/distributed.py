@@ -738,14 +738,15 @@ def _check_across_ranks(ring: _GroupRing, signature: List[int], what: str, devic
                          "and the same options (check_across_ranks=True)")
 
 
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+
+
 def _signature(q, k, attention: _Attention, band: _Band, layout: str, extra=()) -> List[int]:
     bounds = [int(b) if math.isfinite(b) else (1 << 40) * (1 if b > 0 else -1) for b in (band.lo, band.hi)]
-    return [*q.shape, *k.shape, SUPPORTED_DTYPE_CODES[q.dtype], *bounds, LAYOUTS.index(layout),
+    return [*q.shape, *k.shape, _DTYPE_CODES[q.dtype], *bounds, LAYOUTS.index(layout),
             _float_bits(attention.softmax_scale), _float_bits(attention.softcap), int(attention.deterministic),
             *extra]
 
-
-SUPPORTED_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 
 
 def _apply(ring: _Ring, qs, ks, vs, return_lse: bool):

@@ -8,7 +8,8 @@ the slow pure-PyTorch reference in flash_cutlass.reference with the same semanti
 
 FlashAttention-2's functions, with its signatures, are in the submodule
 flash_cutlass.flash_attn_interface (`from flash_cutlass.flash_attn_interface import
-flash_attn_func`), which `import flash_cutlass` leaves unloaded.
+flash_attn_func`), which `import flash_cutlass` leaves unloaded; so is flash_cutlass.distributed,
+context parallelism (ring attention over torch.distributed).
 """
 
 from flash_cutlass._version import __version__

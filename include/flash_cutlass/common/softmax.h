@@ -40,6 +40,30 @@ __device__ __forceinline__ float exact_exponent_scale(float m) {
   return __uint_as_float(0x8C000000u - (__float_as_uint(m) & 0x7F800000u));
 }
 
+// The backward's exponent of a query row, from the forward's log-sum-exp lse (natural units; +inf
+// for a row that sees no key, whose P is then 0) and the unit of the row's scores, score_unit
+// (softmax_scale, or the soft cap: lse_score_unit). Normally scale = exp2_scale and offset =
+// lse * log2(e), rounded: the FFMA carries that rounding and lse's own into every exponent of the
+// row, about 2 ulps of the offset, a factor 2^(+-2) on P at |offset| = 2^24 that overflows exp2
+// (inf, then NaN gradients) not far above. From 2^24 on, where one ulp of lse is a whole e-fold or
+// more, the row takes scale = score_unit 2^c and offset = lse 2^c, c = 16 - floor(log2 |lse|), both
+// exact (powers of two): P = exp2(2^c (s score_unit - lse)) is within 2^-7 (0.55%) of the
+// forward's at the row's maximum and never above 1.0055, given the forward's score there (a score
+// recomputed with a relative error r moves that exponent by 2^16 r). The cost: a score at relative
+// distance g below the maximum gets about 2^(-2^16 g) for exp(-g |lse|), so that the scores within
+// 10^-4 of the maximum keep a share of P they do not have, and ties at the maximum get P = 1 each
+// instead of 1/n.
+constexpr float kLseExactLog2 = 24.f;
+
+__device__ __forceinline__ ScoreExponent probability_exponent(float lse, float exp2_scale, float score_unit) {
+  const float lse_log2 = lse * float(M_LOG2E);
+  // 2^(16 - e) for |lse| in [2^e, 2^(e + 1)): the exponent field 16 - e + 127 = 270 - (lse's field),
+  // a normal number where the form applies (|lse| > 2^23).
+  const float power = __uint_as_float(0x87000000u - (__float_as_uint(lse) & 0x7F800000u));
+  const bool exact = fabsf(lse_log2) >= float(1 << int(kLseExactLog2)) && fabsf(lse) != INFINITY;
+  return {exact ? score_unit * power : exp2_scale, exact ? lse * power : lse_log2};
+}
+
 // Keeps, for each of the kRows rows a thread owns, the running maximum m of the raw scores
 // and this thread's part of the running sum l of exp(scale * (s - m)). The quad's parts of l
 // are added only once, in finalize(): rescaling is per row, so the parts stay consistent.

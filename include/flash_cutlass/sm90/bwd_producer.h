@@ -22,6 +22,7 @@
 
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/bwd_key_block.h"
+#include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
@@ -117,12 +118,13 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   }
 }
 
-// Run by the 32 lanes of the statistics warp: each query block's LSE (log2 units) and D into its
-// stage, one arrival a lane on the stage's full barrier (which counts 1 + 32).
+// Run by the 32 lanes of the statistics warp: each query block's exponents of P (from the LSE, in
+// the score unit of lse_score_unit) and D into its stage, one arrival a lane on the stage's full
+// barrier (which counts 1 + 32).
 template <class Traits, MaskKind kMaskKind>
 __device__ __forceinline__ void stage_query_statistics(
     BwdParams const& params, KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
-    typename Traits::SharedStorage& storage, int lane) {
+    typename Traits::SharedStorage& storage, int lane, float score_unit) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kStages = Traits::kStages;
   const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, work.tile.head);
@@ -139,7 +141,7 @@ __device__ __forceinline__ void stage_query_statistics(
         dsum = query_rows.dsum[row];
         if (lse == -INFINITY) lse = INFINITY;  // a row that sees no key: P = 0, not exp(-inf + inf)
       }
-      storage.pipeline.lse_log2[stage][local_row] = lse * float(M_LOG2E);
+      storage.pipeline.exponent[stage][local_row] = probability_exponent(lse, params.exp2_scale, score_unit);
       storage.pipeline.dsum[stage][local_row] = dsum;
     }
     storage.pipeline.query_full[stage].arrive();  // each lane releases its own stores

@@ -17,28 +17,20 @@ struct ScoreExponent {
 };
 
 // A row's exponents against its maximum m are s * scale_log2 - m * scale_log2, scale_log2 being
-// softmax_scale (or the soft cap) times log2(e): one FFMA per score against the rounded product. The
-// FFMA subtracts that rounded product from the exact one, which shifts every exponent of the row
-// alike by up to 2^-25 |m * scale_log2|, a factor common to the row's P that cancels in O (and stays
-// in the LSE below its own rounding). Past |m * scale_log2| = 2^27 (softmax_scale 1e30, ALiBi
-// slopes of 1e30, q and k of 3e17 in bf16) that factor would pass 2^4, P past fp16's range under the
-// lazy rescale's bound of 2^8; from 2^31 on exp2 overflows (then inf * 0 = NaN) or flushes the row
-// to 0; and m * scale_log2 can overflow where m * softmax_scale does not. So from |m| = exact_max =
-// 2^27 / scale_log2 on, the row's exponents are taken exactly, as (s - m) scale with the power of two
-// scale = 2^(26 - floor(log2 |m|)) <= scale_log2, for which m * scale is exact: P is exactly 1 at
-// the maximum, at most 2^-8 one ulp below it (2^-4 where m is a power of two; never less than the
-// exact P there), 2^-16 two ulps below, and so on. Scores above a kept maximum (the lazy rescale)
-// get no larger an exponent than scale_log2 would give them, so its bound holds; the correction
-// between tiles, exp2((m_old - m_new) scale_log2), stays (a maximum that grows there leaves the old
-// tiles' terms at 2^-4 or less). An infinite maximum gives the same P either way (0, and NaN for the
-// infinite scores); a NaN one keeps the usual form: both propagate as before.
+// softmax_scale (or the soft cap) times log2(e): one FFMA per score against the rounded product m *
+// scale_log2. The FFMA's product is exact, so the exponents are off by that product's rounding
+// alone, the same for the whole row: up to 2^-25 |m * scale_log2|, a factor common to the row's P
+// that cancels in O (and in the LSE stays below its own rounding). Past |m * scale_log2| = 2^27
+// (softmax_scale 1e30, ALiBi slopes of 1e30, q and k of 3e17 in bf16) that factor would pass 2^4,
+// P past fp16's range under the lazy rescale's bound of 2^8; from 2^31 on exp2 overflows (then
+// inf * 0 = NaN) or flushes the row to 0; and m * scale_log2 itself can overflow where
+// m * softmax_scale does not. So a row whose maximum reaches exact_max = 2^27 / scale_log2 has m
+// subtracted from its scores first, in a branch only such a row takes: s - m is exact near m
+// (Sterbenz) and rounded relative to itself elsewhere, so (s - m) * scale_log2 - 0 is the exact
+// exponent to fp32's rounding, P = 1 at the maximum, and nothing overflows that fp32 attention
+// keeps finite. An infinite maximum gives the same P either way (0, and NaN for the infinite
+// scores); a NaN one never takes the branch: both propagate as before.
 constexpr int kExactMaxLog2 = 27;
-
-// The exact form's scale, 2^(26 - e) for |m| in [2^e, 2^(e + 1)): the exponent field
-// 26 - e + 127 = 280 - (m's field), a normal number for an m of that form (|m| > 2^-101).
-__device__ __forceinline__ float exact_exponent_scale(float m) {
-  return __uint_as_float(0x8C000000u - (__float_as_uint(m) & 0x7F800000u));
-}
 
 // The backward's exponent of a query row, from the forward's log-sum-exp lse (natural units; +inf
 // for a row that sees no key, whose P is then 0) and the unit of the row's scores, score_unit
@@ -70,19 +62,12 @@ __device__ __forceinline__ ScoreExponent probability_exponent(float lse, float e
 // kMaxChains: a row's maximum and sum run as up to this many interleaved chains of FMNMX / FADD
 // (thread_row_max, exponentiate_row); ptxas keeps the single chain the source writes, in which each
 // instruction waits out the one before.
-// kExactRowsInPlace: how a row whose maximum takes the exact form (exact_exponent_scale) gets it.
-// false: a scale of its own, a few instructions a row and none a score (the Hopper forward; with
-// the rewrite below, ptxas spilled 16 bytes at head dim 256 causal, where it spills none). true:
-// its scores rewritten in place, two instructions a score in a branch that only a tile holding such
-// a row takes, every row keeping scale_log2 (the sm80 forward at head dim 128: with a scale per row,
-// ptxas spilled 60 bytes more in the score-options kernel; this way 76 fewer without a mask and
-// causal, as many with score options, 64 more with dropout).
-template <int kRows, int kMaxChains = 1, bool kExactRowsInPlace = false>
+template <int kRows, int kMaxChains = 1>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
   float scale_log2;  // softmax scale * log2(e), > 0
-  float exact_max;   // 2^27 / scale_log2: from this |m| on, a row takes the exact form (exact_exponent_scale)
+  float exact_max;   // 2^27 / scale_log2: from this |m| on, a row's scores have m subtracted first
 
   __device__ explicit OnlineSoftmax(float exp2_scale)
       : scale_log2(exp2_scale), exact_max(float(1 << kExactMaxLog2) / exp2_scale) {}
@@ -103,16 +88,15 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void update_scores(TensorS& s, float (&correction)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
-    float prev_max[kRows], new_max[kRows];
-    ScoreExponent exponent[kRows];
+    float prev_max[kRows], new_max[kRows], max_scaled[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       prev_max[r] = kFirstTile ? -INFINITY : row_max[r];
       new_max[r] = quad_max(fmaxf(prev_max[r], thread_row_max(s, r)));
     }
-    row_exponents<true>(s, new_max, exponent);
+    offsets_against(s, new_max, max_scaled);
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) move_row<kFirstTile>(s, r, prev_max[r], new_max[r], true, exponent[r], correction);
+    for (int r = 0; r < kRows; ++r) move_row<kFirstTile>(s, r, prev_max[r], new_max[r], true, max_scaled[r], correction);
   }
 
   // update_scores for a tile after the first that keeps each row's maximum while no score of the
@@ -137,16 +121,15 @@ struct OnlineSoftmax {
       grows |= votes[r] && (tile_max[r] - row_max[r]) * scale_log2 > kMaxGrowthLog2;
     }
     const bool rescale_o = __any_sync(0xffffffffu, grows);
-    float prev_max[kRows], new_max[kRows];
-    ScoreExponent exponent[kRows];
+    float prev_max[kRows], new_max[kRows], max_scaled[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       prev_max[r] = row_max[r];
       new_max[r] = rescale_o ? fmaxf(prev_max[r], tile_max[r]) : prev_max[r];
     }
-    row_exponents<true>(s, new_max, exponent);
+    offsets_against(s, new_max, max_scaled);
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) move_row<false>(s, r, prev_max[r], new_max[r], rescale_o, exponent[r], correction);
+    for (int r = 0; r < kRows; ++r) move_row<false>(s, r, prev_max[r], new_max[r], rescale_o, max_scaled[r], correction);
     return rescale_o;
   }
 
@@ -167,12 +150,12 @@ struct OnlineSoftmax {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
     // A row still at -inf keeps the offset -inf here: P = +inf fails the test.
-    ScoreExponent exponent[kRows];
-    row_exponents<false>(s, row_max, exponent);
+    float max_scaled[kRows];
+    offsets_against<false>(s, row_max, max_scaled);
     bool within = true;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      tile_sum[r] = exponentiate_row(s, r, exponent[r]);
+      tile_sum[r] = exponentiate_row(s, r, max_scaled[r]);
       within &= !votes[r] || tile_sum[r] <= kMaxGrowth;
     }
     return within;
@@ -183,50 +166,41 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) row_sum[r] += tile_sum[r];
   }
 
-  // Each row's exponent against its maximum m[r]: scale_log2 and m[r] * scale_log2 (with
+  // Row r's maximum set to new_max (from prev_max), the row exponentiated against it (max_scaled,
+  // from offsets_against) and added to l, which is first rescaled by correction[r]: 1 for the first tile or when the maximum stays
+  // (`moved` false, known without an exponential).
+  template <bool kFirstTile, class TensorS>
+  __device__ __forceinline__ void move_row(TensorS& s, int r, float prev_max, float new_max, bool moved,
+                                           float max_scaled, float (&correction)[kRows]) {
+    row_max[r] = new_max;
+    correction[r] = kFirstTile || !moved || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
+    const float tile_sum = exponentiate_row(s, r, max_scaled);
+    row_sum[r] = kFirstTile ? tile_sum : moved ? row_sum[r] * correction[r] + tile_sum : row_sum[r] + tile_sum;
+  }
+
+  // Each row's offset against its maximum m[r] for exponentiate_row: m[r] * scale_log2 (with
   // kEmptyToZero, 0 for a row whose every key is masked so far, m = -inf, so that its P is exactly 0
-  // instead of exp2(-inf + inf) = NaN), or for a row of the exact form (exact_exponent_scale) that
-  // form's scale and m[r] times it. With kExactRowsInPlace, such a row's scores are instead rewritten
-  // to (s - m) scale / scale_log2 and its offset set to 0, so that every row keeps scale_log2.
-  template <bool kEmptyToZero, class TensorS>
-  __device__ __forceinline__ void row_exponents(TensorS& s, float const (&m)[kRows], ScoreExponent (&e)[kRows]) const {
-    bool exact[kRows];
-    bool any_exact = false;
+  // instead of exp2(-inf + inf) = NaN); or, where |m[r]| reaches exact_max (kExactMaxLog2), 0 after
+  // m[r] has been subtracted from the row's scores, in a branch that only a tile holding such a row
+  // (or a row at -inf) enters.
+  template <bool kEmptyToZero = true, class TensorS>
+  __device__ __forceinline__ void offsets_against(TensorS& s, float const (&m)[kRows], float (&max_scaled)[kRows]) const {
+    float largest = 0.f;  // of |m|; a NaN m leaves it (fmaxf) and keeps the usual form
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      // An m of -inf needs the usual form only where its scores are rewritten (-inf * scale + inf).
-      exact[r] = fabsf(m[r]) >= exact_max && (!kExactRowsInPlace || m[r] != -INFINITY);
-      any_exact |= exact[r];
-      const float scale = !kExactRowsInPlace && exact[r] ? exact_exponent_scale(m[r]) : scale_log2;
-      e[r] = {scale, kEmptyToZero && m[r] == -INFINITY ? 0.f : m[r] * scale};
+      max_scaled[r] = kEmptyToZero && m[r] == -INFINITY ? 0.f : m[r] * scale_log2;
+      largest = fmaxf(largest, fabsf(m[r]));
     }
-    if constexpr (kExactRowsInPlace) {
-      if (any_exact) {
-        const float inv_scale_log2 = 1.f / scale_log2;
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          // The other rows' scores stay as they are: (s * 1 - 0) * 1.
-          const float scale = exact[r] ? exact_exponent_scale(m[r]) : 1.f;
-          const float max_scaled = exact[r] ? m[r] * scale : 0.f;  // exact
-          const float rescale = exact[r] ? inv_scale_log2 : 1.f;
+    if (__any_sync(0xffffffffu, largest >= exact_max)) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (fabsf(m[r]) >= exact_max && m[r] != -INFINITY) {
           CUTE_UNROLL
-          for (int c = 0; c < cute::size<1>(s); ++c) s(r, c) = (s(r, c) * scale - max_scaled) * rescale;
-          if (exact[r]) e[r].offset = 0.f;
+          for (int c = 0; c < cute::size<1>(s); ++c) s(r, c) -= m[r];
+          max_scaled[r] = 0.f;
         }
       }
     }
-  }
-
-  // Row r's maximum set to new_max (from prev_max), the row exponentiated against it (exponent, from
-  // row_exponents) and added to l, which is first rescaled by correction[r]: 1 for the first tile
-  // or when the maximum stays (`moved` false, known without an exponential).
-  template <bool kFirstTile, class TensorS>
-  __device__ __forceinline__ void move_row(TensorS& s, int r, float prev_max, float new_max, bool moved,
-                                           ScoreExponent exponent, float (&correction)[kRows]) {
-    row_max[r] = new_max;
-    correction[r] = kFirstTile || !moved || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
-    const float tile_sum = exponentiate_row(s, r, exponent);
-    row_sum[r] = kFirstTile ? tile_sum : moved ? row_sum[r] * correction[r] + tile_sum : row_sum[r] + tile_sum;
   }
 
   // The number of chains for a row of TensorS: the largest power of 2 up to kMaxChains that
@@ -260,14 +234,14 @@ struct OnlineSoftmax {
     return combine(part, [](float a, float b) { return fmaxf(a, b); });
   }
 
-  // Row r of s replaced by exp2(s * e.scale - e.offset); returns the row's sum (this thread's part).
+  // Row r of s replaced by exp2(scale * s - max_scaled); returns the row's sum (this thread's part).
   template <class TensorS>
-  __device__ __forceinline__ float exponentiate_row(TensorS& s, int r, ScoreExponent e) const {
+  __device__ __forceinline__ float exponentiate_row(TensorS& s, int r, float max_scaled) const {
     constexpr int kParts = kChains<TensorS>;
     float part[kParts];
     CUTE_UNROLL
     for (int c = 0; c < cute::size<1>(s); ++c) {
-      s(r, c) = exp2f(s(r, c) * e.scale - e.offset);
+      s(r, c) = exp2f(s(r, c) * scale_log2 - max_scaled);
       part[c % kParts] = c < kParts ? s(r, c) : part[c % kParts] + s(r, c);
     }
     return combine(part, [](float a, float b) { return a + b; });

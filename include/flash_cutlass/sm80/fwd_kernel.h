@@ -109,7 +109,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
     const int last = key_blocks.end - 1;
     const int rows_left_k = sequence.seqlen_k - last * kBlockN;
     // Only the last key block can be partial; it is the first one processed.
-    OnlineSoftmax<kRowsPerThread, 1, /*kExactRowsInPlace=*/true> softmax(params.exp2_scale);
+    OnlineSoftmax<kRowsPerThread> softmax(params.exp2_scale);
     // One K and one V buffer, refilled in turn: V of tile n streams in during S = Q K^T, and K of
     // tile n-1 during the softmax and P V of tile n. (Measured against two K/V stages, which keep a
     // whole tile in flight: the single buffers leave more of the SM's memory to the L1 cache,

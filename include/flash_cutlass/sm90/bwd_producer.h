@@ -132,6 +132,7 @@ __device__ __forceinline__ void stage_query_statistics(
     const int step = m_block - work.m_block_begin;
     const int stage = step % kStages;
     storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
+    bool exact_rows = false;
     CUTE_UNROLL
     for (int local_row = lane; local_row < kBlockM; local_row += 32) {
       const int row = m_block * kBlockM + local_row;
@@ -141,9 +142,14 @@ __device__ __forceinline__ void stage_query_statistics(
         dsum = query_rows.dsum[row];
         if (lse == -INFINITY) lse = INFINITY;  // a row that sees no key: P = 0, not exp(-inf + inf)
       }
-      storage.pipeline.exponent[stage][local_row] = probability_exponent(lse, params.exp2_scale, score_unit);
+      const ScoreExponent exponent = probability_exponent(lse, params.exp2_scale, score_unit);
+      exact_rows |= exponent.scale != params.exp2_scale;
+      storage.pipeline.exponent[stage][local_row] = exponent;
+      storage.pipeline.exponent_offset[stage][local_row] = exponent.offset;
       storage.pipeline.dsum[stage][local_row] = dsum;
     }
+    exact_rows = __any_sync(0xffffffffu, exact_rows);
+    if (lane == 0) storage.pipeline.exact_rows[stage] = exact_rows;
     storage.pipeline.query_full[stage].arrive();  // each lane releases its own stores
   }
 }

@@ -9,6 +9,53 @@
 
 namespace flash_cutlass {
 
+// The exponents of a row of scores s (in score units), P = exp2(s * scale - offset): one FFMA per
+// score.
+struct ScoreExponent {
+  float scale;
+  float offset;
+};
+
+// A row's exponents against its maximum m are s * scale_log2 - m * scale_log2, scale_log2 being
+// softmax_scale (or the soft cap) times log2(e): one FFMA per score against the rounded product m *
+// scale_log2. The FFMA's product is exact, so the exponents are off by that product's rounding
+// alone, the same for the whole row: up to 2^-25 |m * scale_log2|, a factor common to the row's P
+// that cancels in O (and in the LSE stays below its own rounding). Past |m * scale_log2| = 2^27
+// (softmax_scale 1e30, ALiBi slopes of 1e30, q and k of 3e17 in bf16) that factor would pass 2^4,
+// P past fp16's range under the lazy rescale's bound of 2^8; from 2^31 on exp2 overflows (then
+// inf * 0 = NaN) or flushes the row to 0; and m * scale_log2 itself can overflow where
+// m * softmax_scale does not. So a row whose maximum reaches exact_max = 2^27 / scale_log2 has m
+// subtracted from its scores first, in a branch only such a row takes: s - m is exact near m
+// (Sterbenz) and rounded relative to itself elsewhere, so (s - m) * scale_log2 - 0 is the exact
+// exponent to fp32's rounding, P = 1 at the maximum, and nothing overflows that fp32 attention
+// keeps finite. An infinite maximum gives the same P either way (0, and NaN for the infinite
+// scores); a NaN one never takes the branch: both propagate as before.
+constexpr int kExactMaxLog2 = 27;
+
+// The backward's exponent of a query row, from the forward's log-sum-exp lse (natural units; +inf
+// for a row that sees no key, whose P is then 0) and the unit of the row's scores, score_unit
+// (softmax_scale, or the soft cap: lse_score_unit). Normally scale = exp2_scale and offset =
+// lse * log2(e), rounded: the FFMA carries that rounding and lse's own into every exponent of the
+// row, about 2 ulps of the offset, a factor 2^(+-2) on P at |offset| = 2^24 that overflows exp2
+// (inf, then NaN gradients) not far above. From 2^24 on, where one ulp of lse is a whole e-fold or
+// more, the row takes scale = score_unit 2^c and offset = lse 2^c, c = 16 - floor(log2 |lse|), both
+// exact (powers of two): P = exp2(2^c (s score_unit - lse)) is within 2^-7 (0.55%) of the
+// forward's at the row's maximum and never above 1.0055, given the forward's score there (a score
+// recomputed with a relative error r moves that exponent by 2^16 r). The cost: a score at relative
+// distance g below the maximum gets about 2^(-2^16 g) for exp(-g |lse|), so that the scores within
+// 10^-4 of the maximum keep a share of P they do not have, and ties at the maximum get P = 1 each
+// instead of 1/n.
+constexpr float kLseExactLog2 = 24.f;
+
+__device__ __forceinline__ ScoreExponent probability_exponent(float lse, float exp2_scale, float score_unit) {
+  const float lse_log2 = lse * float(M_LOG2E);
+  // 2^(16 - e) for |lse| in [2^e, 2^(e + 1)): the exponent field 16 - e + 127 = 270 - (lse's field),
+  // a normal number where the form applies (|lse| > 2^23).
+  const float power = __uint_as_float(0x87000000u - (__float_as_uint(lse) & 0x7F800000u));
+  const bool exact = fabsf(lse_log2) >= float(1 << int(kLseExactLog2)) && fabsf(lse) != INFINITY;
+  return {exact ? score_unit * power : exp2_scale, exact ? lse * power : lse_log2};
+}
+
 // Keeps, for each of the kRows rows a thread owns, the running maximum m of the raw scores
 // and this thread's part of the running sum l of exp(scale * (s - m)). The quad's parts of l
 // are added only once, in finalize(): rescaling is per row, so the parts stay consistent.
@@ -20,8 +67,10 @@ struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
   float scale_log2;  // softmax scale * log2(e), > 0
+  float exact_max;   // 2^27 / scale_log2: from this |m| on, a row's scores have m subtracted first
 
-  __device__ explicit OnlineSoftmax(float exp2_scale) : scale_log2(exp2_scale) {}
+  __device__ explicit OnlineSoftmax(float exp2_scale)
+      : scale_log2(exp2_scale), exact_max(float(1 << kExactMaxLog2) / exp2_scale) {}
 
   // s: one score tile as (rows, cols), replaced by P = exp(scale * (s - m_new)).
   // o: the output accumulator as (rows, cols), rescaled to the new maximum.
@@ -39,12 +88,15 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void update_scores(TensorS& s, float (&correction)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
+    float prev_max[kRows], new_max[kRows], max_scaled[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float prev_max = kFirstTile ? -INFINITY : row_max[r];
-      const float new_max = quad_max(fmaxf(prev_max, thread_row_max(s, r)));
-      move_row<kFirstTile>(s, r, prev_max, new_max, true, correction);
+      prev_max[r] = kFirstTile ? -INFINITY : row_max[r];
+      new_max[r] = quad_max(fmaxf(prev_max[r], thread_row_max(s, r)));
     }
+    offsets_against(s, new_max, max_scaled);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) move_row<kFirstTile>(s, r, prev_max[r], new_max[r], true, max_scaled[r], correction);
   }
 
   // update_scores for a tile after the first that keeps each row's maximum while no score of the
@@ -69,11 +121,15 @@ struct OnlineSoftmax {
       grows |= votes[r] && (tile_max[r] - row_max[r]) * scale_log2 > kMaxGrowthLog2;
     }
     const bool rescale_o = __any_sync(0xffffffffu, grows);
+    float prev_max[kRows], new_max[kRows], max_scaled[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float prev_max = row_max[r];
-      move_row<false>(s, r, prev_max, rescale_o ? fmaxf(prev_max, tile_max[r]) : prev_max, rescale_o, correction);
+      prev_max[r] = row_max[r];
+      new_max[r] = rescale_o ? fmaxf(prev_max[r], tile_max[r]) : prev_max[r];
     }
+    offsets_against(s, new_max, max_scaled);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) move_row<false>(s, r, prev_max[r], new_max[r], rescale_o, max_scaled[r], correction);
     return rescale_o;
   }
 
@@ -93,10 +149,13 @@ struct OnlineSoftmax {
                                                                 bool const (&votes)[kRows]) const {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
+    // A row still at -inf keeps the offset -inf here: P = +inf fails the test.
+    float max_scaled[kRows];
+    offsets_against<false>(s, row_max, max_scaled);
     bool within = true;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      tile_sum[r] = exponentiate_row(s, r, row_max[r] * scale_log2);
+      tile_sum[r] = exponentiate_row(s, r, max_scaled[r]);
       within &= !votes[r] || tile_sum[r] <= kMaxGrowth;
     }
     return within;
@@ -107,19 +166,41 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) row_sum[r] += tile_sum[r];
   }
 
-  // Row r's maximum set to new_max (from prev_max), the row exponentiated against it and added to
-  // l, which is first rescaled by correction[r]: 1 for the first tile or when the maximum stays
+  // Row r's maximum set to new_max (from prev_max), the row exponentiated against it (max_scaled,
+  // from offsets_against) and added to l, which is first rescaled by correction[r]: 1 for the first tile or when the maximum stays
   // (`moved` false, known without an exponential).
   template <bool kFirstTile, class TensorS>
   __device__ __forceinline__ void move_row(TensorS& s, int r, float prev_max, float new_max, bool moved,
-                                           float (&correction)[kRows]) {
+                                           float max_scaled, float (&correction)[kRows]) {
     row_max[r] = new_max;
-    // A row with every key masked so far keeps m = -inf; exponentiate against 0 so that
-    // its P is exactly 0 instead of exp(-inf + inf) = NaN.
-    const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
     correction[r] = kFirstTile || !moved || new_max == -INFINITY ? 1.f : exp2f((prev_max - new_max) * scale_log2);
     const float tile_sum = exponentiate_row(s, r, max_scaled);
     row_sum[r] = kFirstTile ? tile_sum : moved ? row_sum[r] * correction[r] + tile_sum : row_sum[r] + tile_sum;
+  }
+
+  // Each row's offset against its maximum m[r] for exponentiate_row: m[r] * scale_log2 (with
+  // kEmptyToZero, 0 for a row whose every key is masked so far, m = -inf, so that its P is exactly 0
+  // instead of exp2(-inf + inf) = NaN); or, where |m[r]| reaches exact_max (kExactMaxLog2), 0 after
+  // m[r] has been subtracted from the row's scores, in a branch that only a tile holding such a row
+  // (or a row at -inf) enters.
+  template <bool kEmptyToZero = true, class TensorS>
+  __device__ __forceinline__ void offsets_against(TensorS& s, float const (&m)[kRows], float (&max_scaled)[kRows]) const {
+    float largest = 0.f;  // of |m|; a NaN m leaves it (fmaxf) and keeps the usual form
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      max_scaled[r] = kEmptyToZero && m[r] == -INFINITY ? 0.f : m[r] * scale_log2;
+      largest = fmaxf(largest, fabsf(m[r]));
+    }
+    if (__any_sync(0xffffffffu, largest >= exact_max)) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (fabsf(m[r]) >= exact_max && m[r] != -INFINITY) {
+          CUTE_UNROLL
+          for (int c = 0; c < cute::size<1>(s); ++c) s(r, c) -= m[r];
+          max_scaled[r] = 0.f;
+        }
+      }
+    }
   }
 
   // The number of chains for a row of TensorS: the largest power of 2 up to kMaxChains that

@@ -24,6 +24,7 @@
 #include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/score_mods.h"
+#include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm80/gemm.h"
@@ -122,17 +123,17 @@ __device__ __forceinline__ void store_acc_to_smem(TiledMma const& tiled_mma, Acc
 }
 
 // Per row of a (query block, key block) tile as (rows, cols), rows starting at row_start: the
-// forward's log-sum-exp in log2 units and D, read from lse[row - row_start] and
-// dsum[row - row_start]. Rows past seqlen_q and rows that see no key (lse = -inf) get lse = +inf,
-// so their P is 0.
+// exponent of its P from the forward's log-sum-exp (probability_exponent, common/softmax.h), and D,
+// read from lse[row - row_start] and dsum[row - row_start]. Rows past seqlen_q and rows that see no
+// key (lse = -inf) get lse = +inf, so their P is 0.
 template <int kRows>
 struct RowStats {
-  float lse_log2[kRows];
+  ScoreExponent exponent[kRows];
   float dsum[kRows];
 };
 template <class Coords>
 __device__ __forceinline__ auto load_row_stats(Coords const& coords, int row_start, int seqlen_q, const float* lse,
-                                               const float* dsum) {
+                                               const float* dsum, float exp2_scale, float score_unit) {
   using namespace cute;
   constexpr int kRows = decltype(size<0>(coords))::value;
   RowStats<kRows> stats;
@@ -141,7 +142,7 @@ __device__ __forceinline__ auto load_row_stats(Coords const& coords, int row_sta
     const int local_row = get<0>(coords(r, 0));
     const bool in_range = row_start + local_row < seqlen_q;
     const float row_lse = in_range ? lse[local_row] : INFINITY;
-    stats.lse_log2[r] = (row_lse == -INFINITY ? INFINITY : row_lse) * float(M_LOG2E);
+    stats.exponent[r] = probability_exponent(row_lse == -INFINITY ? INFINITY : row_lse, exp2_scale, score_unit);
     stats.dsum[r] = in_range ? dsum[local_row] : 0.f;
   }
   return stats;
@@ -153,7 +154,7 @@ __device__ __forceinline__ auto load_row_stats(Coords const& coords, int row_sta
 // soft cap's derivative (common/score_mods.h), and with dropout (common/dropout.h) S ends as the
 // dropped and rescaled P that dV needs and dS = P * (dropped, rescaled dP - D).
 template <bool kExtended, bool kDropout, class TensorS, class TensorDP, class Stats, class Coords>
-__device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Stats const& stats, float scale_log2,
+__device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, Stats const& stats,
                                                      ScoreMods<kExtended> const& score_mods,
                                                      Dropout<kDropout> const& dropout,
                                                      Coords const& coords, int row_start, int col_start) {
@@ -171,7 +172,8 @@ __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, S
         CUTE_UNROLL
         for (int i = 0; i < 2; ++i) {
           const float score = s(r, c + i);
-          const float p = exp2f((score + score_mods.bias(row, col + i)) * scale_log2 - stats.lse_log2[r]);
+          const float p =
+              exp2f((score + score_mods.bias(row, col + i)) * stats.exponent[r].scale - stats.exponent[r].offset);
           float dp_kept = dp(r, c + i);
           float p_kept = p;
           if constexpr (kDropout) {
@@ -188,7 +190,7 @@ __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, S
     for (int r = 0; r < size<0>(s); ++r) {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = exp2f(s(r, c) * scale_log2 - stats.lse_log2[r]);
+        s(r, c) = exp2f(s(r, c) * stats.exponent[r].scale - stats.exponent[r].offset);
         dp(r, c) = s(r, c) * (dp(r, c) - stats.dsum[r]);
       }
     }
@@ -312,7 +314,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   clear(acc_dv);
   Tensor tScS = as_rows_cols(thr_mma_sdp.partition_C(make_identity_tensor(typename Traits::TileS{})));
   Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(typename Traits::TileQ{}));
-  const float scale_log2 = params.exp2_scale;
+  const float score_unit = lse_score_unit<kExtended>(params);
 
   // K and V once, rows past seqlen_k zero-filled (0 * NaN must not reach dQ), with the first Q
   // and dO.
@@ -354,8 +356,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copies_sdp);
     Tensor dp = as_rows_cols(acc_dp);
     const float* stats_buffer = smem_stats + buffer * 2 * kBlockM;
-    const auto stats = load_row_stats(tScS, row_start, work.sequence.seqlen_q, stats_buffer, stats_buffer + kBlockM);
-    probabilities_and_ds(s, dp, stats, scale_log2, score_mods, dropout, tScS, row_start, work.key_start);
+    const auto stats = load_row_stats(tScS, row_start, work.sequence.seqlen_q, stats_buffer, stats_buffer + kBlockM,
+                                      params.exp2_scale, score_unit);
+    probabilities_and_ds(s, dp, stats, score_mods, dropout, tScS, row_start, work.key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_s, sP, tidx);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
@@ -469,7 +472,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor acc_dq = partition_fragment_C(mma_dq, typename Traits::TileQ{});
   clear(acc_dq);
   const auto stats = load_row_stats(tScS, row_start, sequence.seqlen_q, params.lse + row_offset + row_start,
-                                    params.dsoftmax_sum + row_offset + row_start);
+                                    params.dsoftmax_sum + row_offset + row_start, params.exp2_scale,
+                                    lse_score_unit<kExtended>(params));
 
   copy_tile_async<true>(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left_q);
   copy_tile_async<true>(gmem_tiled_copy, tdOgdO, tdOsdO, tQcQ, col_ok, rows_left_q);
@@ -495,8 +499,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
     clear(acc_dp);
     gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copies_sdp);
     Tensor dp = as_rows_cols(acc_dp);
-    probabilities_and_ds(s, dp, stats, params.exp2_scale, score_mods, dropout, tScS, row_start,
-                         key_start);
+    probabilities_and_ds(s, dp, stats, score_mods, dropout, tScS, row_start, key_start);
     store_acc_to_smem<Traits>(mma_sdp, acc_dp, sdS, tidx);
     __syncthreads();
     gemm_smem_smem(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copies_dq);

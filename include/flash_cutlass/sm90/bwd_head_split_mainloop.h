@@ -89,7 +89,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
     probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s, acc_dp,
                                   tScS, params, work, score_mods, dropout, row_start,
-                                  storage.pipeline.lse_log2[stage], storage.pipeline.dsum[stage]);
+                                  query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage]);
     // This warpgroup's queries of P^T and dS^T to shared memory. The buffer's previous contents
     // (two steps back) were read by GEMMs that both warpgroups waited for before the last barrier.
     Tensor pt = convert_fragment<Element>(acc_s);

@@ -62,7 +62,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else if (warp == 1) {
       if constexpr (!Traits::kHeadSplit) write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
     } else if (warp == 2) {
-      stage_query_statistics<Traits, kMaskKind>(params, work, storage, lane);
+      stage_query_statistics<Traits, kMaskKind>(params, work, storage, lane,
+                                                lse_score_unit<carries_score_mods(kExtension)>(params));
     }
     return;
   }

@@ -1,7 +1,8 @@
 // The consumers of the Hopper-path backward: two warpgroups of 64 keys each walk the query blocks
 // that see their CTA's key block. Per query block (Q, dO, LSE and D from the loader's stage):
 //   S^T = K Q^T, then dP^T = V dO^T          (wgmma, both operands in shared memory)
-//   P^T = exp2(S^T scale - lse)              (while dP^T is still in the tensor cores)
+//   P^T = exp2(S^T scale - lse)              (while dP^T is still in the tensor cores; the scale and
+//                                             the LSE's offset per query: probability_exponent)
 //   dS^T = P^T (dP^T - D)                    (registers)
 //   dV += P^T dO, dK += dS^T Q               (wgmma, P^T and dS^T straight from the accumulators)
 //   dQ = dS K                                (wgmma from both warpgroups' dS^T in shared memory)
@@ -19,6 +20,7 @@
 #include "flash_cutlass/common/dropout.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/score_mods.h"
+#include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
@@ -26,29 +28,55 @@
 
 namespace flash_cutlass::sm90 {
 
-// In place on S^T as (keys, queries): P^T = exp2(scale S^T - lse), the queries' LSE in log2 units
-// from shared memory (+inf past the sequence: P = 0 there). With kApplyMask, keys past seqlen_k and
-// keys outside a query's causal mask or window get P = 0.
-template <bool kApplyMask, MaskKind kMaskKind, class TensorS, class Coords>
+// Where a query block's exponents of P come from (the statistics warp's stage, stage_query_statistics):
+// per query an offset, and a scale that is the kernel's exp2_scale for every query unless the block
+// holds a row of probability_exponent's exact form (exact_rows), which only extreme scores produce;
+// the exponentials branch on that once a block, so that the usual blocks keep one scale in one
+// register.
+struct QueryExponents {
+  const ScoreExponent* exponent;  // per query: its scale and offset
+  const float* offset;            // per query: its offset alone
+  float uniform_scale;
+  bool exact_rows;
+
+  template <bool kPerQueryScale>
+  __device__ __forceinline__ ScoreExponent of(int local_query) const {
+    if constexpr (kPerQueryScale) return exponent[local_query];
+    else return {uniform_scale, offset[local_query]};
+  }
+};
+
+// The exponents of a stage's query block.
+template <class PipelineStorage>
+__device__ __forceinline__ QueryExponents query_exponents(PipelineStorage const& pipeline, int stage,
+                                                          BwdParams const& params) {
+  return {pipeline.exponent[stage], pipeline.exponent_offset[stage], params.exp2_scale,
+          pipeline.exact_rows[stage] != 0};
+}
+
+// In place on S^T as (keys, queries): P^T = exp2(scale S^T - offset), the queries' exponents from
+// shared memory (offset +inf past the sequence: P = 0 there). With kApplyMask, keys past seqlen_k
+// and keys outside a query's causal mask or window get P = 0.
+template <bool kApplyMask, bool kPerQueryScale, MaskKind kMaskKind, class TensorS, class Coords>
 __device__ __forceinline__ void probabilities_transposed(TensorS& st, Coords const& coords, int key_start, int row_start,
-                                                         KeyMask<kMaskKind> const& mask, float scale_log2,
-                                                         const float* lse_log2) {
+                                                         KeyMask<kMaskKind> const& mask,
+                                                         QueryExponents const& exponents) {
   using namespace cute;
   CUTE_UNROLL
   for (int c = 0; c < size<1>(st); ++c) {
     const int local_query = get<1>(coords(0, c));
-    const float row_lse = lse_log2[local_query];
+    const ScoreExponent e = exponents.of<kPerQueryScale>(local_query);
     const int query = row_start + local_query;
     const int key_begin = mask.key_begin(query);
     const int key_limit = mask.key_limit(query);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(st); ++r) {
-      float s = st(r, c) * scale_log2;
+      float x = st(r, c) * e.scale - e.offset;
       if constexpr (kApplyMask) {
         const int key = key_start + get<0>(coords(r, c));
-        if (key >= key_limit || (KeyMask<kMaskKind>::kLocal && key < key_begin)) s = -INFINITY;
+        if (key >= key_limit || (KeyMask<kMaskKind>::kLocal && key < key_begin)) x = -INFINITY;
       }
-      st(r, c) = exp2f(s - row_lse);
+      st(r, c) = exp2f(x);
     }
   }
 }
@@ -69,22 +97,24 @@ __device__ __forceinline__ void ds_transposed(TensorP const& pt, TensorDP& dpt, 
 // Both at once for the extended kernels: the scores are capped and biased first, dS^T carries the
 // cap's derivative (common/score_mods.h), and with dropout (common/dropout.h) P^T ends dropped and
 // rescaled, as dV needs it, and dS^T = P^T (dropped, rescaled dP^T - D).
-template <bool kApplyMask, bool kDropout, MaskKind kMaskKind, class TensorS, class TensorDP, class Coords>
+template <bool kApplyMask, bool kPerQueryScale, bool kDropout, MaskKind kMaskKind, class TensorS, class TensorDP,
+          class Coords>
 __device__ __forceinline__ void extended_probabilities_and_ds_transposed(
     TensorS& st, TensorDP& dpt, Coords const& coords, int key_start, int row_start, KeyMask<kMaskKind> const& mask,
-    ScoreMods<true> const& score_mods, Dropout<kDropout> const& dropout, float scale_log2, const float* lse_log2,
+    ScoreMods<true> const& score_mods, Dropout<kDropout> const& dropout, QueryExponents const& exponents,
     const float* dsum) {
   using namespace cute;
   CUTE_UNROLL
   for (int c = 0; c < size<1>(st); c += 2) {
     // Queries c and c + 1 are neighbours (the wgmma C layout of S^T), each with its own stats.
-    float row_lse[2], row_dsum[2];
+    ScoreExponent row_exponent[2];
+    float row_dsum[2];
     int query[2], key_begin[2], key_limit[2];
     CUTE_UNROLL
     for (int i = 0; i < 2; ++i) {
       const int local_query = get<1>(coords(0, c + i));
       query[i] = row_start + local_query;
-      row_lse[i] = lse_log2[local_query];
+      row_exponent[i] = exponents.of<kPerQueryScale>(local_query);
       row_dsum[i] = dsum[local_query];
       key_begin[i] = mask.key_begin(query[i]);
       key_limit[i] = mask.key_limit(query[i]);
@@ -98,11 +128,11 @@ __device__ __forceinline__ void extended_probabilities_and_ds_transposed(
       for (int i = 0; i < 2; ++i) {
         float score = st(r, c + i);
         if (score_mods.softcap_input_scale != 0.f) score = tanh_approx(score * score_mods.softcap_input_scale);
-        float s = (score + score_mods.bias(query[i], key)) * scale_log2;
+        float x = (score + score_mods.bias(query[i], key)) * row_exponent[i].scale - row_exponent[i].offset;
         if constexpr (kApplyMask) {
-          if (key >= key_limit[i] || (KeyMask<kMaskKind>::kLocal && key < key_begin[i])) s = -INFINITY;
+          if (key >= key_limit[i] || (KeyMask<kMaskKind>::kLocal && key < key_begin[i])) x = -INFINITY;
         }
-        const float p = exp2f(s - row_lse[i]);
+        const float p = exp2f(x);
         float dp_kept = dpt(r, c + i);
         float p_kept = p;
         if constexpr (kDropout) {
@@ -132,6 +162,18 @@ __device__ __forceinline__ auto smem_operands(typename Traits::SharedStorage& st
                           make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdS{}));
 }
 
+// f(apply_mask, per_query_scale) with both as compile-time bools (cute::true_type/false_type).
+template <class F>
+__device__ __forceinline__ void with_exponent_variant(bool apply_mask, bool per_query_scale, F&& f) {
+  if (per_query_scale) {
+    if (apply_mask) f(cute::true_type{}, cute::true_type{});
+    else f(cute::false_type{}, cute::true_type{});
+  } else {
+    if (apply_mask) f(cute::true_type{}, cute::false_type{});
+    else f(cute::false_type{}, cute::false_type{});
+  }
+}
+
 // A query block's S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), turned in place
 // into P^T and dS^T: the exponentials while dP^T is still computed (the extended kernels, which
 // need both at once, wait for both). Both consumer layouts run it on their part of the tile.
@@ -140,8 +182,8 @@ template <MaskKind kMaskKind, int kBlockM, int kBlockN, class TiledMma, class Fr
 __device__ __forceinline__ void probabilities_and_ds_of_block(
     TiledMma& mma_sdp, FragK const& tSrK, FragQ const& tSrQ, FragV const& tdPrV, FragdO const& tdPrdO, Acc& acc_s,
     Acc& acc_dp, Coords const& tScS, BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
-    ScoreMods<kExtended> const& score_mods, Dropout<kDropout> const& dropout, int row_start, const float* lse_log2,
-    const float* dsum) {
+    ScoreMods<kExtended> const& score_mods, Dropout<kDropout> const& dropout, int row_start,
+    QueryExponents const& exponents, const float* dsum) {
   using namespace cute;
   issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ, acc_s);
   issue_gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO, acc_dp);
@@ -152,21 +194,22 @@ __device__ __forceinline__ void probabilities_and_ds_of_block(
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
     warpgroup_fence_operand(acc_dp);
+    // Every query's own scale: a second copy of this larger loop for the usual blocks costs ptxas
+    // more spills than the scale's loads do.
     if (needs_mask) {
-      extended_probabilities_and_ds_transposed<true>(st, dpt, tScS, work.key_start, row_start, work.mask, score_mods,
-                                                     dropout, params.exp2_scale, lse_log2, dsum);
+      extended_probabilities_and_ds_transposed<true, true>(st, dpt, tScS, work.key_start, row_start, work.mask,
+                                                           score_mods, dropout, exponents, dsum);
     } else {
-      extended_probabilities_and_ds_transposed<false>(st, dpt, tScS, work.key_start, row_start, work.mask, score_mods,
-                                                      dropout, params.exp2_scale, lse_log2, dsum);
+      extended_probabilities_and_ds_transposed<false, true>(st, dpt, tScS, work.key_start, row_start, work.mask,
+                                                            score_mods, dropout, exponents, dsum);
     }
   } else {
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc_s);
-    if (needs_mask) {
-      probabilities_transposed<true>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
-    } else {
-      probabilities_transposed<false>(st, tScS, work.key_start, row_start, work.mask, params.exp2_scale, lse_log2);
-    }
+    with_exponent_variant(needs_mask, exponents.exact_rows, [&](auto apply_mask, auto per_query_scale) {
+      probabilities_transposed<decltype(apply_mask)::value, decltype(per_query_scale)::value>(
+          st, tScS, work.key_start, row_start, work.mask, exponents);
+    });
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dp);
     ds_transposed(st, dpt, tScS, dsum);
@@ -262,7 +305,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
     probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s, acc_dp,
                                   tScS, params, work, score_mods, dropout, row_start,
-                                  storage.pipeline.lse_log2[stage], storage.pipeline.dsum[stage]);
+                                  query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage]);
     // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared
     // memory for dQ.
     Tensor pt = convert_fragment<Element>(acc_s);

@@ -22,6 +22,7 @@
 
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/common/bwd_key_block.h"
+#include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
@@ -117,12 +118,13 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   }
 }
 
-// Run by the 32 lanes of the statistics warp: each query block's LSE (log2 units) and D into its
-// stage, one arrival a lane on the stage's full barrier (which counts 1 + 32).
+// Run by the 32 lanes of the statistics warp: each query block's exponents of P (from the LSE, in
+// the score unit of lse_score_unit) and D into its stage, one arrival a lane on the stage's full
+// barrier (which counts 1 + 32).
 template <class Traits, MaskKind kMaskKind>
 __device__ __forceinline__ void stage_query_statistics(
     BwdParams const& params, KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
-    typename Traits::SharedStorage& storage, int lane) {
+    typename Traits::SharedStorage& storage, int lane, float score_unit) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kStages = Traits::kStages;
   const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, work.tile.head);
@@ -130,6 +132,7 @@ __device__ __forceinline__ void stage_query_statistics(
     const int step = m_block - work.m_block_begin;
     const int stage = step % kStages;
     storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
+    bool exact_rows = false;
     CUTE_UNROLL
     for (int local_row = lane; local_row < kBlockM; local_row += 32) {
       const int row = m_block * kBlockM + local_row;
@@ -139,9 +142,14 @@ __device__ __forceinline__ void stage_query_statistics(
         dsum = query_rows.dsum[row];
         if (lse == -INFINITY) lse = INFINITY;  // a row that sees no key: P = 0, not exp(-inf + inf)
       }
-      storage.pipeline.lse_log2[stage][local_row] = lse * float(M_LOG2E);
+      const ScoreExponent exponent = probability_exponent(lse, params.exp2_scale, score_unit);
+      exact_rows |= exponent.scale != params.exp2_scale;
+      storage.pipeline.exponent[stage][local_row] = exponent;
+      storage.pipeline.exponent_offset[stage][local_row] = exponent.offset;
       storage.pipeline.dsum[stage][local_row] = dsum;
     }
+    exact_rows = __any_sync(0xffffffffu, exact_rows);
+    if (lane == 0) storage.pipeline.exact_rows[stage] = exact_rows;
     storage.pipeline.query_full[stage].arrive();  // each lane releases its own stores
   }
 }

@@ -9,6 +9,8 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
+#include "flash_cutlass/common/softmax.h"
+
 namespace flash_cutlass::sm90 {
 
 // What both consumer layouts share: the roles and register budgets of a CTA of a producer
@@ -89,11 +91,15 @@ struct BwdCommonTraits {
                                              cute::_1{}));
 };
 
-// The pipeline's shared state: per stage and query row the log-sum-exp in log2 units (+inf past
-// the sequence, so that P = 0 there) and D (0 past the sequence), and the barriers.
+// The pipeline's shared state: per stage and query row the exponent of P from the log-sum-exp
+// (probability_exponent, common/softmax.h; lse = +inf past the sequence, so that P = 0 there), whole
+// and its offset alone (for the blocks whose every scale is exp2_scale: exact_rows false), D (0 past
+// the sequence), and the barriers.
 template <int kStages, int kBlockM>
 struct BwdPipelineStorage {
-  alignas(16) float lse_log2[kStages][kBlockM];
+  alignas(16) ScoreExponent exponent[kStages][kBlockM];
+  alignas(16) float exponent_offset[kStages][kBlockM];
+  int exact_rows[kStages];  // whether a row of the stage takes probability_exponent's exact form
   alignas(16) float dsum[kStages][kBlockM];
   cutlass::arch::ClusterTransactionBarrier kv_full;
   // A stage is full when its Q and dO have landed (TMA transaction bytes) and every lane of the

@@ -508,6 +508,12 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     params.dkv_head_stride = dk.stride(2);
   }
   params.deterministic = options.deterministic;
+  at::Tensor dq_turns;
+  if (options.deterministic && kernel.path == KernelPath::kSm90) {
+    dq_turns = at::zeros({int64_t(params.batch) * params.heads * ((params.seqlen_q + 63) / 64)},
+                         q.options().dtype(at::kInt));
+    params.dq_turns = dq_turns.data_ptr<int>();
+  }
   if (options.is_varlen()) params.dout_batch_stride = params.dq_batch_stride = params.dkv_batch_stride = 0;
 
   const c10::cuda::CUDAGuard device_guard(q.device());

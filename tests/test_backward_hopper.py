@@ -5,7 +5,8 @@ Its CTA owns 128 keys (64 past head dim 128) and walks query blocks of 64 rows (
 after those multiples, give a CTA 1 to 5 query blocks (fewer, as many and more than the stages),
 and cover GQA ratios 1 to 8. Head dims between the compiled ones run padded in the next one. Gradients
 are checked against the fp32 oracle with FlashAttention-2's rule. Also: a CUDA graph of the
-backward replays to the same gradients. Skipped (with the reason) without an H100/H200 build.
+backward replays to the same gradients, and deterministic=True (up to head dim 128) gives bitwise
+equal gradients run after run. Skipped (with the reason) without an H100/H200 build.
 """
 
 import math
@@ -32,9 +33,9 @@ def skip_unless_hopper_backward(head_dim: int) -> None:
         pytest.skip(reason)
 
 
-def oracle_gradients(q, k, v, dout, causal, dtype):
+def oracle_gradients(q, k, v, dout, causal, dtype, **options):
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, _ = naive_attention(*leaves, 1.0 / math.sqrt(q.shape[-1]), causal)
+    out, _ = naive_attention(*leaves, 1.0 / math.sqrt(q.shape[-1]), causal, **options)
     return torch.autograd.grad(out, leaves, dout.to(dtype))
 
 
@@ -109,3 +110,79 @@ def test_hopper_backward_is_the_same_in_a_cuda_graph(cuda_gen, head_dim):
     for name, replayed, reference in zip(("dq", "dk", "dv"), captured, eager):
         # dQ adds in an order that may change between runs: equal up to rounding, with the sign flipped.
         torch.testing.assert_close(replayed.float(), -reference.float(), atol=2e-2, rtol=2e-2, msg=name)
+
+
+DETERMINISTIC_HEAD_DIMS = [d for d in COMPILED_SM90_BACKWARD_HEAD_DIMS if d <= 128]
+
+
+@pytest.mark.parametrize("heads_k", [8, 2], ids=["gqa1", "gqa4"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_deterministic_hopper_backward_is_bitwise_reproducible_and_correct(cuda_gen, head_dim, mask, heads_k):
+    """Six key blocks of 128 (five with the window's left edge) add to each query block in turn:
+    three runs give bitwise equal gradients, which pass the rule against the fp32 oracle."""
+    skip_unless_hopper_backward(head_dim)
+    causal = mask == "causal"
+    options = {"window_size": (300, 40)} if mask == "window" else {}
+    q, k, v, dout = random_inputs(cuda_gen, 2, 333, 700, heads_k, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
+    runs = [flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, kernel="sm90",
+                                         **options) for _ in range(3)]
+    for run in runs[1:]:
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(first, again), f"{name} differs between two deterministic runs ({mask})"
+    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32, **options)
+    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16, **options)
+    for name, grad, ref, base in zip(("dq", "dk", "dv"), runs[0], oracle, same_dtype):
+        fa2_check(grad, ref, base, f"deterministic sm90 backward {name} (head dim {head_dim}, {mask})")
+
+
+def test_deterministic_varlen_hopper_backward_is_bitwise_reproducible(cuda_gen):
+    """Packed sequences of different lengths (each its own turns) and a max_seqlen above the longest."""
+    if not DETERMINISTIC_HEAD_DIMS:
+        pytest.skip("no Hopper backward up to head dim 128 in this build")
+    head_dim = DETERMINISTIC_HEAD_DIMS[-1]
+    skip_unless_hopper_backward(head_dim)
+    lengths = [517, 1, 300, 129]
+    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+
+    q, k, v, dout = rand(total, HEADS, head_dim), rand(total, 2, head_dim), rand(total, 2, head_dim), rand(total, HEADS, head_dim)
+    max_seqlen = max(lengths) + 64
+    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+    runs = [flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                causal=True, deterministic=True, kernel="sm90") for _ in range(3)]
+    for run in runs[1:]:
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(first, again), f"{name} differs between two deterministic varlen runs"
+    atomics = flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
+                                                  max_seqlen, causal=True, kernel="sm90")
+    for name, grad, ref in zip(("dq", "dk", "dv"), runs[0], atomics):
+        torch.testing.assert_close(grad, ref, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_automatic_deterministic_backward_runs_on_the_hopper_kernel(cuda_gen, head_dim):
+    """kernel="auto" with deterministic=True takes the Hopper backward: its gradients are bitwise
+    kernel="sm90"'s (the sm80 path's dQ kernel sums in another order)."""
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 1, 400, 400, 4, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    auto = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, kernel="auto")
+    hopper = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, kernel="sm90")
+    for name, a, b in zip(("dq", "dk", "dv"), auto, hopper):
+        assert torch.equal(a, b), f"{name} of kernel='auto' differs from kernel='sm90''s"
+
+
+def test_deterministic_hopper_backward_past_head_dim_128_names_the_limit(cuda_gen):
+    wide = [d for d in COMPILED_SM90_BACKWARD_HEAD_DIMS if d > 128]
+    if not wide:
+        pytest.skip("no Hopper backward past head dim 128 in this build")
+    skip_unless_hopper_backward(wide[0])
+    q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, HEADS, wide[0])
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    with pytest.raises(RuntimeError, match="deterministic=True runs on the Hopper backward up to head dim 128"):
+        flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")

@@ -128,8 +128,12 @@ struct BwdParams : FwdParams {
   // (batch, seqlen_k, heads, kernel head dim), contiguous; the caller sums each group.
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
-  // dQ summed in a fixed order (a second kernel) instead of with atomics: bitwise reproducible.
+  // dQ summed in a fixed order instead of with atomics: bitwise reproducible. The sm80 path runs a
+  // second kernel; the Hopper path adds each query block's dQ in key-block order, the turn kept in
+  // dq_turns: int32 (batch, heads, ceil(seqlen_q / 64)), zeroed, counting the key blocks that
+  // have added to that query block (64: the smallest block of rows a Hopper backward walks).
   bool deterministic = false;
+  int* dq_turns = nullptr;
 };
 
 }  // namespace flash_cutlass

@@ -36,6 +36,10 @@ constexpr bool sm90_causal_forward_uses_wide_tiles(int seqlen_q) {
   return seqlen_q > kSm90CausalNarrowTilesMaxSeqlenQ;
 }
 
+// The Hopper backward's widest head dim with a deterministic mode (BwdKernelTraits's dQ writer;
+// sm90/bwd_launch.h).
+constexpr int kSm90DeterministicMaxHeadDim = 128;
+
 // Why the Hopper path cannot run a call of this direction and head dim on a GPU of compute
 // capability major.minor, or an empty string when it can.
 template <Direction kDirection>
@@ -52,7 +56,11 @@ std::string sm90_unavailable_reason(int head_dim, int major, int minor, bool det
   if (kernel_head_dim<kDirection, KernelPath::kSm90>(head_dim) == 0) {
     return "head_dim " + std::to_string(head_dim) + " exceeds the Hopper " + kName + "'s compiled head dims";
   }
-  if (kDirection == Direction::kBackward && deterministic) return "deterministic=True runs on the sm80 path only";
+  if (kDirection == Direction::kBackward && deterministic &&
+      kernel_head_dim<kDirection, KernelPath::kSm90>(head_dim) > kSm90DeterministicMaxHeadDim) {
+    return "deterministic=True runs on the Hopper backward up to head dim " +
+           std::to_string(kSm90DeterministicMaxHeadDim) + " (its head-split layout above adds dQ with atomics)";
+  }
   return "";
 }
 

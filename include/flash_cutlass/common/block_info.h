@@ -323,6 +323,29 @@ __device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, in
   return {first_row / kBlockM, (row_end + kBlockM - 1) / kBlockM};
 }
 
+// The place of key block n_block among the key blocks of its sequence that add to query block
+// m_block (those whose query_block_range holds it), in the order of their index: how many come
+// before it. Without a window every earlier key block sees every query block n_block sees (their
+// ranges start no later and end at the last block); with one, a warp counts them, 32 a step.
+template <int kBlockM, int kBlockN, MaskKind kKind>
+__device__ __forceinline__ int key_blocks_before(KeyMask<kKind> const& mask, int n_block, int m_block, int lane) {
+  if constexpr (!KeyMask<kKind>::kLocal) {
+    return n_block;
+  } else {
+    int count = 0;
+    for (int first = 0; first < n_block; first += 32) {
+      const int n = first + lane;
+      bool adds = false;
+      if (n < n_block) {
+        const int2 m_blocks = query_block_range<kBlockM>(mask, n * kBlockN, kBlockN);
+        adds = m_blocks.x <= m_block && m_block < m_blocks.y;
+      }
+      count += __popc(__ballot_sync(0xffffffffu, adds));
+    }
+    return count;
+  }
+}
+
 // What a backward CTA derives from its key tile: its sequence and mask, and the query blocks
 // [m_block_begin, m_block_end) whose rows see any of its keys. A variable-length call's key
 // blocks past their sequence's end (shorter sequences have fewer than the grid) have nothing to do.

@@ -26,6 +26,7 @@
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
+#include "flash_cutlass/sm90/ordered_reduce.h"
 #include "flash_cutlass/sm90/tma_views.h"
 #include "flash_cutlass/sm90/zero_rows.h"
 
@@ -176,7 +177,18 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   auto [tdQgdQ, tdQsdQ] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                         group_modes<0, 2>(gdQ));
   const bool varlen = params.cu_seqlens_q != nullptr;
+  // Deterministic calls: this sequence and head's turn counters, a query block each
+  // (ordered_reduce.h); params.seqlen_q bounds every sequence's length.
+  int* turns = nullptr;
+  if (params.deterministic) {
+    const int m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    turns = params.dq_turns + (int64_t(work.tile.batch) * params.heads + work.tile.head) * m_blocks;
+  }
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
+    // Counted while the consumers still compute this block's dQ.
+    const int place = turns != nullptr ? key_blocks_before<Traits::kBlockM, Traits::kBlockN>(
+                                             work.mask, work.tile.n_block, m_block, lane)
+                                       : 0;
     named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
     const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
     if (varlen && queries_in_block < Traits::kBlockM) {
@@ -186,12 +198,15 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
       __syncwarp();
     }
     if (lane == 0) {
+      if (turns != nullptr) wait_for_turn(turns + m_block, place);
       copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block));
       tma_store_arrive();
       tma_store_wait<0>();  // the TMA unit has read storage.dq
     }
     __syncwarp();
     if (m_block + 1 < work.m_block_end) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+    // The consumers refill storage.dq meanwhile.
+    if (lane == 0 && turns != nullptr) pass_turn_after_reductions(turns + m_block);
   }
 }
 

@@ -190,4 +190,13 @@ struct KVCacheParams : FwdParams {
   void* q_rotated = nullptr;
 };
 
+// Packed query rows one CTA of the KV-cache attention takes: one MMA tile high.
+inline constexpr int kKVCacheTileRows = 16;
+
+// Blocks of packed query rows of one (batch, kv head): seqlen_q times the query heads per kv head.
+inline int64_t kvcache_row_blocks(KVCacheParams const& params) {
+  const int64_t packed_rows = int64_t(params.seqlen_q) * (params.heads / params.heads_k);
+  return (packed_rows + kKVCacheTileRows - 1) / kKVCacheTileRows;
+}
+
 }  // namespace flash_cutlass

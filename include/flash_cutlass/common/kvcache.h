@@ -11,15 +11,6 @@
 
 namespace flash_cutlass {
 
-// Packed query rows one CTA of the KV-cache attention takes: one MMA tile high.
-inline constexpr int kKVCacheTileRows = 16;
-
-// Blocks of packed query rows of one (batch, kv head): seqlen_q times the query heads per kv head.
-__host__ __device__ inline int64_t kvcache_row_blocks(KVCacheParams const& params) {
-  const int64_t packed_rows = int64_t(params.seqlen_q) * (params.heads / params.heads_k);
-  return (packed_rows + kKVCacheTileRows - 1) / kKVCacheTileRows;
-}
-
 // Sequence b of a KV-cache call: its new tokens go to positions [start, start + seqlen_new), and it
 // attends to its first `length` = start + seqlen_new positions. cache_seqlens[b] is clamped into
 // [0, capacity - seqlen_new] (the host checks capacity >= seqlen_new), so every position lies in

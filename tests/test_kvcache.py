@@ -90,3 +90,25 @@ def test_shared_checks_bound_what_the_shapes_bound():
 def test_exported_from_the_package():
     assert "flash_attention_with_kvcache" in flash_cutlass.__all__
     assert flash_cutlass.flash_attention_with_kvcache.__module__ == "flash_cutlass.kvcache"
+
+
+def test_flash_attention_2_door_has_its_signature_and_runs_the_kvcache_call(gen):
+    import inspect
+
+    from flash_cutlass.flash_attn_interface import flash_attn_with_kvcache
+
+    # FlashAttention-2's flash_attn_with_kvcache (flash_attn/flash_attn_interface.py), in order.
+    fa2 = (("q", None), ("k_cache", None), ("v_cache", None), ("k", None), ("v", None), ("rotary_cos", None),
+           ("rotary_sin", None), ("cache_seqlens", None), ("cache_batch_idx", None), ("cache_leftpad", None),
+           ("block_table", None), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+           ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
+           ("return_softmax_lse", False))
+    parameters = list(inspect.signature(flash_attn_with_kvcache).parameters.values())
+    assert [p.name for p in parameters] == [name for name, _ in fa2]
+    assert [p.default for p in parameters[3:]] == [default for _, default in fa2[3:]]
+    call = make_call(gen, page_size=4, capacity=32, dtype=torch.float32)
+    out, lse = flash_attn_with_kvcache(**cloned(call), causal=True, return_softmax_lse=True)
+    expected_out, expected_lse = reference.attention_with_kvcache(**cloned(call), causal=True)
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        flash_attn_with_kvcache(**cloned(call), cache_leftpad=torch.zeros(2, dtype=torch.int32))

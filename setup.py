@@ -22,6 +22,10 @@ Build options (environment variables; see README.md):
                             inference (8 of the 17 instantiation files, the slowest ones: 43% of
                             the build time on 2 cores; the backward of a CUDA call then raises,
                             naming this flag).
+  FLASH_CUTLASS_KVCACHE     1 (default) builds the KV-cache kernels (flash_attention_with_kvcache:
+                            one attention instantiation per head dim and dtype, whose mask and
+                            score options are runtime values, and an append kernel per dtype);
+                            0 leaves them out (a CUDA call then raises, naming this flag).
   CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep
                             about 3 GB of memory per concurrent nvcc.
@@ -188,6 +192,7 @@ def build_selection(catalogue):
         softcap=feature_enabled("FLASH_CUTLASS_SOFTCAP"),
         alibi=feature_enabled("FLASH_CUTLASS_ALIBI"),
         dropout=feature_enabled("FLASH_CUTLASS_DROPOUT"),
+        kvcache=feature_enabled("FLASH_CUTLASS_KVCACHE"),
         timeline=feature_enabled("FLASH_CUTLASS_TIMELINE", default=False),
     )
 

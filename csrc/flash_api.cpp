@@ -534,6 +534,207 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   }
 }
 
+// Checks an optional int32 tensor of a KV-cache call (`rank` dimensions, contiguous, on q's
+// device) and returns its data, or nullptr when absent.
+const int* kvcache_indices(const std::optional<at::Tensor>& t, const char* name, int64_t rank, const at::Tensor& q) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  FLASH_CHECK(t->scalar_type() == at::kInt && t->device() == q.device() && t->dim() == rank && t->is_contiguous(),
+              name, " must be a contiguous int32 tensor of ", rank, " dimensions on q's device");
+  return t->data_ptr<int>();
+}
+
+// Attention over a KV cache (flash_cutlass/kvcache.py, which checked every argument with
+// flash_cutlass.reference.check_kvcache_arguments): the append of k and v (rotated with rotary)
+// at cache_seqlens, then the attention of q (rotated with rotary) over each sequence's cache into
+// preallocated out (like q) and lse (fp32 (batch, heads, seqlen_q)). Reads no device value on the
+// host: the kernels clamp lengths and page ids (include/flash_cutlass/common/kvcache.h), and the
+// split scratch is sized from the shapes, so CUDA graphs can capture the call.
+void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                     const std::optional<at::Tensor>& cache_seqlens, int64_t cache_seqlen,
+                     const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cache_batch_idx,
+                     const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+                     bool rotary_interleaved, bool rotary_q_per_row, at::Tensor& out, at::Tensor& lse,
+                     int64_t num_splits, const pybind11::handle& options_object) {
+  FLASH_CHECK(compiled::kKVCache,
+              "flash_attention_with_kvcache needs the KV-cache kernels, which this build left out "
+              "(FLASH_CUTLASS_KVCACHE=0); rebuild with FLASH_CUTLASS_KVCACHE=1");
+  const AttentionOptions options = options_from_python(options_object);
+  check_operand(q, "q", 4);
+  check_operand(k_cache, "k_cache", 4);
+  check_operand(v_cache, "v_cache", 4);
+  check_operand(out, "out", 4);
+  const DType dtype = dtype_of(q);
+  FLASH_CHECK(dtype_compiled(dtype), "dtype ", q.scalar_type(), " was not compiled in (build flag FLASH_CUTLASS_DTYPES)");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache, &out}) {
+    FLASH_CHECK(t->scalar_type() == q.scalar_type() && t->device() == q.device(),
+                "k_cache, v_cache and out must have q's dtype and device");
+  }
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
+  const int64_t heads_k = k_cache.size(2);
+  FLASH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must have k_cache's shape");
+  FLASH_CHECK(k_cache.size(3) == head_dim, "k_cache must have q's head_dim");
+  FLASH_CHECK(heads_k > 0 && heads % heads_k == 0, "heads (", heads, ") must be a multiple of heads_k (", heads_k, ")");
+  FLASH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  FLASH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == heads && lse.size(2) == seqlen_q,
+              "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
+  const int kernel_hdim = head_dim % kAlignElems == 0 ? kvcache_kernel_head_dim(static_cast<int>(head_dim)) : 0;
+  FLASH_CHECK(kernel_hdim != 0, "head_dim ", head_dim, " needs a multiple of 8 up to the largest compiled KV-cache head dim");
+  FLASH_CHECK(std::isfinite(options.softmax_scale) && options.softmax_scale > 0, "softmax_scale must be finite and > 0");
+  FLASH_CHECK(options.dropout_p == 0, "flash_attention_with_kvcache has no dropout");
+  if (batch == 0 || (seqlen_q == 0 && !k.has_value())) return;
+
+  KVCacheParams params;
+  params.batch = static_cast<int>(batch);
+  params.seqlen_q = static_cast<int>(seqlen_q);
+  params.heads = static_cast<int>(heads);
+  params.heads_k = static_cast<int>(heads_k);
+  params.head_dim = static_cast<int>(head_dim);
+  params.softmax_scale = static_cast<float>(options.softmax_scale);
+  set_extended_params(params, options, q);
+
+  // The cache: pages of a block table, or one page per cache row.
+  params.block_table = kvcache_indices(block_table, "block_table", 2, q);
+  params.cache_batch_idx = kvcache_indices(cache_batch_idx, "cache_batch_idx", 1, q);
+  params.num_pages = static_cast<int>(k_cache.size(0));
+  params.page_size = static_cast<int>(k_cache.size(1));
+  int64_t capacity = k_cache.size(1);
+  if (params.block_table != nullptr) {
+    FLASH_CHECK(block_table->size(0) == batch, "block_table must have batch rows");
+    FLASH_CHECK(params.page_size >= 1, "a paged cache needs page_size (k_cache.shape[1]) >= 1");
+    capacity = block_table->size(1) * k_cache.size(1);
+    params.block_table_batch_stride = block_table->stride(0);
+    FLASH_CHECK(params.cache_batch_idx == nullptr, "cache_batch_idx is for a contiguous cache");
+  } else {
+    FLASH_CHECK(params.cache_batch_idx != nullptr || k_cache.size(0) == batch,
+                "k_cache must have q's batch without cache_batch_idx");
+    FLASH_CHECK(params.cache_batch_idx == nullptr || cache_batch_idx->size(0) == batch,
+                "cache_batch_idx must have batch entries");
+    params.page_size = std::max<int>(params.page_size, 1);
+  }
+  FLASH_CHECK(params.num_pages >= 1 || capacity == 0, "k_cache must hold at least one page or row");
+  FLASH_CHECK(capacity < (int64_t(1) << 30) && seqlen_q < (int64_t(1) << 30),
+              "the cache's positions and seqlen_q must be below 2^30");
+  params.capacity = static_cast<int>(capacity);
+  params.seqlen_k = params.capacity;
+  params.k = params.k_cache = k_cache.data_ptr();
+  params.v = params.v_cache = v_cache.data_ptr();
+  params.k_batch_stride = k_cache.stride(0);
+  params.k_row_stride = k_cache.stride(1);
+  params.k_head_stride = k_cache.stride(2);
+  params.v_batch_stride = v_cache.stride(0);
+  params.v_row_stride = v_cache.stride(1);
+  params.v_head_stride = v_cache.stride(2);
+  params.cache_seqlens = kvcache_indices(cache_seqlens, "cache_seqlens", 1, q);
+  FLASH_CHECK(params.cache_seqlens == nullptr || cache_seqlens->size(0) == batch, "cache_seqlens must have batch entries");
+  params.cache_seqlen = static_cast<int>(std::min<int64_t>(std::max<int64_t>(cache_seqlen, 0), capacity));
+
+  // The new tokens.
+  FLASH_CHECK(k.has_value() == v.has_value(), "k and v go together");
+  if (k.has_value()) {
+    check_operand(*k, "k", 4);
+    check_operand(*v, "v", 4);
+    FLASH_CHECK(k->scalar_type() == q.scalar_type() && v->scalar_type() == q.scalar_type() &&
+                    k->device() == q.device() && v->device() == q.device(),
+                "k and v must have q's dtype and device");
+    FLASH_CHECK(k->size(0) == batch && k->size(2) == heads_k && k->size(3) == head_dim && v->sizes() == k->sizes(),
+                "k and v must be (batch, seqlen_new, heads_k, head_dim)");
+    FLASH_CHECK(k->size(1) <= capacity, "seqlen_new must fit in the cache");
+    params.seqlen_new = static_cast<int>(k->size(1));
+    params.k_new = k->data_ptr();
+    params.v_new = v->data_ptr();
+    params.k_new_batch_stride = k->stride(0);
+    params.k_new_row_stride = k->stride(1);
+    params.k_new_head_stride = k->stride(2);
+    params.v_new_batch_stride = v->stride(0);
+    params.v_new_row_stride = v->stride(1);
+    params.v_new_head_stride = v->stride(2);
+  }
+
+  // Queries, rotated into a buffer with rotary.
+  params.q = q.data_ptr();
+  params.q_batch_stride = q.stride(0);
+  params.q_row_stride = q.stride(1);
+  params.q_head_stride = q.stride(2);
+  at::Tensor q_rotated;
+  FLASH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(), "rotary_cos and rotary_sin go together");
+  if (rotary_cos.has_value()) {
+    FLASH_CHECK(k.has_value(), "rotary needs k and v");
+    for (const at::Tensor* t : {&*rotary_cos, &*rotary_sin}) {
+      FLASH_CHECK(t->scalar_type() == q.scalar_type() && t->device() == q.device() && t->dim() == 2 &&
+                      t->is_contiguous() && t->size(0) >= 1 && t->size(1) >= 1 && 2 * t->size(1) <= head_dim &&
+                      t->sizes() == rotary_cos->sizes(),
+                  "rotary_cos and rotary_sin must be contiguous (seqlen_ro, rotary_dim / 2) tensors of q's dtype on "
+                  "q's device, rotary_dim <= head_dim");
+    }
+    q_rotated = at::empty(q.sizes(), q.options());
+    params.rotary_cos = rotary_cos->data_ptr();
+    params.rotary_sin = rotary_sin->data_ptr();
+    params.rotary_dim = static_cast<int>(2 * rotary_cos->size(1));
+    params.rotary_positions = static_cast<int>(std::min<int64_t>(rotary_cos->size(0), int64_t(1) << 30));
+    params.rotary_interleaved = rotary_interleaved;
+    params.rotary_q_per_row = rotary_q_per_row;
+    params.q_source = q.data_ptr();
+    params.q_source_batch_stride = q.stride(0);
+    params.q_source_row_stride = q.stride(1);
+    params.q_source_head_stride = q.stride(2);
+    params.q = params.q_rotated = q_rotated.data_ptr();
+    params.q_batch_stride = q_rotated.stride(0);
+    params.q_row_stride = q_rotated.stride(1);
+    params.q_head_stride = q_rotated.stride(2);
+  }
+  params.out = out.data_ptr();
+  params.out_batch_stride = out.stride(0);
+  params.out_row_stride = out.stride(1);
+  params.out_head_stride = out.stride(2);
+  params.lse = lse.data_ptr<float>();
+
+  // The mask in the window's form for every call (the kernels take it at run time): -1 and a side
+  // that causal bounds become their bounds; unbounded sides reach past every key.
+  const int unbounded = std::max(params.seqlen_q, params.capacity);
+  FLASH_CHECK(options.window_left >= -1 && options.window_right >= -1, "window_size entries must be >= -1");
+  params.mask = MaskKind::kLocal;
+  params.window_left = options.window_left < 0 ? unbounded : static_cast<int>(std::min<int64_t>(options.window_left, unbounded));
+  params.window_right = options.causal ? 0
+                        : options.window_right < 0 ? unbounded
+                                                   : static_cast<int>(std::min<int64_t>(options.window_right, unbounded));
+
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  int sm_count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.get_device()));
+  int smem_limit = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
+  const int smem_needed = kvcache_smem_bytes(kernel_hdim);
+  FLASH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
+              " KV-cache kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
+              " allows ", smem_limit / 1024, " KiB");
+  const int64_t row_blocks = kvcache_row_blocks(params);
+  FLASH_CHECK(row_blocks <= 65535, "seqlen_q times heads / heads_k must be at most ", 65535 * kKVCacheTileRows,
+              " in a KV-cache call");
+  FLASH_CHECK(num_splits >= 0 && num_splits <= kKVCacheMaxSplits, "num_splits must be in [0, ", kKVCacheMaxSplits, "]");
+  params.num_splits = num_splits > 0 ? static_cast<int>(num_splits)
+                                     : kvcache_num_splits(batch * heads_k * row_blocks, capacity,
+                                                          int64_t(sm_count) * std::max(kvcache_ctas_per_sm(dtype, kernel_hdim), 1));
+  at::Tensor out_accum, lse_accum;
+  if (params.num_splits > 1) {
+    const auto fp32 = q.options().dtype(at::kFloat);
+    out_accum = at::empty({params.num_splits, batch, heads, seqlen_q, kernel_hdim}, fp32);
+    lse_accum = at::empty({params.num_splits, batch, heads, seqlen_q}, fp32);
+    params.out_accum = out_accum.data_ptr<float>();
+    params.lse_accum = lse_accum.data_ptr<float>();
+  }
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  if (params.seqlen_new > 0 || params.rotary_cos != nullptr) {
+    const cudaError_t status = run_kvcache_append_kernel(params, dtype, stream);
+    FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
+  }
+  if (seqlen_q == 0) return;
+  const cudaError_t status = run_kvcache_kernel(params, dtype, kernel_hdim, stream);
+  FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache kernel launch failed: ", cudaGetErrorString(status));
+}
+
 // The Hopper forward's developer timeline of head dim `head_dim`'s kernels on the current device
 // (FLASH_CUTLASS_TIMELINE=1, sm90/timeline.h): int64 (FwdTimeline::kCtas, kSteps, kWarpgroups,
 // kEvents), the clock64 stamps the calls since the last read left (0 where none wrote); reading
@@ -569,6 +770,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Attention forward into preallocated out and lse (and the drawn dropout state into drawn_rng_state)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("drawn_rng_state"), pybind11::arg("options"));
+  m.def("kvcache_forward", &fc::kvcache_forward,
+        "Append new tokens to a KV cache and attend over it, into preallocated out and lse",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("cache_seqlens"), pybind11::arg("cache_seqlen"), pybind11::arg("block_table"),
+        pybind11::arg("cache_batch_idx"), pybind11::arg("rotary_cos"), pybind11::arg("rotary_sin"),
+        pybind11::arg("rotary_interleaved"), pybind11::arg("rotary_q_per_row"), pybind11::arg("out"),
+        pybind11::arg("lse"), pybind11::arg("num_splits"), pybind11::arg("options"));
+  m.def("compiled_kvcache_head_dims", &fc::compiled_kvcache_head_dims);
   m.def("backward", &fc::backward, "Attention backward into preallocated dq, dk and dv", pybind11::arg("dout"),
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("options"));
@@ -584,6 +793,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("compiled_softcap") = fc::compiled::kSoftcap;
   m.attr("compiled_alibi") = fc::compiled::kAlibi;
   m.attr("compiled_dropout") = fc::compiled::kDropout;
+  m.attr("compiled_kvcache") = fc::compiled::kKVCache;
   m.attr("compiled_archs") = std::string(fc::compiled::kArchs);
   m.def("forward_timeline", &fc::forward_timeline,
         "The Hopper forward's developer timeline of one head dim's kernels (FLASH_CUTLASS_TIMELINE=1)",

@@ -91,6 +91,34 @@ def compiled_dropout() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_kvcache() -> bool:
+    """Whether this build has the KV-cache kernels (flash_attention_with_kvcache; FLASH_CUTLASS_KVCACHE)."""
+    return bool(_extension().compiled_kvcache)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_kvcache_head_dims() -> Tuple[int, ...]:
+    """Head dims of the KV-cache kernels in this build; a call runs in the smallest one >= its head_dim."""
+    return tuple(_extension().compiled_kvcache_head_dims())
+
+
+def kvcache_extension():
+    """The extension, for flash_cutlass.kvcache's CUDA calls."""
+    return _extension()
+
+
+def check_kvcache_device(q: torch.Tensor) -> None:
+    """Raises unless the build has KV-cache kernels for q's dtype and head dim that q's GPU can run."""
+    if not compiled_kvcache():
+        raise RuntimeError("flash_attention_with_kvcache needs the KV-cache kernels, which this build left out "
+                           "(FLASH_CUTLASS_KVCACHE=0); rebuild with FLASH_CUTLASS_KVCACHE=1")
+    _check_device(q)
+    if not any(d >= q.shape[-1] for d in compiled_kvcache_head_dims()):
+        raise RuntimeError(f"head_dim {q.shape[-1]} exceeds the KV-cache kernels' compiled head dims "
+                           f"{compiled_kvcache_head_dims()}; rebuild with FLASH_CUTLASS_HEAD_DIMS including a larger one")
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_dtypes() -> Tuple[torch.dtype, ...]:
     """Input dtypes compiled into the extension."""
     return tuple(getattr(torch, name) for name in _extension().compiled_dtypes())

@@ -6,7 +6,8 @@
     out = flash_attn_func(q, k, v, dropout_p=0.1 if training else 0.0, causal=True)
 
 flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func, flash_attn_varlen_func,
-flash_attn_varlen_qkvpacked_func and flash_attn_varlen_kvpacked_func take the arguments of
+flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func and flash_attn_with_kvcache
+(serving: flash_cutlass.flash_attention_with_kvcache) take the arguments of
 flash_attn.flash_attn_interface's functions (same names, order and defaults) and mean the same:
 - q is (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim), with
   nheads a multiple of nheads_k (query head i reads kv head i // (nheads // nheads_k)); fp16 or
@@ -31,7 +32,7 @@ rather than return something else):
   dropout_p > 0, where FA2 returns the probabilities and the dropout pattern (for its tests), it
   raises NotImplementedError. softmax_lse ((batch, nheads, seqlen_q), or (nheads, total_q) in the
   varlen functions) carries no gradient, where FA2's takes one and drops it.
-- block_table (a paged KV cache) raises NotImplementedError.
+- block_table of flash_attn_varlen_func raises NotImplementedError (flash_attn_with_kvcache takes one).
 - softcap < 0 and window sides below -1 raise ValueError (FA2 reads them as off and unbounded),
   as does softmax_scale <= 0. max_seqlen is trusted as in FA2 on CUDA (checked on CPU, and on
   CUDA with FLASH_CUTLASS_CHECK_VARLEN=1).
@@ -41,13 +42,18 @@ rather than return something else):
   draws a fresh mask on each replay.
 - A packed input's gradient is put together from dq, dk and dv (one copy of it), where FA2's
   backward writes into it directly.
-- flash_attn_with_kvcache and FA2's other functions are not provided.
+- flash_attn_with_kvcache: cache_leftpad raises NotImplementedError; page sizes need not be
+  multiples of 256 and rotary dims of 16; CUDA calls clamp out-of-range lengths and block ids
+  into the cache (FA2 reads past it); the semantics otherwise are
+  flash_cutlass.reference.attention_with_kvcache's.
+- FA2's other functions are not provided.
 """
 
 from __future__ import annotations
 
 import torch
 
+from flash_cutlass.kvcache import flash_attention_with_kvcache
 from flash_cutlass.interface import flash_attention, flash_attention_varlen, with_contiguous_last_dim
 from flash_cutlass.options import check_dropout_p
 
@@ -58,6 +64,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 
@@ -157,3 +164,19 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """FlashAttention-2's flash_attn_with_kvcache: appends k and v to the cache in place at
+    cache_seqlens, then attends q over each sequence's cache (flash_cutlass.flash_attention_with_kvcache).
+    Returns out, or (out, softmax_lse) with return_softmax_lse."""
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad is not supported: pass each sequence's cache from position 0")
+    return flash_attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_lse=return_softmax_lse)

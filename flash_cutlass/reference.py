@@ -55,8 +55,9 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-__all__ = ["alibi_bias", "attention_backward", "attention_backward_varlen", "attention_forward",
+__all__ = ["KVCacheArguments", "alibi_bias", "attention_backward", "attention_backward_varlen", "attention_forward",
            "attention_forward_varlen", "attention_with_kvcache", "causal_mask", "check_alibi_slopes",
+           "check_kvcache_arguments",
            "check_window_size", "dropout_keep_mask", "keep_mask", "naive_attention", "philox4x32_10"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -440,55 +441,206 @@ def _int32_tensor(value: object, name: str, device: torch.device, dims: int, wha
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class KVCacheArguments:
+    """The arguments of a KV-cache call, checked by :func:`check_kvcache_arguments` without reading
+    any tensor's data, and what their shapes say."""
+
+    paged: bool
+    page_size: int  # rows of a page (paged); the contiguous cache's seqlen_cache otherwise
+    capacity: int  # positions one sequence can hold
+    seqlen_new: int
+    cache_seqlens: torch.Tensor | int | None
+    block_table: torch.Tensor | None
+    cache_batch_idx: torch.Tensor | None
+    softmax_scale: float
+    causal: bool
+    window_size: tuple[int, int]
+    softcap: float
+    alibi_slopes: torch.Tensor | None
+    rotary_cos: torch.Tensor | None
+    rotary_sin: torch.Tensor | None
+    rotary_interleaved: bool
+
+    @property
+    def rotary(self) -> bool:
+        return self.rotary_cos is not None
+
+    @property
+    def rotary_q_per_row(self) -> bool:
+        """Whether query row i turns at cache_seqlens[b] + i (a mask is set), else at cache_seqlens[b]."""
+        return self.causal or self.window_size != (-1, -1)
+
+
+def check_kvcache_arguments(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *, block_table=None,
+                            cache_batch_idx=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            softcap=0.0, alibi_slopes=None, rotary_cos=None, rotary_sin=None,
+                            rotary_interleaved=True) -> KVCacheArguments:
+    """The checks of :func:`attention_with_kvcache`'s arguments that read no tensor data: types,
+    dtypes, devices, shapes, and the values of Python numbers. Raises TypeError or ValueError naming
+    the argument. The CPU path (this module) and the CUDA path (flash_cutlass.kvcache) both make
+    them; only the CPU path then reads the lengths, block ids and cache rows and checks those (a
+    CUDA call reads nothing on the host, and its kernels clamp them into the cache instead)."""
+    from flash_cutlass import options as _options  # options imports this module
+
+    _check_kvcache_tensors(q, k_cache, v_cache, k, v)
+    batch, sq, heads, head_dim = q.shape
+    device = q.device
+    seqlen_new = 0 if k is None else k.shape[1]
+    paged = block_table is not None
+    if paged:
+        block_table = _int32_tensor(block_table, "block_table", device, 2, "(batch, max_blocks_per_seq)")
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have batch = {batch} rows (q's batch), got {block_table.shape[0]}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx is for a contiguous cache; a paged cache (block_table given) "
+                             "maps batch entries to pages through block_table")
+        page_size = k_cache.shape[1]
+        if page_size < 1:
+            raise ValueError(f"page size (k_cache.shape[1]) must be >= 1 for a paged cache, got {page_size}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        page_size = capacity = k_cache.shape[1]
+        if cache_batch_idx is None:
+            if k_cache.shape[0] != batch:
+                raise ValueError(f"k_cache batch ({k_cache.shape[0]}) must equal q's batch ({batch}) "
+                                 "without cache_batch_idx")
+        else:
+            cache_batch_idx = _int32_tensor(cache_batch_idx, "cache_batch_idx", device, 1, "(batch,)")
+            if cache_batch_idx.shape[0] != batch:
+                raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},), "
+                                 f"got {tuple(cache_batch_idx.shape)}")
+    cache_seqlens = _check_kvcache_seqlens(cache_seqlens, batch, device, k is not None, seqlen_new, capacity, paged)
+    window = check_window_size(window_size)
+    causal = _options.check_bool(causal, "causal")
+    arguments = KVCacheArguments(
+        paged=paged, page_size=page_size, capacity=capacity, seqlen_new=seqlen_new, cache_seqlens=cache_seqlens,
+        block_table=block_table, cache_batch_idx=cache_batch_idx,
+        softmax_scale=_options.check_softmax_scale(softmax_scale, head_dim), causal=causal, window_size=window,
+        softcap=_options.check_softcap(softcap), alibi_slopes=_options.check_alibi_slopes(alibi_slopes, q, batch),
+        rotary_cos=None, rotary_sin=None, rotary_interleaved=True)
+    if rotary_cos is None and rotary_sin is None:
+        return arguments
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if k is None:
+        raise ValueError("rotary_cos and rotary_sin need k and v: the new keys are rotated before they are "
+                         "appended (FlashAttention-2)")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}; they must be on one device")
+        if t.dim() != 2 or t.shape[0] < 1 or t.shape[1] < 1 or 2 * t.shape[1] > head_dim:
+            raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= head_dim = "
+                             f"{head_dim} and seqlen_ro >= 1, got shape {tuple(t.shape)}")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, "
+                         f"got {tuple(rotary_sin.shape)}")
+    return dataclasses.replace(arguments, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                               rotary_interleaved=_options_bool(rotary_interleaved, "rotary_interleaved"))
+
+
+def _check_kvcache_tensors(q, k_cache, v_cache, k, v):
+    given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new tokens) or both be None")
+    if k is not None:
+        given += [("k", k), ("v", v)]
+    for name, t in given:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} dtype must be one of {_FLOAT_DTYPES}, got {t.dtype}")
+    for name, t in given[1:]:
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on one device")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    batch, _, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head_dim ({k_cache.shape[3]}) must equal q's ({head_dim})")
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise ValueError(f"q heads ({heads}) must be a multiple of k_cache heads ({kv_heads}), "
+                         "and k_cache heads must be >= 1")
+    if k is not None:
+        if k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"k must be (batch, seqlen_new, kv_heads, head_dim) = ({batch}, seqlen_new, "
+                             f"{kv_heads}, {head_dim}), got {tuple(k.shape)}")
+        if v.shape != k.shape:
+            raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+
+
+def _past_the_cache(b: int, start: int, seqlen_new: int, capacity: int, paged: bool) -> str:
+    where = "block_table holds max_blocks_per_seq * page_size" if paged else "k_cache holds seqlen_cache"
+    return (f"cache_seqlens[{b}] = {start} plus {seqlen_new} new tokens is past the cache: {where} = "
+            f"{capacity} positions")
+
+
+def _check_kvcache_seqlens(cache_seqlens, batch, device, appending, seqlen_new, capacity, paged):
+    """cache_seqlens checked as far as it goes without its data: an int (every sequence) in range,
+    or an int32 (batch,) tensor on q's device; None only without new tokens."""
+    if cache_seqlens is None:
+        if appending:
+            raise ValueError("cache_seqlens is required with k and v: it says where the new tokens go")
+        return None
+    if _is_int(cache_seqlens):
+        start = int(cache_seqlens)
+        if start < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {start} for batch entry 0")
+        if batch and start + seqlen_new > capacity:
+            raise ValueError(_past_the_cache(0, start, seqlen_new, capacity, paged))
+        return start
+    seqlens = _int32_tensor(cache_seqlens, "cache_seqlens", device, 1, "an int or (batch,)")
+    if seqlens.shape[0] != batch:
+        raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(seqlens.shape)}")
+    if seqlen_new > capacity:
+        raise ValueError(f"k has {seqlen_new} new tokens but the cache holds {capacity} positions a sequence")
+    return seqlens
+
+
 class _KVCachePlan:
-    """The checked arguments of :func:`attention_with_kvcache` and where each token lives.
+    """The checked arguments of :func:`attention_with_kvcache` and where each token lives: the
+    checks of check_kvcache_arguments, then those of the lengths, block ids and cache rows, which
+    read the tensors' data.
 
     A token lives at ``cache[row, position]`` (contiguous) or ``cache[block, offset]`` (paged);
     the cache is indexed in place, whatever its strides."""
 
     def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, softmax_scale, causal,
                  window_size, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved, block_size):
-        from flash_cutlass import options as _options  # options imports this module
-
-        self._check_tensors(q, k_cache, v_cache, k, v)
+        arguments = check_kvcache_arguments(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved)
+        if not _is_int(block_size) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         batch, sq, heads, head_dim = q.shape
-        device = q.device
         self.q, self.k_cache, self.v_cache, self.k, self.v = q, k_cache, v_cache, k, v
         self.dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        self.seqlen_new = 0 if k is None else k.shape[1]
-
-        self.paged = block_table is not None
+        self.seqlen_new = arguments.seqlen_new
+        self.paged, self.capacity = arguments.paged, arguments.capacity
         if self.paged:
-            block_table = _int32_tensor(block_table, "block_table", device, 2, "(batch, max_blocks_per_seq)")
-            if block_table.shape[0] != batch:
-                raise ValueError(f"block_table must have batch = {batch} rows (q's batch), got {block_table.shape[0]}")
-            if cache_batch_idx is not None:
-                raise ValueError("cache_batch_idx is for a contiguous cache; a paged cache (block_table given) "
-                                 "maps batch entries to pages through block_table")
-            self.page_size = k_cache.shape[1]
-            if self.page_size < 1:
-                raise ValueError(f"page size (k_cache.shape[1]) must be >= 1 for a paged cache, got {self.page_size}")
-            self.capacity = block_table.shape[1] * self.page_size
-            self.block_table = block_table.tolist()
+            self.page_size = arguments.page_size
+            self.block_table = arguments.block_table.tolist()
+        elif arguments.cache_batch_idx is None:
+            self.rows = list(range(batch))
         else:
-            self.capacity = k_cache.shape[1]
-            if cache_batch_idx is None:
-                if k_cache.shape[0] != batch:
-                    raise ValueError(f"k_cache batch ({k_cache.shape[0]}) must equal q's batch ({batch}) "
-                                     "without cache_batch_idx")
-                self.rows = list(range(batch))
-            else:
-                cache_batch_idx = _int32_tensor(cache_batch_idx, "cache_batch_idx", device, 1, "(batch,)")
-                if cache_batch_idx.shape[0] != batch:
-                    raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},), "
-                                     f"got {tuple(cache_batch_idx.shape)}")
-                self.rows = cache_batch_idx.tolist()
-                bad = [r for r in self.rows if not 0 <= r < k_cache.shape[0]]
-                if bad:
-                    raise ValueError(f"cache_batch_idx entries must be in [0, {k_cache.shape[0]}) (k_cache's batch), "
-                                     f"got {bad[0]}")
+            self.rows = arguments.cache_batch_idx.tolist()
+            bad = [r for r in self.rows if not 0 <= r < k_cache.shape[0]]
+            if bad:
+                raise ValueError(f"cache_batch_idx entries must be in [0, {k_cache.shape[0]}) (k_cache's batch), "
+                                 f"got {bad[0]}")
 
-        self.start = self._check_seqlens(cache_seqlens, batch, device, k is not None)
+        self.start = self._check_seqlens(arguments.cache_seqlens, batch)
         self.lengths = [s + self.seqlen_new for s in self.start]
         if self.paged:
             for b, length in enumerate(self.lengths):
@@ -499,102 +651,30 @@ class _KVCachePlan:
                                      f"{length} tokens; block ids must be in [0, {k_cache.shape[0]}) "
                                      "(k_cache's num_blocks)")
 
-        self.scale = _options.check_softmax_scale(softmax_scale, head_dim)
-        self.causal = _options.check_bool(causal, "causal")
-        self.window_size = check_window_size(window_size)
-        self.softcap = _options.check_softcap(softcap)
-        self.alibi_slopes = _options.check_alibi_slopes(alibi_slopes, q, batch)
-        if not _is_int(block_size) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self._check_rotary(rotary_cos, rotary_sin, rotary_interleaved, k is not None, sq, head_dim, device, q.dtype)
+        self.scale, self.causal, self.window_size = arguments.softmax_scale, arguments.causal, arguments.window_size
+        self.softcap, self.alibi_slopes = arguments.softcap, arguments.alibi_slopes
+        self.rotary = arguments.rotary
+        if self.rotary:
+            self.cos, self.sin = arguments.rotary_cos, arguments.rotary_sin
+            self.interleaved, self.q_per_row = arguments.rotary_interleaved, arguments.rotary_q_per_row
+            rows = max(self.seqlen_new, sq if self.q_per_row else 1)
+            needed = max(self.start) + rows if self.start else 0
+            if needed > self.cos.shape[0]:
+                raise ValueError(f"rotary_cos/rotary_sin have {self.cos.shape[0]} positions (seqlen_ro) but the call "
+                                 f"rotates positions up to {needed - 1}")
         self._check_conflicts()
 
-    @staticmethod
-    def _check_tensors(q, k_cache, v_cache, k, v):
-        given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
-        if (k is None) != (v is None):
-            raise ValueError("k and v must be given together (the new tokens) or both be None")
-        if k is not None:
-            given += [("k", k), ("v", v)]
-        for name, t in given:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 4:
-                raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
-            if t.dtype not in _FLOAT_DTYPES:
-                raise TypeError(f"{name} dtype must be one of {_FLOAT_DTYPES}, got {t.dtype}")
-        for name, t in given[1:]:
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-            if t.device != q.device:
-                raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on one device")
-        if v_cache.shape != k_cache.shape:
-            raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-        batch, _, heads, head_dim = q.shape
-        kv_heads = k_cache.shape[2]
-        if k_cache.shape[3] != head_dim:
-            raise ValueError(f"k_cache head_dim ({k_cache.shape[3]}) must equal q's ({head_dim})")
-        if kv_heads < 1 or heads % kv_heads != 0:
-            raise ValueError(f"q heads ({heads}) must be a multiple of k_cache heads ({kv_heads}), "
-                             "and k_cache heads must be >= 1")
-        if k is not None:
-            if k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
-                raise ValueError(f"k must be (batch, seqlen_new, kv_heads, head_dim) = ({batch}, seqlen_new, "
-                                 f"{kv_heads}, {head_dim}), got {tuple(k.shape)}")
-            if v.shape != k.shape:
-                raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-
-    def _check_seqlens(self, cache_seqlens, batch, device, appending) -> list[int]:
+    def _check_seqlens(self, cache_seqlens, batch) -> list[int]:
+        """Each sequence's tokens already in the cache, checked against its capacity."""
         if cache_seqlens is None:
-            if appending:
-                raise ValueError("cache_seqlens is required with k and v: it says where the new tokens go")
             return [self.capacity] * batch
-        if _is_int(cache_seqlens):
-            start = [int(cache_seqlens)] * batch
-        else:
-            seqlens = _int32_tensor(cache_seqlens, "cache_seqlens", device, 1, "an int or (batch,)")
-            if seqlens.shape[0] != batch:
-                raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(seqlens.shape)}")
-            start = seqlens.tolist()
+        start = [cache_seqlens] * batch if _is_int(cache_seqlens) else cache_seqlens.tolist()
         for b, s in enumerate(start):
             if s < 0:
                 raise ValueError(f"cache_seqlens must be >= 0, got {s} for batch entry {b}")
             if s + self.seqlen_new > self.capacity:
-                where = ("block_table holds max_blocks_per_seq * page_size" if self.paged
-                         else "k_cache holds seqlen_cache")
-                raise ValueError(f"cache_seqlens[{b}] = {s} plus {self.seqlen_new} new tokens is past the cache: "
-                                 f"{where} = {self.capacity} positions")
+                raise ValueError(_past_the_cache(b, s, self.seqlen_new, self.capacity, self.paged))
         return start
-
-    def _check_rotary(self, cos, sin, interleaved, appending, sq, head_dim, device, dtype):
-        self.rotary = cos is not None or sin is not None
-        if not self.rotary:
-            return
-        if cos is None or sin is None:
-            raise ValueError("rotary_cos and rotary_sin must be given together")
-        if not appending:
-            raise ValueError("rotary_cos and rotary_sin need k and v: the new keys are rotated before they are "
-                             "appended (FlashAttention-2)")
-        for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != dtype:
-                raise TypeError(f"{name} must have q's dtype {dtype}, got {t.dtype}")
-            if t.device != device:
-                raise ValueError(f"{name} is on {t.device} but q is on {device}; they must be on one device")
-            if t.dim() != 2 or t.shape[1] < 1 or 2 * t.shape[1] > head_dim:
-                raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= head_dim = "
-                                 f"{head_dim}, got shape {tuple(t.shape)}")
-        if sin.shape != cos.shape:
-            raise ValueError(f"rotary_sin must have rotary_cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
-        self.interleaved = _options_bool(interleaved, "rotary_interleaved")
-        self.q_per_row = self.causal or self.window_size != (-1, -1)
-        rows = max(self.seqlen_new, sq if self.q_per_row else 1)
-        needed = max(self.start) + rows if self.start else 0
-        if needed > cos.shape[0]:
-            raise ValueError(f"rotary_cos/rotary_sin have {cos.shape[0]} positions (seqlen_ro) but the call rotates "
-                             f"positions up to {needed - 1}")
-        self.cos, self.sin = cos, sin
 
     def _slots(self, b: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         """Where ``positions`` of sequence ``b`` live: the (row or block, position or offset)

@@ -16,8 +16,9 @@ def test_the_default_build_generates_a_file_per_direction_path_and_head_dim(tmp_
     selection = catalogue.BuildSelection()
     catalogue.generate(selection, tmp_path)
     written = sorted(p.name for p in (tmp_path / "instantiations").glob("*.cu"))
-    expected = sorted(f"{catalogue.FILE_PREFIX[direction]}_{path}_hdim{d}.cu"
-                      for (direction, path), dims in catalogue.HEAD_DIMS.items() for d in dims)
+    expected = sorted([f"{catalogue.FILE_PREFIX[direction]}_{path}_hdim{d}.cu"
+                       for (direction, path), dims in catalogue.HEAD_DIMS.items() for d in dims]
+                      + [f"kvcache_sm80_hdim{d}.cu" for d in catalogue.KVCACHE_HEAD_DIMS] + ["kvcache_sm80_append.cu"])
     assert written == expected
     assert sorted(p.name for p in catalogue.sources(selection, tmp_path)) == expected
     source = (tmp_path / "instantiations" / "fwd_sm90_hdim128.cu").read_text()
@@ -28,7 +29,8 @@ def test_the_default_build_generates_a_file_per_direction_path_and_head_dim(tmp_
 
 def test_a_pruned_build_generates_only_what_it_asked_for(tmp_path):
     selection = catalogue.BuildSelection(head_dims=(64, 96), dtypes=("bf16",), archs=(90,), backward=False,
-                                         window=False, softcap=False, alibi=True, dropout=False, timeline=True)
+                                         window=False, softcap=False, alibi=True, dropout=False, kvcache=False,
+                                         timeline=True)
     catalogue.generate(selection, tmp_path)
     assert sorted(p.name for p in (tmp_path / "instantiations").glob("*.cu")) == [
         "fwd_sm80_hdim64.cu", "fwd_sm80_hdim96.cu", "fwd_sm90_hdim64.cu", "fwd_sm90_hdim96.cu"]
@@ -42,6 +44,7 @@ def test_a_pruned_build_generates_only_what_it_asked_for(tmp_path):
     assert "using Sm90ForwardHeadDims = List<64, 96>;" in header
     assert "using Sm80BackwardHeadDims = List<>;" in header
     assert "using DTypes = List<DType::kBFloat16>;" in header
+    assert "using KVCacheHeadDims = List<>;" in header and "inline constexpr bool kKVCache = false;" in header
     for flag, value in (("kBackward", "false"), ("kWindow", "false"), ("kScoreMods", "true"), ("kSoftcap", "false"),
                         ("kAlibi", "true"), ("kDropout", "false"), ("kTimeline", "true")):
         assert f"inline constexpr bool {flag} = {value};" in header
@@ -49,10 +52,24 @@ def test_a_pruned_build_generates_only_what_it_asked_for(tmp_path):
 
 
 def test_regenerating_removes_files_the_build_no_longer_compiles_and_keeps_the_others(tmp_path):
-    catalogue.generate(catalogue.BuildSelection(head_dims=(64, 128), archs=(80,), sm90=False), tmp_path)
+    catalogue.generate(catalogue.BuildSelection(head_dims=(64, 128), archs=(80,), sm90=False, kvcache=False), tmp_path)
     kept = tmp_path / "instantiations" / "fwd_sm80_hdim64.cu"
     stamp = kept.stat().st_mtime_ns
-    catalogue.generate(catalogue.BuildSelection(head_dims=(64,), archs=(80,), sm90=False), tmp_path)
+    catalogue.generate(catalogue.BuildSelection(head_dims=(64,), archs=(80,), sm90=False, kvcache=False), tmp_path)
     assert sorted(p.name for p in (tmp_path / "instantiations").glob("*.cu")) == [
         "bwd_sm80_hdim64.cu", "fwd_sm80_hdim64.cu"]
     assert kept.stat().st_mtime_ns == stamp  # unchanged content: ninja does not recompile it
+
+
+def test_the_kvcache_kernels_are_one_file_per_head_dim_and_one_append(tmp_path):
+    selection = catalogue.BuildSelection(head_dims=(64, 128), dtypes=("bf16",), archs=(80,), sm90=False,
+                                         backward=False)
+    catalogue.generate(selection, tmp_path)
+    names = sorted(p.name for p in (tmp_path / "instantiations").glob("kvcache_*.cu"))
+    assert names == ["kvcache_sm80_append.cu", "kvcache_sm80_hdim128.cu", "kvcache_sm80_hdim64.cu"]
+    source = (tmp_path / "instantiations" / "kvcache_sm80_hdim64.cu").read_text()
+    assert source.count("run_kvcache<64, flash_cutlass::DType::kBFloat16>") == 1 and "kFloat16>" not in source
+    append = (tmp_path / "instantiations" / "kvcache_sm80_append.cu").read_text()
+    assert append.count("run_kvcache_append<") == 1
+    header = (tmp_path / "include" / "flash_cutlass" / "compiled.h").read_text()
+    assert "using KVCacheHeadDims = List<64, 128>;" in header and "inline constexpr bool kKVCache = true;" in header

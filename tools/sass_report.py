@@ -10,6 +10,7 @@ between `WARPGROUP.DEPBAR.LE gsb0, 0x1` and `... 0x0` means the softmax overlaps
     python3 tools/sass_report.py --path sm90 --head-dim 128
     python3 tools/sass_report.py --path sm80 --head-dim 64 --dtype fp16 --mask causal
     python3 tools/sass_report.py --direction backward --path sm80 --head-dim 128
+    python3 tools/sass_report.py --direction kvcache --path sm80 --head-dim 128   # attention, merge, append
 
 Needs nvcc and cuobjdump (from the CUDA toolkit, or the copy Triton ships under
 triton/backends/nvidia/bin) and the CUTLASS headers setup.py would use (CUTLASS_PATH,
@@ -67,8 +68,9 @@ def cuobjdump() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--direction", choices=("forward", "backward"), default="forward",
-                        help="which kernels (default: %(default)s); the backward's ptxas lines cover each of its kernels")
+    parser.add_argument("--direction", choices=("forward", "backward", "kvcache"), default="forward",
+                        help="which kernels (default: %(default)s); the backward's ptxas lines cover each of its "
+                             "kernels, kvcache's the KV-cache attention, its split merge and the append")
     parser.add_argument("--path", choices=sorted(TARGETS), default="sm90", help="kernel path (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=128, help="compiled head dim (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
@@ -82,30 +84,36 @@ def main(argv=None) -> int:
     parser.add_argument("--sass", type=Path, metavar="PATH",
                         help="also write the whole SASS here (to diff two versions of a kernel)")
     args = parser.parse_args(argv)
-    head_dims = catalogue.HEAD_DIMS.get((args.direction, args.path), ())
+    head_dims = (catalogue.KVCACHE_HEAD_DIMS if args.path == "sm80" else ()) if args.direction == "kvcache" else \
+        catalogue.HEAD_DIMS.get((args.direction, args.path), ())
     if not head_dims:
         parser.error(f"there is no {args.direction} kernel of the {args.path} path")
     if args.head_dim not in head_dims:
         parser.error(f"--head-dim must be one of {head_dims} for the {args.direction} {args.path} path")
 
     dtype = {"bf16": "kBFloat16", "fp16": "kFloat16"}[args.dtype]
-    short, params = ("fwd", "FwdParams") if args.direction == "forward" else ("bwd", "BwdParams")
+    short, params = {"forward": ("fwd", "FwdParams"), "backward": ("bwd", "BwdParams"),
+                     "kvcache": ("kvcache", "KVCacheParams")}[args.direction]
     if args.extension != "none" and args.mask != "local":
         parser.error("--extension score_mods and dropout are instantiated with --mask local only")
+    if args.direction == "kvcache" and (args.mask, args.extension) != ("none", "none"):
+        parser.error("the KV-cache kernels take the mask and score options at run time: no --mask or --extension")
     name = f"{short}_{args.path}_hdim{args.head_dim}_{args.dtype}_{args.mask}_{args.extension}"
     mask_kind = {"none": "kNone", "causal": "kCausal", "local": "kLocal"}[args.mask]
     extension = {"none": "kNone", "score_mods": "kScoreMods", "dropout": "kDropout"}[args.extension]
+    if args.direction == "kvcache":
+        instance = catalogue.kvcache_instances(args.head_dim, dtype) + catalogue.kvcache_append_instances(dtype)
+    else:
+        instance = (f"template cudaError_t flash_cutlass::{args.path}::run_{short}<{args.head_dim}, "
+                    f"flash_cutlass::DType::{dtype}, flash_cutlass::MaskKind::{mask_kind}, "
+                    f"flash_cutlass::Extension::{extension}>("
+                    f"flash_cutlass::{params} const&, cudaStream_t);\n")
     with tempfile.TemporaryDirectory() as tmp:
         # One instantiation alone (a build's files group every dtype and mask of a head dim), with
         # the default build's flash_cutlass/compiled.h, which the launch headers include.
         catalogue.generate(catalogue.BuildSelection(), Path(tmp))
         source = Path(tmp) / f"{name}.cu"
-        source.write_text(
-            f'#include "flash_cutlass/{args.path}/{short}_launch.h"\n'
-            f"template cudaError_t flash_cutlass::{args.path}::run_{short}<{args.head_dim}, "
-            f"flash_cutlass::DType::{dtype}, flash_cutlass::MaskKind::{mask_kind}, "
-            f"flash_cutlass::Extension::{extension}>("
-            f"flash_cutlass::{params} const&, cudaStream_t);\n")
+        source.write_text(f'#include "flash_cutlass/{args.path}/{short}_launch.h"\n' + instance)
         cubin = Path(tmp) / "kernel.cubin"
         nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", TARGETS[args.path], "-O3", "--use_fast_math",
                 "--expt-relaxed-constexpr", "-std=c++17", f"-I{ROOT / 'include'}", f"-I{Path(tmp) / 'include'}",

@@ -137,6 +137,51 @@ cudaError_t run_kernel(Params const& params, DType dtype, int kernel_hdim, cudaS
   });
 }
 
+// The KV-cache kernels compiled for `kernel_hdim` (one of compiled::KVCacheHeadDims) and dtype:
+// the attention with its split merge, its CTAs per SM and shared memory; and the append of a dtype.
+// cudaErrorNotSupported (0 for the sizes) where the build left them out.
+inline cudaError_t run_kvcache_kernel(KVCacheParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
+  return detail::with_value(compiled::KVCacheHeadDims{}, kernel_hdim, [&](auto hdim) {
+    return detail::with_value(compiled::DTypes{}, dtype, [&](auto type) {
+      return sm80::run_kvcache<decltype(hdim)::value, decltype(type)::value>(params, stream);
+    });
+  });
+}
+
+inline cudaError_t run_kvcache_append_kernel(KVCacheParams const& params, DType dtype, cudaStream_t stream) {
+  if constexpr (!compiled::kKVCache) return cudaErrorNotSupported;
+  return detail::with_value(compiled::DTypes{}, dtype, [&](auto type) {
+    return sm80::run_kvcache_append<decltype(type)::value>(params, stream);
+  });
+}
+
+inline int kvcache_ctas_per_sm(DType dtype, int kernel_hdim) {
+  int ctas = 0;
+  detail::with_value(compiled::KVCacheHeadDims{}, kernel_hdim, [&](auto hdim) {
+    return detail::with_value(compiled::DTypes{}, dtype, [&](auto type) {
+      ctas = sm80::kvcache_ctas_per_sm<decltype(hdim)::value, decltype(type)::value>();
+      return cudaSuccess;
+    });
+  });
+  return ctas;
+}
+
+inline int kvcache_smem_bytes(int kernel_hdim) {
+  int bytes = 0;
+  detail::with_value(compiled::KVCacheHeadDims{}, kernel_hdim, [&](auto hdim) {
+    bytes = sm80::kvcache_smem_bytes_of<decltype(hdim)::value>();
+    return cudaSuccess;
+  });
+  return bytes;
+}
+
+// The smallest compiled KV-cache head dim that holds head_dim, or 0.
+constexpr int kvcache_kernel_head_dim(int head_dim) {
+  return detail::smallest_at_least(compiled::KVCacheHeadDims{}, head_dim);
+}
+
+inline std::vector<int64_t> compiled_kvcache_head_dims() { return detail::values_of(compiled::KVCacheHeadDims{}); }
+
 #ifdef FLASH_CUTLASS_TIMELINE
 // Copies the developer timeline of the Hopper-path forward kernels compiled for `kernel_hdim` to
 // host (FwdTimeline::kEntries values), then clears it.

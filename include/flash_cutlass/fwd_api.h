@@ -40,6 +40,18 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
 
+// The KV-cache kernels (sm80/kvcache_launch.h): the append of new tokens (one instantiation per
+// dtype), the attention over the cache with its split merge, and what the host asks of the latter
+// before a launch.
+template <DType kDType>
+cudaError_t run_kvcache_append(KVCacheParams const& params, cudaStream_t stream);
+template <int kHeadDim, DType kDType>
+cudaError_t run_kvcache(KVCacheParams const& params, cudaStream_t stream);
+template <int kHeadDim, DType kDType>
+int kvcache_ctas_per_sm();
+template <int kHeadDim>
+int kvcache_smem_bytes_of();
+
 // Dynamic shared memory one CTA of the forward kernel for `kernel_hdim` needs, in bytes.
 int fwd_smem_bytes(int kernel_hdim);
 // The same for the backward's main kernel (the largest of its kernels).

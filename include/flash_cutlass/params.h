@@ -136,4 +136,71 @@ struct BwdParams : FwdParams {
   int* dq_turns = nullptr;
 };
 
+// One call of attention over a KV cache (flash_cutlass.flash_attention_with_kvcache): new keys
+// appended in place at each sequence's cache length, then attention over the cache. The FwdParams
+// part describes the attention: q (or its rotated copy), out and lse as in a forward; k and v are
+// the caches, whose batch stride is the stride of one cache row (contiguous) or one page (paged);
+// seqlen_q is q's; seqlen_k is the positions a sequence can hold (capacity below), the bound the
+// window fields use for an unbounded side; the mask is always MaskKind::kLocal's form (the kernels
+// mask every tile: they are memory-bound). Lengths and block ids come from device memory unchecked
+// (no host synchronization): the kernels clamp them (common/kvcache.h), so that wrong ones give
+// wrong results for the sequences concerned but no access outside the cache.
+struct KVCacheParams : FwdParams {
+  // Paged: int32 (batch, max_blocks) page ids, rows block_table_batch_stride apart, and the pages'
+  // rows; position p of sequence b at page block_table[b][p / page_size], row p % page_size.
+  // nullptr: a contiguous cache, sequence b in cache row cache_batch_idx[b] (or b without it) as
+  // one page of page_size = seqlen_cache rows.
+  const int* block_table = nullptr;
+  int64_t block_table_batch_stride = 0;
+  const int* cache_batch_idx = nullptr;
+  int page_size = 1;
+  int num_pages = 0;  // pages (paged) or cache rows (contiguous): page ids are clamped below it
+  // Positions one sequence can hold: max_blocks * page_size, or seqlen_cache.
+  int capacity = 0;
+  // The tokens already in each sequence's cache: int32 (batch,) on the device, or, for nullptr,
+  // cache_seqlen for every sequence.
+  const int* cache_seqlens = nullptr;
+  int cache_seqlen = 0;
+  // The new tokens (batch, seqlen_new, heads_k, head_dim), appended at cache_seqlens[b]; nullptr
+  // (and seqlen_new 0) without them.
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  int64_t k_new_batch_stride = 0, k_new_row_stride = 0, k_new_head_stride = 0;
+  int64_t v_new_batch_stride = 0, v_new_row_stride = 0, v_new_head_stride = 0;
+  int seqlen_new = 0;
+  // Rotary embedding of the new keys and the queries: contiguous (rotary_positions, rotary_dim / 2)
+  // cos and sin in the inputs' dtype; nullptr without. Query row i of sequence b turns at
+  // cache_seqlens[b] + i with rotary_q_per_row, else at cache_seqlens[b]; q_source is the q to
+  // rotate (strides as q's fields), params.q the contiguous buffer the rotated copy goes to.
+  const void* rotary_cos = nullptr;
+  const void* rotary_sin = nullptr;
+  int rotary_dim = 0;
+  int rotary_positions = 0;
+  bool rotary_interleaved = true;
+  bool rotary_q_per_row = false;
+  const void* q_source = nullptr;
+  int64_t q_source_batch_stride = 0, q_source_row_stride = 0, q_source_head_stride = 0;
+  // Split-KV: each (query-row block, batch, kv head) runs as num_splits CTAs over consecutive key
+  // ranges. With more than one, they write fp32 partial outputs (num_splits, batch, heads, seqlen_q,
+  // kernel head dim) to out_accum and their log-sum-exps (num_splits, batch, heads, seqlen_q) to
+  // lse_accum, contiguous, and a second kernel merges them into out and lse.
+  int num_splits = 1;
+  float* out_accum = nullptr;
+  float* lse_accum = nullptr;
+  // What the append kernel writes: the caches (params.k and params.v as writable pointers) and,
+  // with rotary, the rotated queries (params.q).
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  void* q_rotated = nullptr;
+};
+
+// Packed query rows one CTA of the KV-cache attention takes: one MMA tile high.
+inline constexpr int kKVCacheTileRows = 16;
+
+// Blocks of packed query rows of one (batch, kv head): seqlen_q times the query heads per kv head.
+inline int64_t kvcache_row_blocks(KVCacheParams const& params) {
+  const int64_t packed_rows = int64_t(params.seqlen_q) * (params.heads / params.heads_k);
+  return (packed_rows + kKVCacheTileRows - 1) / kKVCacheTileRows;
+}
+
 }  // namespace flash_cutlass

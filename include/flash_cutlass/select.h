@@ -104,4 +104,24 @@ KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int 
   return selection;
 }
 
+// Split-KV of a KV-cache call (sm80/kvcache_kernel.h) when the caller leaves it to us
+// (num_splits=0): a pure function of the shapes and the GPU, so that a captured CUDA graph replays
+// the same launch and the scratch is sized without reading any length. `tiles` CTAs without
+// splitting ((batch, kv head, packed-row block) triples) fill `slots` = SMs x CTAs per SM; a call
+// that fills at least kKVCacheFullWave of them runs unsplit. Otherwise the keys are split until
+// the CTAs fill the slots once, with at least kKVCacheMinKeysPerSplit keys each (fewer would
+// cost more in the merge and the per-CTA prologue than they gain), and at most kKVCacheMaxSplits.
+inline constexpr double kKVCacheFullWave = 0.8;
+inline constexpr int kKVCacheMinKeysPerSplit = 512;
+inline constexpr int kKVCacheMaxSplits = 128;
+
+constexpr int kvcache_num_splits(int64_t tiles, int64_t max_keys, int64_t slots) {
+  if (tiles <= 0 || slots <= 0 || double(tiles) >= kKVCacheFullWave * double(slots)) return 1;
+  int64_t splits = (slots + tiles - 1) / tiles;
+  const int64_t by_keys = max_keys / kKVCacheMinKeysPerSplit;
+  if (splits > by_keys) splits = by_keys;
+  if (splits > kKVCacheMaxSplits) splits = kKVCacheMaxSplits;
+  return splits < 1 ? 1 : int(splits);
+}
+
 }  // namespace flash_cutlass

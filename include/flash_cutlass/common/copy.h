@@ -51,6 +51,13 @@ __device__ __forceinline__ void cp_async_4(float* smem, const float* gmem, int s
                "l"(gmem), "r"(src_bytes));
 }
 
+// Copies 16 bytes from global to shared memory with cp.async, bypassing L1 (streamed data); with
+// `valid` false, writes 16 zero bytes and reads nothing (gmem must still be a valid address).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(cute::cast_smem_ptr_to_uint(smem)),
+               "l"(gmem), "r"(valid ? 16 : 0));
+}
+
 // Adds each pair of neighbouring fp32 columns of acc (tiled MMA C layout: values 2i and 2i+1 of a
 // thread are adjacent columns of one row) into dst[row * row_stride + col] with atomics; rows at
 // or past rows_left are skipped.

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Decoding over a KV cache: flash_cutlass.flash_attention_with_kvcache (paged and contiguous)
+against torch SDPA's backends and FlexAttention, in achieved HBM bandwidth (bytes of K, V, Q and
+out moved per second) next to this GPU's measured device-to-device copy bandwidth.
+
+    python3 benchmarks/benchmark_decode.py --batch 32 --context 8192
+    python3 benchmarks/benchmark_decode.py --batch 1 --context 131072 --impls flash_cutlass,flash_cutlass_contiguous
+
+Each sequence holds --context tokens; one new query token per sequence (seqlen_q 1). SDPA and
+FlexAttention read a contiguous (batch, heads_k, context, head_dim) cache with GQA. Timings: the
+median of CUDA-event timings after warm-up, implementations interleaved per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
+
+
+def time_ms(fn, iters: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 20)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dtype):
+    import flash_cutlass
+
+    q = torch.randn(batch, 1, heads, head_dim, device="cuda", dtype=dtype)
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    if impl == "flash_cutlass":
+        blocks = -(-context // page_size)
+        k_cache = torch.randn(batch * blocks, page_size, heads_k, head_dim, device="cuda", dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
+        return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                                  block_table=table, causal=True)
+    if impl == "flash_cutlass_contiguous":
+        k_cache = torch.randn(batch, context, heads_k, head_dim, device="cuda", dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                                  causal=True)
+    qt = q.transpose(1, 2)
+    k = torch.randn(batch, heads_k, context, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    if impl == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        compiled = torch.compile(flex_attention)
+        return lambda: compiled(qt, k, v, enable_gqa=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
+
+    def run():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(qt, k, v, enable_gqa=True)
+    return run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64], help="batch sizes (default: %(default)s)")
+    parser.add_argument("--context", type=int, nargs="+", default=[8192, 32768, 131072],
+                        help="tokens in each sequence's cache (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=32, help="query heads (default: %(default)s)")
+    parser.add_argument("--heads-k", type=int, default=8, help="kv heads (default: %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument("--page-size", type=int, default=16, help="page size of the paged cache (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS))
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per implementation (default: %(default)s)")
+    parser.add_argument("--max-cache-gib", type=float, default=40.0,
+                        help="skip shapes whose K/V cache exceeds this (default: %(default)s)")
+    args = parser.parse_args(argv)
+    impls = [name.strip() for name in args.impls.split(",") if name.strip()]
+    unknown = [name for name in impls if name not in IMPLS]
+    if unknown:
+        parser.error(f"unknown --impls {unknown}; choose from {', '.join(IMPLS)}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    copy = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy / 1e9:.0f} GB/s")
+    print(f"{'batch':>6} {'context':>8} {'impl':>26} {'time us':>9} {'GB/s':>8} {'of copy':>8}")
+    for batch in args.batch:
+        for context in args.context:
+            cache_bytes = 2 * batch * context * args.heads_k * args.head_dim * dtype.itemsize
+            if cache_bytes > args.max_cache_gib * 2**30:
+                print(f"{batch:>6} {context:>8}  skipped: the cache is {cache_bytes / 2**30:.1f} GiB")
+                continue
+            moved = cache_bytes + 2 * batch * args.heads * args.head_dim * dtype.itemsize
+            for impl in impls:
+                try:
+                    fn = make_callables(impl, batch, context, args.heads, args.heads_k, args.head_dim,
+                                        args.page_size, dtype)
+                    ms = time_ms(fn, args.iters)
+                except (RuntimeError, torch.OutOfMemoryError) as error:
+                    print(f"{batch:>6} {context:>8} {impl:>26}  unavailable: {str(error).splitlines()[0][:80]}")
+                    continue
+                achieved = moved / (ms * 1e-3)
+                print(f"{batch:>6} {context:>8} {impl:>26} {ms * 1e3:>9.1f} {achieved / 1e9:>8.0f} "
+                      f"{achieved / copy:>8.2f}")
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,537 @@
+// The sm80-path KV-cache kernels (flash_cutlass.flash_attention_with_kvcache), for Ampere and
+// Hopper alike: decoding and chunked prefill over a contiguous or paged cache.
+//
+// Decoding is memory-bound: each key and value byte is read once and meets only the few query rows
+// of its kv head. So a CTA takes kRows = 16 packed query rows, the query heads of one kv head
+// (GQA) times the queries (packed_row in common/kvcache.h), one MMA tile high, and its 4 warps split
+// the keys: each warp streams its own 16-key chunks (chunk c goes to warp c % 4) through its own
+// kStages-deep cp.async pipeline, gathering each key row from its page (any page size, pages in any
+// order), and keeps its own online softmax and O. The warps' results merge once, at the end,
+// through shared memory; the warps never wait for each other in the main loop. The score options
+// (soft cap, ALiBi) and the mask (none, causal, window: KeyMask<kLocal>) are runtime values and
+// every tile is masked: their few instructions a tile hide under the loads, and one instantiation
+// per (head dim, dtype) serves every call.
+//
+// Split-KV: num_splits CTAs share the key chunks of one (row block, batch, kv head) and write fp32
+// partial outputs with their log-sum-exps; flash_kvcache_combine_sm80 merges them.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "flash_cutlass/common/copy.h"
+#include "flash_cutlass/common/kvcache.h"
+#include "flash_cutlass/common/mask.h"
+#include "flash_cutlass/common/score_mods.h"
+#include "flash_cutlass/common/softmax.h"
+#include "flash_cutlass/common/utils.h"
+#include "flash_cutlass/params.h"
+#include "flash_cutlass/sm80/gemm.h"
+#include "flash_cutlass/sm80/kernel_traits.h"
+
+namespace flash_cutlass::sm80 {
+
+template <int kHeadDim_, int kStages_, class Element_>
+struct KVCacheTraits {
+  using Element = Element_;
+  static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kRows = kKVCacheTileRows;  // packed query rows of a CTA
+  static constexpr int kKeys = 16;  // keys of one warp's chunk
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256);
+  static_assert(kStages >= 2);
+  static_assert(kRows == 16, "one MMA tile high");
+
+  using TileQ = cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>>;
+  using TileS = cute::Shape<cute::Int<kRows>, cute::Int<kKeys>>;
+  using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
+                                   cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  // One warp computes a whole 16 x 16 score tile (two n8 atoms: B operands load with ldmatrix.x4).
+  using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>,
+                                  cute::Tile<cute::_16, cute::_16, cute::_16>>;
+
+  using SmemLayoutQ = PaddedRowMajor<kRows, kHeadDim>;
+  using SmemLayoutKV = PaddedRowMajor<kKeys, kHeadDim>;  // one stage of one warp's K (or V)
+  using SmemLayoutVt = decltype(cute::select<1, 0>(SmemLayoutKV{}));
+  using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+
+  // A warp's global -> shared copies of one chunk: 4 lanes cover 32 columns (16 bytes each) of a
+  // row and repeat across the head dim, so 8 rows go per pass and a lane copies 2 rows.
+  static constexpr int kElemsPerCopy = 8;
+  static constexpr int kLanesPerRow = 4;
+  static constexpr int kRowsPerPass = 32 / kLanesPerRow;
+  static constexpr int kPasses = kKeys / kRowsPerPass;
+  static constexpr int kColPasses = kHeadDim / (kLanesPerRow * kElemsPerCopy);
+
+  static constexpr int kSmemElemsQ = cute::cosize_v<SmemLayoutQ>;
+  static constexpr int kSmemElemsKV = cute::cosize_v<SmemLayoutKV>;
+  static constexpr int kSmemElemsWarp = 2 * kStages * kSmemElemsKV;  // kStages of K, then kStages of V
+  static constexpr int kSmemBytes = (kSmemElemsQ + kWarps * kSmemElemsWarp) * int(sizeof(Element));
+  // The merge reuses the warps' K/V storage for their fp32 outputs, and Q's for their row statistics.
+  static_assert(kWarps * kRows * kHeadDim * 4 <= kWarps * kSmemElemsWarp * int(sizeof(Element)));
+  static_assert(2 * kWarps * kRows * 4 <= kSmemElemsQ * int(sizeof(Element)));
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// Pipeline depth per head dim: a warp keeps kStages - 1 chunks of K and V in flight, about 100 KiB
+// of loads per CTA (two CTAs share a Hopper SM up to head dim 192), so that an SM has enough
+// bytes in flight to cover the memory latency (Little's law: ~40 KB per SM at 4.8 TB/s).
+template <int kHeadDim>
+struct KVCacheStages;
+template <> struct KVCacheStages<32>  { static constexpr int kStages = 8; };
+template <> struct KVCacheStages<64>  { static constexpr int kStages = 6; };
+template <> struct KVCacheStages<96>  { static constexpr int kStages = 4; };
+template <> struct KVCacheStages<128> { static constexpr int kStages = 3; };
+template <> struct KVCacheStages<192> { static constexpr int kStages = 2; };
+template <> struct KVCacheStages<256> { static constexpr int kStages = 2; };
+
+template <int kHeadDim, class Element>
+using KVCacheTraitsFor = KVCacheTraits<kHeadDim, KVCacheStages<kHeadDim>::kStages, Element>;
+
+// One CTA: packed rows [m_block * kRows, + kRows) of (batch, kv_head), over split `split` of their keys.
+template <class Traits>
+__device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* smem, int m_block, int batch,
+                                             int kv_head, int split) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kKeys = Traits::kKeys;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kWarps = Traits::kWarps;
+  constexpr int kStages = Traits::kStages;
+
+  const int tidx = threadIdx.x;
+  const int lane = tidx % 32;
+  const int warp = tidx / 32;
+  const int group = params.heads / params.heads_k;
+  const int packed_rows = params.seqlen_q * group;
+  const int first_row = m_block * kRows;
+  const CachedSequence sequence = cached_sequence(params, batch);
+  const SequencePages pages = sequence_pages(params, batch);
+  const KeyMask<MaskKind::kLocal> mask = key_mask_of<MaskKind::kLocal>(params, params.seqlen_q, sequence.length);
+
+  // The key chunks any row of this tile sees, and this split's consecutive share of them.
+  const int first_query = first_row / group;
+  const int last_query = (min(first_row + kRows, packed_rows) - 1) / group;
+  const int keys_begin = mask.key_begin(first_query);
+  const int keys_end = max(keys_begin, mask.key_limit(last_query));
+  const int chunks_begin = keys_begin / kKeys;
+  const int chunks = keys_end > keys_begin ? (keys_end + kKeys - 1) / kKeys - chunks_begin : 0;
+  const int chunks_per_split = (chunks + params.num_splits - 1) / params.num_splits;
+  const int split_begin = chunks_begin + split * chunks_per_split;
+  const int split_end = min(chunks_begin + chunks, split_begin + chunks_per_split);
+  // This warp's chunks: split_begin + warp, + kWarps, ...
+  const int warp_chunks = split_end - split_begin > warp ? (split_end - split_begin - warp + kWarps - 1) / kWarps : 0;
+
+  Element* smem_q = reinterpret_cast<Element*>(smem);
+  Element* smem_k = smem_q + Traits::kSmemElemsQ + warp * Traits::kSmemElemsWarp;
+  Element* smem_v = smem_k + kStages * Traits::kSmemElemsKV;
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
+  auto k_stage = [&](int stage) { return make_tensor(make_smem_ptr(smem_k + stage * Traits::kSmemElemsKV),
+                                                     typename Traits::SmemLayoutKV{}); };
+  auto v_stage = [&](int stage) { return make_tensor(make_smem_ptr(smem_v + stage * Traits::kSmemElemsKV),
+                                                     typename Traits::SmemLayoutKV{}); };
+  auto vt_stage = [&](int stage) { return make_tensor(make_smem_ptr(smem_v + stage * Traits::kSmemElemsKV),
+                                                      typename Traits::SmemLayoutVt{}); };
+
+  // Q: each packed row from its own query and head; rows past the last and columns past head_dim
+  // are zero-filled.
+  {
+    constexpr int kChunksPerRow = kHeadDim / Traits::kElemsPerCopy;
+    const Element* q = static_cast<const Element*>(params.q);
+    CUTE_UNROLL
+    for (int index = tidx; index < kRows * kChunksPerRow; index += Traits::kThreads) {
+      const int row = index / kChunksPerRow;
+      const int col = (index % kChunksPerRow) * Traits::kElemsPerCopy;
+      const bool valid = first_row + row < packed_rows && col < params.head_dim;
+      const PackedRow packed = packed_row(valid ? first_row + row : 0, group, kv_head);
+      const Element* src = q + int64_t(batch) * params.q_batch_stride + int64_t(packed.query) * params.q_row_stride +
+                           int64_t(packed.head) * params.q_head_stride + (valid ? col : 0);
+      cp_async_16(&sQ(row, col), src, valid);
+    }
+    cp_async_fence();
+  }
+
+  // This lane's rows of a chunk (kPasses of them, kRowsPerPass apart) and first column.
+  const int copy_row = lane / Traits::kLanesPerRow;
+  const int copy_col = (lane % Traits::kLanesPerRow) * Traits::kElemsPerCopy;
+  bool col_ok[Traits::kColPasses];
+  CUTE_UNROLL
+  for (int c = 0; c < Traits::kColPasses; ++c) col_ok[c] = copy_col + c * Traits::kLanesPerRow * 8 < params.head_dim;
+  const Element* k_cache = static_cast<const Element*>(params.k);
+  const Element* v_cache = static_cast<const Element*>(params.v);
+  const int64_t k_head_offset = int64_t(kv_head) * params.k_head_stride + copy_col;
+  const int64_t v_head_offset = int64_t(kv_head) * params.v_head_stride + copy_col;
+
+  // Where this lane's rows of the warp's chunk `t` live: looked up one chunk ahead of its copy, so
+  // that the block table's latency hides behind the copies in flight.
+  struct ChunkRows {
+    int page[Traits::kPasses];
+    int row_in_page[Traits::kPasses];
+    bool valid[Traits::kPasses];
+  };
+  auto locate = [&](int t) __attribute__((always_inline)) {
+    ChunkRows rows;
+    const int key0 = (split_begin + warp + t * kWarps) * kKeys;
+    CUTE_UNROLL
+    for (int p = 0; p < Traits::kPasses; ++p) {
+      const int position = key0 + copy_row + p * Traits::kRowsPerPass;
+      rows.valid[p] = t < warp_chunks && position < sequence.length;
+      rows.page[p] = rows.valid[p] ? pages.page_of(position, rows.row_in_page[p]) : 0;
+      if (!rows.valid[p]) rows.row_in_page[p] = 0;
+    }
+    return rows;
+  };
+  // Copies chunk `t` (rows located by `rows`) into stage t % kStages; rows past the sequence are
+  // zero-filled (a V row of NaN garbage would leak into O through 0 * NaN).
+  auto copy_chunk = [&](int t, ChunkRows const& rows) __attribute__((always_inline)) {
+    const int stage = t % kStages;
+    Tensor sK = k_stage(stage);
+    Tensor sV = v_stage(stage);
+    CUTE_UNROLL
+    for (int p = 0; p < Traits::kPasses; ++p) {
+      const int row = copy_row + p * Traits::kRowsPerPass;
+      const Element* k_row = k_cache + pages.offset_of(rows.page[p], rows.row_in_page[p], params.k_batch_stride,
+                                                       params.k_row_stride, k_head_offset);
+      const Element* v_row = v_cache + pages.offset_of(rows.page[p], rows.row_in_page[p], params.v_batch_stride,
+                                                       params.v_row_stride, v_head_offset);
+      CUTE_UNROLL
+      for (int c = 0; c < Traits::kColPasses; ++c) {
+        const int col = c * Traits::kLanesPerRow * Traits::kElemsPerCopy;
+        const bool valid = rows.valid[p] && col_ok[c];
+        cp_async_16(&sK(row, copy_col + col), valid ? k_row + col : k_cache, valid);
+        cp_async_16(&sV(row, copy_col + col), valid ? v_row + col : v_cache, valid);
+      }
+    }
+  };
+
+  // Prologue: chunks 0 .. kStages - 2, one cp.async group each (empty past the warp's chunks, so
+  // that the group count stays uniform), with the next chunk's rows located.
+  ChunkRows next_rows = locate(0);
+  CUTE_UNROLL
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < warp_chunks) copy_chunk(t, next_rows);
+    cp_async_fence();
+    next_rows = locate(t + 1);
+  }
+  cp_async_wait<kStages - 1>();  // Q has landed (this thread's copies) ...
+  __syncthreads();               // ... and every thread's
+
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(lane);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(k_stage(0));
+  Tensor tOrVt = thr_mma.partition_fragment_B(vt_stage(0));
+  Tensor acc_o = partition_fragment_C(tiled_mma, typename Traits::TileQ{});
+  clear(acc_o);
+  Tensor acc_o_rc = as_rows_cols(acc_o);
+  auto smem_tiled_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_q = smem_tiled_copy_q.get_thread_slice(lane);
+  Tensor tSsQ = smem_thr_copy_q.partition_S(sQ);
+  auto smem_tiled_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_k = smem_tiled_copy_k.get_thread_slice(lane);
+  auto smem_tiled_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_copy_v = smem_tiled_copy_v.get_thread_slice(lane);
+
+  // Each fragment row is one packed row; its query, key range and ALiBi slope stay the same for
+  // every chunk.
+  Tensor tScS = as_rows_cols(thr_mma.partition_C(make_identity_tensor(typename Traits::TileS{})));
+  constexpr int kRowsPerThread = decltype(size<0>(tScS))::value;
+  const bool score_mods_on = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  int row_query[kRowsPerThread], row_key_begin[kRowsPerThread], row_key_limit[kRowsPerThread];
+  ScoreMods<true> row_mods[kRowsPerThread];
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int row = first_row + get<0>(tScS(r, 0));
+    const PackedRow packed = packed_row(min(row, packed_rows - 1), group, kv_head);
+    row_query[r] = packed.query;
+    row_key_begin[r] = mask.key_begin(packed.query);
+    row_key_limit[r] = mask.key_limit(packed.query);
+    row_mods[r] = score_mods_of<true>(params, batch, packed.head, params.seqlen_q, sequence.length);
+  }
+
+  OnlineSoftmax<kRowsPerThread> softmax(params.exp2_scale);
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    softmax.row_max[r] = -INFINITY;
+    softmax.row_sum[r] = 0.f;
+  }
+
+  for (int t = 0; t < warp_chunks; ++t) {
+    // Chunk t + kStages - 1 goes into the stage chunk t - 1 used (every lane of this warp is done
+    // with it: the __syncwarp at the end of the last step).
+    if (t + kStages - 1 < warp_chunks) copy_chunk(t + kStages - 1, next_rows);
+    cp_async_fence();
+    next_rows = locate(t + kStages);
+    cp_async_wait<kStages - 1>();  // chunk t has landed (this lane's copies) ...
+    __syncwarp();                  // ... and the warp's
+    const int stage = t % kStages;
+    const int key0 = (split_begin + warp + t * kWarps) * kKeys;
+
+    Tensor acc_s = partition_fragment_C(tiled_mma, typename Traits::TileS{});
+    clear(acc_s);
+    gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, smem_thr_copy_k.partition_S(k_stage(stage)),
+                   smem_tiled_copy_q, smem_thr_copy_q, smem_tiled_copy_k, smem_thr_copy_k);
+    Tensor s = as_rows_cols(acc_s);
+    if (score_mods_on) {
+      row_mods[0].cap(s);  // the soft cap is the same for every row
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerThread; ++r) {
+        if (row_mods[r].alibi_slope != 0.f) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) s(r, c) += row_mods[r].bias(row_query[r], key0 + get<1>(tScS(r, c)));
+        }
+      }
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        const int key = key0 + get<1>(tScS(r, c));
+        if (key >= row_key_limit[r] || key < row_key_begin[r]) s(r, c) = -INFINITY;
+      }
+    }
+    softmax.template update<false>(s, acc_o_rc);
+    Tensor p = convert_fragment<Element>(acc_s);
+    Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
+    gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, smem_thr_copy_v.partition_S(vt_stage(stage)), smem_tiled_copy_v,
+                   smem_thr_copy_v);
+    __syncwarp();  // every lane is done reading this stage before it is refilled
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with Q and its K/V storage
+
+  // Merge the warps: each row's maximum M over the warps, the sum L of their sums rescaled to M,
+  // and each warp's O scaled by exp2((m_w - M) * scale) / L; the fp32 outputs go to the K/V storage.
+  float* warp_max = reinterpret_cast<float*>(smem_q);  // (kWarps, kRows)
+  float* warp_sum = warp_max + kWarps * kRows;
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const float sum = quad_sum(softmax.row_sum[r]);
+    if (get<1>(tScS(r, 0)) == 0) {
+      warp_max[warp * kRows + get<0>(tScS(r, 0))] = softmax.row_max[r];
+      warp_sum[warp * kRows + get<0>(tScS(r, 0))] = sum;
+    }
+  }
+  __syncthreads();
+  const float scale_log2 = params.exp2_scale;
+  // Row `row`'s M and L.
+  auto merged_row = [&](int row, float& max, float& sum) __attribute__((always_inline)) {
+    max = -INFINITY;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) max = fmaxf(max, warp_max[w * kRows + row]);
+    sum = 0.f;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) {
+      const float m = warp_max[w * kRows + row];
+      if (m != -INFINITY) sum += warp_sum[w * kRows + row] * exp2f((m - max) * scale_log2);
+    }
+  };
+  float* warp_out = reinterpret_cast<float*>(smem_q + Traits::kSmemElemsQ);  // (kWarps, kRows, kHeadDim)
+  Tensor tOcO = as_rows_cols(thr_mma.partition_C(make_identity_tensor(typename Traits::TileQ{})));
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int row = get<0>(tOcO(r, 0));
+    float max, sum;
+    merged_row(row, max, sum);
+    const float own_max = softmax.row_max[r];
+    const float factor = own_max == -INFINITY || sum == 0.f ? 0.f : exp2f((own_max - max) * scale_log2) / sum;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(acc_o_rc); c += 2) {
+      const int col = get<1>(tOcO(r, c));  // columns c and c + 1 are neighbours
+      *reinterpret_cast<float2*>(&warp_out[(warp * kRows + row) * kHeadDim + col]) =
+          make_float2(acc_o_rc(r, c) * factor, acc_o_rc(r, c + 1) * factor);
+    }
+  }
+  __syncthreads();
+
+  // Sum the warps' outputs and store: 8 columns a thread at a time, into out in q's layout, or
+  // into this split's fp32 partial output.
+  const bool partial = params.num_splits > 1;
+  const int64_t stats_stride = int64_t(params.batch) * params.heads * params.seqlen_q;  // one split's rows
+  auto stats_index = [&](PackedRow packed) {
+    return (int64_t(batch) * params.heads + packed.head) * params.seqlen_q + packed.query;
+  };
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  CUTE_UNROLL
+  for (int index = tidx; index < kRows * kChunksPerRow; index += Traits::kThreads) {
+    const int row = index / kChunksPerRow;
+    const int col = (index % kChunksPerRow) * 8;
+    if (first_row + row >= packed_rows) continue;
+    const PackedRow packed = packed_row(first_row + row, group, kv_head);
+    float sum[8];
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) sum[e] = 0.f;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) {
+      const float4* src = reinterpret_cast<const float4*>(&warp_out[(w * kRows + row) * kHeadDim + col]);
+      const float4 a = src[0], b = src[1];
+      sum[0] += a.x; sum[1] += a.y; sum[2] += a.z; sum[3] += a.w;
+      sum[4] += b.x; sum[5] += b.y; sum[6] += b.z; sum[7] += b.w;
+    }
+    if (partial) {
+      float4* dst = reinterpret_cast<float4*>(
+          params.out_accum + ((split * stats_stride + stats_index(packed)) * kHeadDim + col));
+      dst[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+      dst[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
+    } else if (col < params.head_dim) {
+      cutlass::Array<float, 8> values;
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) values[e] = sum[e];
+      Element* dst = static_cast<Element*>(params.out) + int64_t(batch) * params.out_batch_stride +
+                     int64_t(packed.query) * params.out_row_stride + int64_t(packed.head) * params.out_head_stride + col;
+      *reinterpret_cast<cutlass::Array<Element, 8>*>(dst) = cutlass::NumericArrayConverter<Element, float, 8>{}(values);
+    }
+  }
+  if (tidx < kRows && first_row + tidx < packed_rows) {
+    float max, sum;
+    merged_row(tidx, max, sum);
+    const float lse = sum == 0.f ? -INFINITY : max * lse_score_unit<true>(params) + __logf(sum);
+    const int64_t index = stats_index(packed_row(first_row + tidx, group, kv_head));
+    if (partial) {
+      params.lse_accum[split * stats_stride + index] = lse;
+    } else {
+      params.lse[index] = lse;
+    }
+  }
+}
+
+// Grid: x = (kv head, batch) with the kv head fastest, y = block of packed query rows, z = split.
+template <int kHeadDim, class Element>
+__global__ void __launch_bounds__(KVCacheTraitsFor<kHeadDim, Element>::kThreads)
+    flash_kvcache_sm80(__grid_constant__ const KVCacheParams params) {
+  using Traits = KVCacheTraitsFor<kHeadDim, Element>;
+  extern __shared__ __align__(128) char smem[];
+  const int kv_head = int(blockIdx.x % unsigned(params.heads_k));
+  const int batch = int(blockIdx.x / unsigned(params.heads_k));
+  kvcache_tile<Traits>(params, smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z));
+}
+
+// Merges the splits' partial outputs: one warp per (batch, head, query) row. With the splits'
+// log-sum-exps lse_s, lse = log(sum_s exp(lse_s)) and out = sum_s exp(lse_s - lse) * out_s; a row
+// no split saw keys for gets out 0 and lse -inf.
+template <int kHeadDim, class Element>
+__global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constant__ const KVCacheParams params) {
+  constexpr int kColsPerLane = kHeadDim / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = int64_t(params.batch) * params.heads * params.seqlen_q;
+  const int64_t index = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;  // (batch, head, query)
+  if (index >= rows) return;
+  const int query = int(index % params.seqlen_q);
+  const int head = int((index / params.seqlen_q) % params.heads);
+  const int batch = int(index / (int64_t(params.seqlen_q) * params.heads));
+
+  float max = -INFINITY;
+  for (int s = lane; s < params.num_splits; s += 32) max = fmaxf(max, params.lse_accum[s * rows + index]);
+  CUTE_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, offset));
+  float sum = 0.f;
+  if (max != -INFINITY) {
+    for (int s = lane; s < params.num_splits; s += 32) sum += __expf(params.lse_accum[s * rows + index] - max);
+  }
+  CUTE_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  const float lse = sum == 0.f ? -INFINITY : max + __logf(sum);
+
+  float out[kColsPerLane];
+  CUTE_UNROLL
+  for (int c = 0; c < kColsPerLane; ++c) out[c] = 0.f;
+  if (sum != 0.f) {
+    for (int s = 0; s < params.num_splits; ++s) {
+      const float split_lse = params.lse_accum[s * rows + index];
+      if (split_lse == -INFINITY) continue;
+      const float weight = __expf(split_lse - lse);
+      const float* partial = params.out_accum + (s * rows + index) * kHeadDim + lane * kColsPerLane;
+      CUTE_UNROLL
+      for (int c = 0; c < kColsPerLane; ++c) out[c] += weight * partial[c];
+    }
+  }
+  Element* dst = static_cast<Element*>(params.out) + int64_t(batch) * params.out_batch_stride +
+                 int64_t(query) * params.out_row_stride + int64_t(head) * params.out_head_stride;
+  CUTE_UNROLL
+  for (int c = 0; c < kColsPerLane; ++c) {
+    const int col = lane * kColsPerLane + c;
+    if (col < params.head_dim) dst[col] = Element(out[c]);
+  }
+  if (lane == 0) params.lse[index] = lse;
+}
+
+// Eight columns from `col` of the row at src into the row at dst, turned by the rotary embedding
+// of `position` where they lie below rotary_dim (fp32 math, rounded once).
+template <class Element>
+__device__ __forceinline__ void rotate_and_store(KVCacheParams const& params, const Element* src, Element* dst,
+                                                 int col, int position) {
+  cutlass::Array<Element, 8> values = *reinterpret_cast<const cutlass::Array<Element, 8>*>(src + col);
+  if (params.rotary_cos != nullptr && col < params.rotary_dim) {
+    const int half = params.rotary_dim / 2;
+    const int64_t table_row = int64_t(min(max(position, 0), params.rotary_positions - 1)) * half;
+    const Element* cos = static_cast<const Element*>(params.rotary_cos) + table_row;
+    const Element* sin = static_cast<const Element*>(params.rotary_sin) + table_row;
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) {
+      const int feature = col + e;
+      if (feature >= params.rotary_dim) break;
+      // The pair (x1, x2) turned by angle m: (2m, 2m + 1) interleaved (GPT-J), (m, m + half) not (GPT-NeoX).
+      const bool first = params.rotary_interleaved ? feature % 2 == 0 : feature < half;
+      const int m = params.rotary_interleaved ? feature / 2 : (first ? feature : feature - half);
+      const int x1_col = params.rotary_interleaved ? 2 * m : m;
+      const int x2_col = params.rotary_interleaved ? 2 * m + 1 : m + half;
+      const float x1 = float(src[x1_col]), x2 = float(src[x2_col]);
+      const float c = float(cos[m]), s = float(sin[m]);
+      values[e] = Element(first ? x1 * c - x2 * s : x1 * s + x2 * c);
+    }
+  }
+  *reinterpret_cast<cutlass::Array<Element, 8>*>(dst + col) = values;
+}
+
+// The append: new keys (rotated with rotary) and values into the cache at each sequence's length,
+// and with rotary the rotated queries into params.q_rotated; one thread per 8 columns of a row.
+// Reads the same clamped lengths and pages as the attention kernel (common/kvcache.h).
+template <class Element>
+__global__ void __launch_bounds__(128) flash_kvcache_append_sm80(__grid_constant__ const KVCacheParams params) {
+  const int chunks_per_row = params.head_dim / 8;
+  const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t row = index / chunks_per_row;
+  const int col = int(index % chunks_per_row) * 8;
+  const int64_t kv_rows = int64_t(params.batch) * params.seqlen_new * params.heads_k;
+  if (row < kv_rows) {
+    const int head = int(row % params.heads_k);
+    const int token = int((row / params.heads_k) % params.seqlen_new);
+    const int batch = int(row / (int64_t(params.heads_k) * params.seqlen_new));
+    const int position = cached_sequence(params, batch).start + token;
+    const SequencePages pages = sequence_pages(params, batch);
+    int row_in_page;
+    const int page = pages.page_of(position, row_in_page);
+    const Element* k_new = static_cast<const Element*>(params.k_new) + int64_t(batch) * params.k_new_batch_stride +
+                           int64_t(token) * params.k_new_row_stride + int64_t(head) * params.k_new_head_stride;
+    const Element* v_new = static_cast<const Element*>(params.v_new) + int64_t(batch) * params.v_new_batch_stride +
+                           int64_t(token) * params.v_new_row_stride + int64_t(head) * params.v_new_head_stride;
+    Element* k_dst = static_cast<Element*>(params.k_cache) +
+                     pages.offset_of(page, row_in_page, params.k_batch_stride, params.k_row_stride,
+                                     int64_t(head) * params.k_head_stride);
+    Element* v_dst = static_cast<Element*>(params.v_cache) +
+                     pages.offset_of(page, row_in_page, params.v_batch_stride, params.v_row_stride,
+                                     int64_t(head) * params.v_head_stride);
+    rotate_and_store(params, k_new, k_dst, col, position);
+    *reinterpret_cast<cutlass::uint128_t*>(v_dst + col) = *reinterpret_cast<const cutlass::uint128_t*>(v_new + col);
+    return;
+  }
+  row -= kv_rows;
+  if (params.rotary_cos == nullptr || row >= int64_t(params.batch) * params.seqlen_q * params.heads) return;
+  const int head = int(row % params.heads);
+  const int query = int((row / params.heads) % params.seqlen_q);
+  const int batch = int(row / (int64_t(params.heads) * params.seqlen_q));
+  const int position = cached_sequence(params, batch).start + (params.rotary_q_per_row ? query : 0);
+  const Element* src = static_cast<const Element*>(params.q_source) + int64_t(batch) * params.q_source_batch_stride +
+                       int64_t(query) * params.q_source_row_stride + int64_t(head) * params.q_source_head_stride;
+  Element* dst = static_cast<Element*>(params.q_rotated) + int64_t(batch) * params.q_batch_stride +
+                 int64_t(query) * params.q_row_stride + int64_t(head) * params.q_head_stride;
+  rotate_and_store(params, src, dst, col, position);
+}
+
+}  // namespace flash_cutlass::sm80

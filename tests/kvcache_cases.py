@@ -1,0 +1,74 @@
+"""Inputs of KV-cache tests (flash_attention_with_kvcache): caches filled with random values (never
+zeros), contiguous or paged with the pages shuffled, and what the reference expects of them."""
+
+import torch
+
+from flash_cutlass import reference
+
+
+def make_call(gen, *, batch=2, seqlen_q=1, heads=8, heads_k=2, head_dim=64, seqlens=(5, 17), seqlen_new=1,
+              page_size=None, capacity=64, dtype=torch.bfloat16, device="cpu", cache_batch_idx=False):
+    """The arguments of one call. page_size None: a contiguous cache (rows reversed through
+    cache_batch_idx when asked); else a paged cache of capacity // page_size pages per sequence,
+    every page id of the pool used once, in a shuffled order, plus spare pages."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    call = {"q": randn(batch, seqlen_q, heads, head_dim),
+            "cache_seqlens": torch.tensor(seqlens, dtype=torch.int32, device=device)}
+    if seqlen_new:
+        call["k"] = randn(batch, seqlen_new, heads_k, head_dim)
+        call["v"] = randn(batch, seqlen_new, heads_k, head_dim)
+    if page_size is None:
+        call["k_cache"] = randn(batch, capacity, heads_k, head_dim)
+        call["v_cache"] = randn(batch, capacity, heads_k, head_dim)
+        if cache_batch_idx:
+            call["cache_batch_idx"] = torch.arange(batch - 1, -1, -1, dtype=torch.int32, device=device)
+    else:
+        blocks = -(-capacity // page_size)
+        pool = batch * blocks + 3
+        order = torch.randperm(pool, generator=gen)[:batch * blocks]
+        call["block_table"] = order.view(batch, blocks).to(device=device, dtype=torch.int32)
+        call["k_cache"] = randn(pool, page_size, heads_k, head_dim)
+        call["v_cache"] = randn(pool, page_size, heads_k, head_dim)
+    return call
+
+
+def rotary_tables(gen, positions, rotary_dim, dtype, device):
+    angles = torch.rand(positions, rotary_dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+def cloned(call, dtype=None, device=None):
+    """A copy of a call's tensors (the caches too, which the call writes), optionally cast/moved;
+    the index tensors keep their dtype."""
+    out = {}
+    for name, value in call.items():
+        if isinstance(value, torch.Tensor):
+            value = value.clone()
+            if device is not None:
+                value = value.to(device)
+            if dtype is not None and value.is_floating_point() and name != "alibi_slopes":
+                value = value.to(dtype)
+        out[name] = value
+    return out
+
+
+def reference_of(call, **options):
+    """The reference's (out, lse) of a call on the CPU in fp64 (the oracle) and in the call's dtype
+    (computed in fp32, rounded to the dtype: the baseline of the pass rule), each on fresh copies of
+    the caches."""
+    oracle = reference.attention_with_kvcache(**cloned(call, torch.float64, "cpu"), **_on_cpu(options, torch.float64))
+    baseline = reference.attention_with_kvcache(**cloned(call, None, "cpu"), **_on_cpu(options, None))
+    return oracle, baseline
+
+
+def _on_cpu(options, dtype):
+    moved = {}
+    for name, value in options.items():
+        if isinstance(value, torch.Tensor):
+            value = value.cpu()
+            if dtype is not None and name in ("rotary_cos", "rotary_sin"):
+                value = value.to(dtype)
+        moved[name] = value
+    return moved

@@ -1,0 +1,212 @@
+"""The KV-cache kernels (flash_attention_with_kvcache on CUDA tensors) against the reference: every
+option, compiled head dim and dtype, GQA 1-8, contiguous and paged caches (page sizes 1, 16, 64,
+256, pages shuffled), decoding and chunked prefill, split-KV; the append; paged == contiguous
+bitwise; lengths 0 and 1; CUDA graph replay == eager; out-of-range lengths and block ids stay
+inside the cache. Skipped without a GPU."""
+
+import pytest
+import torch
+
+import flash_cutlass
+from flash_cutlass import reference
+from helpers import COMPILED_DTYPES, fa2_check, has_kernels, requires_cuda
+from kvcache_cases import cloned, make_call, reference_of, rotary_tables
+
+pytestmark = [requires_cuda, pytest.mark.skipif(not has_kernels(flash_cutlass.compiled_kvcache),
+                                                reason="the build left the KV-cache kernels out")]
+
+try:
+    KVCACHE_HEAD_DIMS = flash_cutlass.compiled_kvcache_head_dims()
+except RuntimeError:
+    KVCACHE_HEAD_DIMS = (64, 128)
+DTYPES = [pytest.param(d, id=str(d).removeprefix("torch."), marks=pytest.mark.skipif(
+    d not in COMPILED_DTYPES, reason=f"{d} was not compiled")) for d in (torch.float16, torch.bfloat16)]
+# The kernel rounds P to the input dtype before P V; the baseline (the reference in the input dtype)
+# computes in fp32 and rounds only its output: eps covers the difference.
+EPS = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def run(call, **options):
+    return flash_cutlass.flash_attention_with_kvcache(**call, **options, return_lse=True)
+
+
+def check_against_reference(call, dtype, **options):
+    oracle, baseline = reference_of(call, **options)
+    out, lse = run(cloned(call), **options)
+    fa2_check(out, oracle[0].float(), baseline[0], "out", eps=EPS[dtype])
+    fa2_check(lse, oracle[1].float(), baseline[1], "lse", eps=EPS[dtype])
+
+
+OPTIONS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (9, 0)},
+    "window_both": {"window_size": (20, 3)},
+    "softcap": {"softcap": 4.0, "causal": True},
+    "alibi": "alibi",
+    "scale": {"softmax_scale": 0.3},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", KVCACHE_HEAD_DIMS)
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64, 256], ids=["contiguous", "p1", "p16", "p64", "p256"])
+@pytest.mark.parametrize("heads,heads_k", [(8, 8), (8, 4), (8, 2), (8, 1)])
+def test_decode_matches_reference(cuda_gen, dtype, head_dim, page_size, heads, heads_k):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=3, heads=heads, heads_k=heads_k, head_dim=head_dim, seqlens=(0, 200, 511),
+                     page_size=page_size, capacity=512, dtype=dtype, device="cuda")
+    check_against_reference(call, dtype, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (5, 5), (70, 70), (3, 0)])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_every_option_matches_reference(cuda_gen, dtype, option, seqlen_q, seqlen_new, num_splits):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    head_dim = 128 if 128 in KVCACHE_HEAD_DIMS else KVCACHE_HEAD_DIMS[-1]
+    call = make_call(gen, batch=2, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=head_dim, seqlens=(33, 150),
+                     seqlen_new=seqlen_new, page_size=16, capacity=256, dtype=dtype, device="cuda")
+    options = OPTIONS[option]
+    if options == "alibi":
+        options = {"alibi_slopes": torch.rand(2, 8, generator=gen).cuda(), "causal": True}
+    oracle, baseline = reference_of(call, **options)
+    out, lse = run(cloned(call), num_splits=num_splits, **options)
+    fa2_check(out, oracle[0].float(), baseline[0], "out", eps=EPS[dtype])
+    fa2_check(lse, oracle[1].float(), baseline[1], "lse", eps=EPS[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_rotary_matches_reference(cuda_gen, dtype, interleaved, causal):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    head_dim = KVCACHE_HEAD_DIMS[-1]
+    call = make_call(gen, seqlen_q=4, seqlen_new=4, head_dim=head_dim, seqlens=(3, 40), page_size=16, capacity=64,
+                     dtype=dtype, device="cuda")
+    cos, sin = rotary_tables(gen, 64, head_dim // 2, dtype, "cuda")
+    check_against_reference(call, dtype, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+                            causal=causal)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_is_bitwise_contiguous(cuda_gen, page_size, num_splits):
+    """The same values in a shuffled paged cache and a contiguous one give the same bits."""
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    paged = make_call(gen, batch=2, seqlen_q=2, seqlens=(30, 97), seqlen_new=2, page_size=page_size, capacity=128,
+                      device="cuda")
+    contiguous = cloned(paged)
+    del contiguous["block_table"]
+    rows = paged["block_table"].long()
+    contiguous["k_cache"] = paged["k_cache"][rows].flatten(1, 2)
+    contiguous["v_cache"] = paged["v_cache"][rows].flatten(1, 2)
+    out_paged, lse_paged = run(paged, causal=True, num_splits=num_splits)
+    out_contiguous, lse_contiguous = run(contiguous, causal=True, num_splits=num_splits)
+    assert torch.equal(out_paged, out_contiguous) and torch.equal(lse_paged, lse_contiguous)
+    assert torch.equal(paged["k_cache"][rows].flatten(1, 2), contiguous["k_cache"])
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16])
+def test_append_writes_exactly_the_new_slots(cuda_gen, page_size):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, seqlen_q=3, seqlen_new=3, seqlens=(0, 29), page_size=page_size, capacity=48,
+                     device="cuda", cache_batch_idx=page_size is None)
+    expected = cloned(call)
+    reference.attention_with_kvcache(**expected)
+    run(call)
+    assert torch.equal(call["k_cache"], expected["k_cache"]) and torch.equal(call["v_cache"], expected["v_cache"])
+
+
+@pytest.mark.parametrize("seqlens", [(0, 0), (0, 1), (1, 1)])
+def test_lengths_zero_and_one(cuda_gen, seqlens):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, seqlens=seqlens, seqlen_new=0, page_size=16, capacity=32, device="cuda")
+    out, lse = run(cloned(call))
+    expected_out, expected_lse = reference.attention_with_kvcache(**cloned(call, None, "cpu"))
+    for b, length in enumerate(seqlens):
+        if length == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b])) and bool((lse[b] == float("-inf")).all())
+    torch.testing.assert_close(out.cpu().float(), expected_out.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+def test_cuda_graph_replay_matches_eager(cuda_gen, num_splits):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=4, heads=8, heads_k=2, seqlens=(10, 300, 1, 700), seqlen_new=1, page_size=16,
+                     capacity=1024, device="cuda")
+    eager = cloned(call)
+    out_eager, lse_eager = run(eager, causal=True, num_splits=num_splits)
+    captured = cloned(call)
+    run(cloned(captured), causal=True, num_splits=num_splits)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph, lse_graph = run(captured, causal=True, num_splits=num_splits)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_graph, out_eager) and torch.equal(lse_graph, lse_eager)
+    assert torch.equal(captured["k_cache"], eager["k_cache"])
+    # A replay with new lengths and queries computes the new call.
+    captured["cache_seqlens"].copy_(torch.tensor([3, 5, 8, 13], dtype=torch.int32))
+    captured["q"].copy_(torch.randn(captured["q"].shape, generator=gen).to(captured["q"]))
+    fresh = cloned(captured)
+    graph.replay()
+    out_fresh, lse_fresh = run(fresh, causal=True, num_splits=num_splits)
+    assert torch.equal(out_graph, out_fresh) and torch.equal(lse_graph, lse_fresh)
+
+
+def test_out_of_range_lengths_and_block_ids_stay_inside_the_cache(cuda_gen):
+    """Unchecked device values are clamped: block ids into [0, num_blocks), lengths into
+    [0, capacity - seqlen_new]; the memory around the cache is untouched, and the result is the
+    reference's on the clamped values."""
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=3, seqlen_q=2, seqlen_new=2, seqlens=(0, 0, 0), page_size=16, capacity=64,
+                     device="cuda")
+    pool = call["k_cache"].shape[0]
+    guard = 4096
+    for name in ("k_cache", "v_cache"):
+        buffer = torch.full((call[name].numel() + 2 * guard,), 7.0, dtype=call[name].dtype, device="cuda")
+        inside = buffer[guard:guard + call[name].numel()].view(call[name].shape)
+        inside.copy_(call[name])
+        call[name], call[name + "_buffer"] = inside, buffer
+    # Sequence 2 is valid and owns pages 1-4; 0 and 1 point out of range (clamped to pages 14 and 0).
+    call["block_table"] = torch.tensor([[10**6, 5, 6, 7], [-5] * 4, [1, 2, 3, 4]], dtype=torch.int32, device="cuda")
+    call["cache_seqlens"] = torch.tensor([10**9, -7, 61], dtype=torch.int32, device="cuda")
+    expected = {name: value for name, value in cloned(call, None, "cpu").items() if not name.endswith("_buffer")}
+    expected["block_table"] = expected["block_table"].clamp(0, pool - 1)
+    expected["cache_seqlens"] = expected["cache_seqlens"].clamp(0, 64 - 2)
+    # Sequence 2 alone: the reference refuses the others' ids.
+    expected_out, _ = reference.attention_with_kvcache(**{**expected, "block_table": expected["block_table"][2:],
+                                                          **{n: expected[n][2:] for n in ("q", "k", "v",
+                                                                                          "cache_seqlens")}})
+    out, lse = run({name: value for name, value in call.items() if not name.endswith("_buffer")})
+    torch.cuda.synchronize()
+    for name in ("k_cache_buffer", "v_cache_buffer"):
+        assert bool((call[name][:guard] == 7).all()) and bool((call[name][-guard:] == 7).all())
+    assert bool(out.isfinite().all())
+    torch.testing.assert_close(out[2:].cpu().float(), expected_out.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_split_count_does_not_change_the_result_beyond_rounding(cuda_gen):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=1, heads=32, heads_k=8, head_dim=KVCACHE_HEAD_DIMS[-1], seqlens=(4000,),
+                     seqlen_new=1, page_size=64, capacity=4096, device="cuda")
+    results = [run(cloned(call), causal=True, num_splits=splits) for splits in (1, 2, 7, 64, 128)]
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out.float(), results[0][0].float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse, results[0][1], atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_errors_name_the_argument(cuda_gen):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, device="cuda", head_dim=64)
+    with pytest.raises(TypeError, match="q must be float16 or bfloat16 on CUDA"):
+        run(cloned(call, torch.float32))
+    odd = make_call(gen, device="cuda", head_dim=20)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
+        run(odd)
+    strided = cloned(call)
+    strided["k_cache"] = torch.randn(2, 64, 2, 68, device="cuda", dtype=torch.bfloat16)[..., :64]
+    with pytest.raises(ValueError, match="k_cache must be 16-byte aligned"):
+        run(strided)

@@ -20,17 +20,20 @@ struct ScoreExponent {
 // softmax_scale (or the soft cap) times log2(e): one FFMA per score against the rounded product m *
 // scale_log2. The FFMA's product is exact, so the exponents are off by that product's rounding
 // alone, the same for the whole row: up to 2^-25 |m * scale_log2|, a factor common to the row's P
-// that cancels in O (and in the LSE stays below its own rounding). Past |m * scale_log2| = 2^27
-// (softmax_scale 1e30, ALiBi slopes of 1e30, q and k of 3e17 in bf16) that factor would pass 2^4,
-// P past fp16's range under the lazy rescale's bound of 2^8; from 2^31 on exp2 overflows (then
-// inf * 0 = NaN) or flushes the row to 0; and m * scale_log2 itself can overflow where
-// m * softmax_scale does not. So a row whose maximum reaches exact_max = 2^27 / scale_log2 has m
-// subtracted from its scores first, in a branch only such a row takes: s - m is exact near m
-// (Sterbenz) and rounded relative to itself elsewhere, so (s - m) * scale_log2 - 0 is the exact
-// exponent to fp32's rounding, P = 1 at the maximum, and nothing overflows that fp32 attention
-// keeps finite. An infinite maximum gives the same P either way (0, and NaN for the infinite
-// scores); a NaN one never takes the branch: both propagate as before.
-constexpr int kExactMaxLog2 = 27;
+// that cancels in O but stays in the LSE. Past |m * scale_log2| = 2^27 (softmax_scale 1e30, ALiBi
+// slopes of 1e30, q and k of 3e17 in bf16) that factor would pass 2^4, P past fp16's range under
+// the lazy rescale's bound of 2^8; from 2^31 on exp2 overflows (then inf * 0 = NaN) or flushes the
+// row to 0; and m * scale_log2 itself can overflow where m * softmax_scale does not. So a row whose
+// maximum reaches exact_max = 2^24 / scale_log2 (where the factor is still 2^(1/2) at most, and the
+// LSE the backward recomputes P from is off by 0.35 or less) has m subtracted from its scores
+// first, in a branch that only a tile holding such a row (or one at -inf, which it leaves) enters:
+// s - m is exact near m (Sterbenz) and rounded relative to itself elsewhere, so
+// (s - m) * scale_log2 - 0 is the exact exponent to fp32's rounding, P = 1 at the maximum, and
+// nothing overflows that fp32 attention keeps finite. A row whose maximum crosses exact_max keeps
+// the terms of its earlier tiles as the usual form gave them (times the correction between the
+// maxima). An infinite maximum gives the same P either way (0, and NaN for the infinite scores); a
+// NaN one never takes the branch: both propagate as before.
+constexpr int kExactMaxLog2 = 24;
 
 // The backward's exponent of a query row, from the forward's log-sum-exp lse (natural units; +inf
 // for a row that sees no key, whose P is then 0) and the unit of the row's scores, score_unit
@@ -39,12 +42,12 @@ constexpr int kExactMaxLog2 = 27;
 // row, about 2 ulps of the offset, a factor 2^(+-2) on P at |offset| = 2^24 that overflows exp2
 // (inf, then NaN gradients) not far above. From 2^24 on, where one ulp of lse is a whole e-fold or
 // more, the row takes scale = score_unit 2^c and offset = lse 2^c, c = 16 - floor(log2 |lse|), both
-// exact (powers of two): P = exp2(2^c (s score_unit - lse)) is within 2^-7 (0.55%) of the
-// forward's at the row's maximum and never above 1.0055, given the forward's score there (a score
-// recomputed with a relative error r moves that exponent by 2^16 r). The cost: a score at relative
-// distance g below the maximum gets about 2^(-2^16 g) for exp(-g |lse|), so that the scores within
-// 10^-4 of the maximum keep a share of P they do not have, and ties at the maximum get P = 1 each
-// instead of 1/n.
+// exact (powers of two): P = exp2(2^c (s score_unit - lse)) at the row's maximum is within 2^-7
+// (0.55%) of the forward's, given the forward's score there, and about 0.2% more from the forward's
+// LSE, exact to 0.35 from 2^24 on (kExactMaxLog2); a score recomputed with a relative error r moves
+// that exponent by 2^16 r. The cost: a score at relative distance g below the maximum gets about
+// 2^(-2^16 g) for exp(-g |lse|), so that the scores within 10^-4 of the maximum keep a share of P
+// they do not have, and ties at the maximum get P = 1 each instead of 1/n.
 constexpr float kLseExactLog2 = 24.f;
 
 __device__ __forceinline__ ScoreExponent probability_exponent(float lse, float exp2_scale, float score_unit) {
@@ -67,7 +70,7 @@ struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
   float scale_log2;  // softmax scale * log2(e), > 0
-  float exact_max;   // 2^27 / scale_log2: from this |m| on, a row's scores have m subtracted first
+  float exact_max;   // 2^24 / scale_log2: from this |m| on, a row's scores have m subtracted first
 
   __device__ explicit OnlineSoftmax(float exp2_scale)
       : scale_log2(exp2_scale), exact_max(float(1 << kExactMaxLog2) / exp2_scale) {}

@@ -41,13 +41,17 @@ SUBJECT = "flash_cutlass"
 # choice, the Hopper path on an H100/H200 where it has the call's head dim.
 SUBJECT_SM80 = "flash_cutlass_sm80"
 SUBJECT_SM90 = "flash_cutlass_sm90"
-FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90"}
+# flash_cutlass's automatic choice with deterministic=True (the backward's dQ in a fixed order);
+# run only when asked for.
+SUBJECT_DETERMINISTIC = "flash_cutlass_deterministic"
+FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None}
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-IMPLS = (SUBJECT, SUBJECT_SM80, SUBJECT_SM90, *SDPA_BACKENDS)
+IMPLS = (SUBJECT, SUBJECT_SM80, SUBJECT_SM90, SUBJECT_DETERMINISTIC, *SDPA_BACKENDS)
+DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl != SUBJECT_DETERMINISTIC)
 # What is timed, and its matmul FLOPs as a multiple of the forward's (the FlashAttention
 # convention: the backward does 2.5x the forward's matmul work).
 DIRECTIONS = {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
@@ -391,14 +395,16 @@ def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: Modul
     backward together, with a random upstream gradient."""
     if impl in FORCED_KERNELS:
         kernel = FORCED_KERNELS[impl]
+        deterministic = impl == SUBJECT_DETERMINISTIC
         q, k, v = inputs.q, inputs.k, inputs.v
         dout = torch.randn_like(q)
         if direction == "backward":
             out, lse = subject.flash_forward(q, k, v, causal=causal, kernel=kernel)
-            return lambda: subject.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel)
+            return lambda: subject.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel,
+                                                  deterministic=deterministic)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        return lambda: torch.autograd.grad(subject.flash_attention(*leaves, causal=causal, kernel=kernel),
-                                           leaves, dout)
+        return lambda: torch.autograd.grad(
+            subject.flash_attention(*leaves, causal=causal, kernel=kernel, deterministic=deterministic), leaves, dout)
     backend = SDPBackend.MATH if impl == MATH_IMPL else SDPA_BACKENDS[impl]
     leaves = [t.detach().requires_grad_() for t in (inputs.q_bhsd, inputs.k_bhsd, inputs.v_bhsd)]
     dout = torch.randn_like(leaves[0])
@@ -559,8 +565,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "runs once, untimed) or both; FLOPs are 1, 2.5 and 3.5 times the "
                              "forward's (default: %(default)s)")
     parser.add_argument("--impls", type=_impl_list, metavar="NAME[,NAME...]",
-                        default=",".join(IMPLS),
-                        help=f"implementations to run (default: all of {', '.join(IMPLS)}); "
+                        default=",".join(DEFAULT_IMPLS),
+                        help=f"implementations to run, of {', '.join(IMPLS)} (default: all but "
+                             f"{SUBJECT_DETERMINISTIC}, the automatic choice with deterministic=True); "
                              "without a flash_cutlass one the extension is not imported")
     parser.add_argument("--check", action="store_true",
                         help="before timing each shape, compare flash_cutlass's output with "

@@ -16,7 +16,8 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import naive_attention
-from helpers import COMPILED_SM90_BACKWARD_HEAD_DIMS, fa2_check, kernel_unavailable, requires_backward, requires_cuda
+from helpers import (COMPILED_SM90_BACKWARD_HEAD_DIMS, fa2_check, kernel_unavailable, options_left_out,
+                     requires_backward, requires_cuda)
 
 pytestmark = [requires_cuda, requires_backward]
 
@@ -124,6 +125,9 @@ def test_deterministic_hopper_backward_is_bitwise_reproducible_and_correct(cuda_
     skip_unless_hopper_backward(head_dim)
     causal = mask == "causal"
     options = {"window_size": (300, 40)} if mask == "window" else {}
+    reason = options_left_out(**options)
+    if reason:
+        pytest.skip(reason)
     q, k, v, dout = random_inputs(cuda_gen, 2, 333, 700, heads_k, head_dim)
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
     runs = [flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, kernel="sm90",
@@ -135,6 +139,39 @@ def test_deterministic_hopper_backward_is_bitwise_reproducible_and_correct(cuda_
     same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16, **options)
     for name, grad, ref, base in zip(("dq", "dk", "dv"), runs[0], oracle, same_dtype):
         fa2_check(grad, ref, base, f"deterministic sm90 backward {name} (head dim {head_dim}, {mask})")
+
+
+@pytest.mark.parametrize("case", ["window_of_long_keys", "softcap_alibi"])
+def test_deterministic_hopper_backward_edges(cuda_gen, case):
+    """A one-sided window over 900 keys for 200 queries (key blocks whose query range is empty, and
+    query blocks only some key blocks reach), and the extended kernels (soft cap and ALiBi, whose
+    instantiation takes the window mask at run time): bitwise equal runs, close to the oracle."""
+    head_dim = DETERMINISTIC_HEAD_DIMS[-1] if DETERMINISTIC_HEAD_DIMS else 0
+    if not head_dim:
+        pytest.skip("no Hopper backward up to head dim 128 in this build")
+    skip_unless_hopper_backward(head_dim)
+    if case == "window_of_long_keys":
+        options, seqlens = {"window_size": (64, 0)}, (200, 900)
+        reason = options_left_out(window_size=(64, 0))
+        if reason:
+            pytest.skip(reason)
+    else:
+        reason = options_left_out(softcap=30.0, alibi=True)
+        if reason:
+            pytest.skip(reason)
+        slopes = torch.rand(HEADS, generator=cuda_gen, device="cuda") * 0.1
+        options, seqlens = {"softcap": 30.0, "alibi_slopes": slopes}, (333, 700)
+    q, k, v, dout = random_inputs(cuda_gen, 2, *seqlens, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, **options)
+    runs = [flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90", **options)
+            for _ in range(3)]
+    for run in runs[1:]:
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(first, again), f"{name} differs between two deterministic runs ({case})"
+    oracle = oracle_gradients(q, k, v, dout, False, torch.float32, **options)
+    same_dtype = oracle_gradients(q, k, v, dout, False, torch.bfloat16, **options)
+    for name, grad, ref, base in zip(("dq", "dk", "dv"), runs[0], oracle, same_dtype):
+        fa2_check(grad, ref, base, f"deterministic sm90 backward {name} ({case})")
 
 
 def test_deterministic_varlen_hopper_backward_is_bitwise_reproducible(cuda_gen):

@@ -100,7 +100,8 @@ def test_parse_args_defaults_and_lists():
     args = bench.parse_args([])
     assert args.head_dims == [64, 128, 256]
     assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
-    assert args.impls == list(bench.IMPLS)
+    assert args.impls == list(bench.DEFAULT_IMPLS)
+    assert "flash_cutlass_deterministic" in bench.IMPLS and "flash_cutlass_deterministic" not in args.impls
     assert args.causals == [False, True]
     args = bench.parse_args(["--head-dims", "128", "--causal", "true",
                              "--impls", "sdpa_cudnn,flash_cutlass"])

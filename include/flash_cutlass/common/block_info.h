@@ -209,7 +209,8 @@ __device__ __forceinline__ QueryTile longest_first_query_tile_of_this_cta(FwdPar
 }
 
 // The backward kernels run one CTA per (key block, head, batch), flattened into blockIdx.x with
-// the key block fastest.
+// the key block fastest: in increasing order (the longest first under a causal mask), or with
+// last_key_block_first in decreasing order (the deterministic Hopper backward: ordered_reduce.h).
 struct KeyTile {
   int n_block;
   int head;
@@ -217,10 +218,12 @@ struct KeyTile {
 };
 
 template <int kBlockN>
-__device__ __forceinline__ KeyTile key_tile_of_this_cta(FwdParams const& params) {
+__device__ __forceinline__ KeyTile key_tile_of_this_cta(FwdParams const& params, bool last_key_block_first) {
   const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
   const int batch_head = int(blockIdx.x / num_n_blocks);
-  return {int(blockIdx.x % num_n_blocks), batch_head % params.heads, batch_head / params.heads};
+  const int index = int(blockIdx.x % num_n_blocks);
+  return {last_key_block_first ? num_n_blocks - 1 - index : index, batch_head % params.heads,
+          batch_head / params.heads};
 }
 
 // One batch entry: its sequence lengths and where its rows start. A variable-length call
@@ -324,19 +327,20 @@ __device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, in
 }
 
 // The place of key block n_block among the key blocks of its sequence that add to query block
-// m_block (those whose query_block_range holds it), in the order of their index: how many come
-// before it. Without a window every earlier key block sees every query block n_block sees (their
-// ranges start no later and end at the last block); with one, a warp counts them, 32 a step.
+// m_block (those whose query_block_range holds it), in decreasing order of their index: how many
+// come before it, out of the sequence's first n_blocks key blocks. Without a mask every key block
+// sees every query block; with one, a warp counts them, 32 a step.
 template <int kBlockM, int kBlockN, MaskKind kKind>
-__device__ __forceinline__ int key_blocks_before(KeyMask<kKind> const& mask, int n_block, int m_block, int lane) {
-  if constexpr (!KeyMask<kKind>::kLocal) {
-    return n_block;
+__device__ __forceinline__ int later_key_blocks(KeyMask<kKind> const& mask, int n_block, int n_blocks, int m_block,
+                                                int lane) {
+  if constexpr (kKind == MaskKind::kNone) {
+    return n_blocks - 1 - n_block;
   } else {
     int count = 0;
-    for (int first = 0; first < n_block; first += 32) {
+    for (int first = n_block + 1; first < n_blocks; first += 32) {
       const int n = first + lane;
       bool adds = false;
-      if (n < n_block) {
+      if (n < n_blocks) {
         const int2 m_blocks = query_block_range<kBlockM>(mask, n * kBlockN, kBlockN);
         adds = m_blocks.x <= m_block && m_block < m_blocks.y;
       }
@@ -362,8 +366,9 @@ struct KeyBlockWork {
 };
 
 template <int kBlockM, int kBlockN, MaskKind kKind>
-__device__ __forceinline__ KeyBlockWork<kBlockM, kBlockN, kKind> key_block_work_of_this_cta(FwdParams const& params) {
-  const KeyTile tile = key_tile_of_this_cta<kBlockN>(params);
+__device__ __forceinline__ KeyBlockWork<kBlockM, kBlockN, kKind> key_block_work_of_this_cta(
+    FwdParams const& params, bool last_key_block_first = false) {
+  const KeyTile tile = key_tile_of_this_cta<kBlockN>(params, last_key_block_first);
   const Sequence sequence = sequence_of(params, tile.batch);
   const KeyMask<kKind> mask = key_mask_of<kKind>(params, sequence.seqlen_q, sequence.seqlen_k);
   const int key_start = tile.n_block * kBlockN;

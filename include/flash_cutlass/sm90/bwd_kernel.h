@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90(__grid_constant__ const BwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   BwdParams const& params = kernel_params.call;
-  const auto work = key_block_work_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind>(params);
+  // Deterministic calls add dQ in decreasing key-block order (ordered_reduce.h), launched in it.
+  const auto work = key_block_work_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind>(params, params.deterministic);
   if (!work.in_sequence()) return;
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);

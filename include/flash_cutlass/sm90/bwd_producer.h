@@ -180,14 +180,15 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   // Deterministic calls: this sequence and head's turn counters, a query block each
   // (ordered_reduce.h); params.seqlen_q bounds every sequence's length.
   int* turns = nullptr;
+  const int key_blocks = (work.sequence.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (params.deterministic) {
     const int m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     turns = params.dq_turns + (int64_t(work.tile.batch) * params.heads + work.tile.head) * m_blocks;
   }
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     // Counted while the consumers still compute this block's dQ.
-    const int place = turns != nullptr ? key_blocks_before<Traits::kBlockM, Traits::kBlockN>(
-                                             work.mask, work.tile.n_block, m_block, lane)
+    const int place = turns != nullptr ? later_key_blocks<Traits::kBlockM, Traits::kBlockN>(
+                                             work.mask, work.tile.n_block, key_blocks, m_block, lane)
                                        : 0;
     named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
     const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;

@@ -9,13 +9,19 @@
 
 namespace flash_cutlass::sm90 {
 
-// Spins until *turn == place; the acquire orders the reductions of earlier turns, then the proxy
-// fence the TMA unit's (async proxy) reduction, before this thread's next one.
+// Polls until *turn == place; the acquire orders the reductions of earlier turns, then the proxy
+// fence the TMA unit's (async proxy) reduction, before this thread's next one. A turn that never
+// comes (a place counted wrong, a CTA the GPU never ran) would hang the device: past about a
+// minute of polling the kernel traps instead, which the host reports as a launch failure.
 __device__ __forceinline__ void wait_for_turn(const int* turn, int place) {
-  int current;
-  do {
+  constexpr unsigned kMaxPolls = 1u << 26;  // of at least 1 us each (the load and the back-off)
+  for (unsigned polls = 0;; ++polls) {
+    int current;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(current) : "l"(turn) : "memory");
-  } while (current != place);
+    if (current == place) break;
+    if (polls == kMaxPolls) __trap();
+    __nanosleep(128);
+  }
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 

@@ -461,8 +461,29 @@ __global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constan
   if (lane == 0) params.lse[index] = lse;
 }
 
+// fp32 a * b, a - b and a + b rounded to nearest, each on its own: PTX without .ftz, which neither
+// nvcc's FMA contraction nor --use_fast_math's flush of subnormals (-ftz=true, which turns even
+// __fmul_rn into FMUL.FTZ) touches. The append's rotation is thereby bitwise the CPU's.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float result;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(result) : "f"(a), "f"(b));
+  return result;
+}
+__device__ __forceinline__ float sub_rn(float a, float b) {
+  float result;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(result) : "f"(a), "f"(b));
+  return result;
+}
+__device__ __forceinline__ float add_rn(float a, float b) {
+  float result;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(result) : "f"(a), "f"(b));
+  return result;
+}
+
 // Eight columns from `col` of the row at src into the row at dst, turned by the rotary embedding
-// of `position` where they lie below rotary_dim (fp32 math, rounded once).
+// of `position` where they lie below rotary_dim: bitwise the reference's rotation
+// (flash_cutlass.reference, _KVCachePlan._rotated), which rounds each fp32 product, then their
+// difference or sum, then the result to the dtype.
 template <class Element>
 __device__ __forceinline__ void rotate_and_store(KVCacheParams const& params, const Element* src, Element* dst,
                                                  int col, int position) {
@@ -483,7 +504,8 @@ __device__ __forceinline__ void rotate_and_store(KVCacheParams const& params, co
       const int x2_col = params.rotary_interleaved ? 2 * m + 1 : m + half;
       const float x1 = float(src[x1_col]), x2 = float(src[x2_col]);
       const float c = float(cos[m]), s = float(sin[m]);
-      values[e] = Element(first ? x1 * c - x2 * s : x1 * s + x2 * c);
+      // An FMA would round once where the reference rounds the product and the sum each.
+      values[e] = Element(first ? sub_rn(mul_rn(x1, c), mul_rn(x2, s)) : add_rn(mul_rn(x1, s), mul_rn(x2, c)));
     }
   }
   *reinterpret_cast<cutlass::Array<Element, 8>*>(dst + col) = values;

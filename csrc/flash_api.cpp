@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "flash_cutlass/common/per_device.h"
 #include "flash_cutlass/dispatch.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/select.h"
@@ -537,6 +538,23 @@ const int* kvcache_indices(const std::optional<at::Tensor>& t, const char* name,
   return t->data_ptr<int>();
 }
 
+// Device `index`'s SM count and per-block shared memory limit, queried once per device and process,
+// so that a decode step asks the driver nothing (the kernels keep their own attributes per device:
+// sm80/kvcache_launch.h).
+KVCacheDevice kvcache_device(int index) {
+  auto attribute = [index](cudaDeviceAttr which) {
+    int value = 0;
+    const cudaError_t status = cudaDeviceGetAttribute(&value, which, index);
+    return status == cudaSuccess ? value : -int(status);
+  };
+  static PerDeviceValue sm_counts, smem_limits;
+  const int sm_count = sm_counts.get(index, [&] { return attribute(cudaDevAttrMultiProcessorCount); });
+  if (sm_count < 0) C10_CUDA_CHECK(cudaError_t(-sm_count));
+  const int smem = smem_limits.get(index, [&] { return attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); });
+  if (smem < 0) C10_CUDA_CHECK(cudaError_t(-smem));
+  return {index, sm_count, smem};
+}
+
 // Attention over a KV cache (flash_cutlass/kvcache.py, which checked every argument with
 // flash_cutlass.reference.check_kvcache_arguments): the append of k and v (rotated with rotary)
 // at cache_seqlens, then the attention of q (rotated with rotary) over each sequence's cache into
@@ -695,21 +713,21 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                                                    : static_cast<int>(std::min<int64_t>(options.window_right, unbounded));
 
   const c10::cuda::CUDAGuard device_guard(q.device());
-  int sm_count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.get_device()));
-  int smem_limit = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-  const int smem_needed = kvcache_smem_bytes(kernel_hdim);
-  FLASH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
-              " KV-cache kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
-              " allows ", smem_limit / 1024, " KiB");
+  const KVCacheDevice device = kvcache_device(q.get_device());
+  const int smem_needed = kvcache_smem_bytes(kernel_hdim, device);
+  FLASH_CHECK(smem_needed <= device.smem_per_block, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
+              " KV-cache kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block even at its "
+              "shallowest pipeline, but ", q.device(), " allows ", device.smem_per_block / 1024,
+              " KiB per block (cudaDevAttrMaxSharedMemoryPerBlockOptin; sm86, sm89 and sm120 GPUs allow 99 KiB, "
+              "which holds the KV-cache kernels up to head dim 128)");
   const int64_t row_blocks = kvcache_row_blocks(params);
   FLASH_CHECK(row_blocks <= 65535, "seqlen_q times heads / heads_k must be at most ", 65535 * kKVCacheTileRows,
               " in a KV-cache call");
   FLASH_CHECK(num_splits >= 0 && num_splits <= kKVCacheMaxSplits, "num_splits must be in [0, ", kKVCacheMaxSplits, "]");
   params.num_splits = num_splits > 0 ? static_cast<int>(num_splits)
                                      : kvcache_num_splits(batch * heads_k * row_blocks, capacity,
-                                                          int64_t(sm_count) * std::max(kvcache_ctas_per_sm(dtype, kernel_hdim), 1));
+                                                          int64_t(device.sm_count) *
+                                                              std::max(kvcache_ctas_per_sm(dtype, kernel_hdim, device), 1));
   at::Tensor out_accum, lse_accum;
   if (params.num_splits > 1) {
     const auto fp32 = q.options().dtype(at::kFloat);
@@ -725,7 +743,7 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
   }
   if (seqlen_q == 0) return;
-  const cudaError_t status = run_kvcache_kernel(params, dtype, kernel_hdim, stream);
+  const cudaError_t status = run_kvcache_kernel(params, dtype, kernel_hdim, device, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache kernel launch failed: ", cudaGetErrorString(status));
 }
 

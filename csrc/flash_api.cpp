@@ -214,13 +214,16 @@ void set_mask_params(FwdParams& params, AttentionOptions const& options) {
 // softcap) and exponentiate it times softcap; 0: none), ALiBi slopes (fp32, (heads,) or
 // (batch, heads), on q's device; none: no ALiBi) and dropout's probability (dropout_p in [0, 1);
 // its Philox state: set_philox_state), and the factor the kernels take before exp2 (exp2_scale).
-void set_extended_params(FwdParams& params, AttentionOptions const& options, const at::Tensor& q) {
+// score_mods_built_in: the caller's kernels carry the soft cap and ALiBi whatever the build flags
+// FLASH_CUTLASS_SOFTCAP and FLASH_CUTLASS_ALIBI say (the KV-cache kernel), so they are not checked.
+void set_extended_params(FwdParams& params, AttentionOptions const& options, const at::Tensor& q,
+                         bool score_mods_built_in = false) {
   const double softcap = options.softcap, dropout_p = options.dropout_p;
   const std::optional<at::Tensor>& alibi_slopes = options.alibi_slopes;
   FLASH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
   params.exp2_scale = static_cast<float>((softcap > 0 ? softcap : options.softmax_scale) * M_LOG2E);
   if (softcap > 0) {
-    FLASH_CHECK(compiled::kSoftcap, "softcap=", softcap,
+    FLASH_CHECK(score_mods_built_in || compiled::kSoftcap, "softcap=", softcap,
                  " needs the soft cap of the extended kernels, which this build left out (FLASH_CUTLASS_SOFTCAP=0); "
                  "rebuild with FLASH_CUTLASS_SOFTCAP=1");
     params.softcap = static_cast<float>(softcap);
@@ -228,7 +231,7 @@ void set_extended_params(FwdParams& params, AttentionOptions const& options, con
   }
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {
     const at::Tensor& slopes = *alibi_slopes;
-    FLASH_CHECK(compiled::kAlibi,
+    FLASH_CHECK(score_mods_built_in || compiled::kAlibi,
                  "alibi_slopes needs ALiBi in the extended kernels, which this build left out (FLASH_CUTLASS_ALIBI=0); "
                  "rebuild with FLASH_CUTLASS_ALIBI=1");
     FLASH_CHECK(slopes.scalar_type() == at::kFloat, "alibi_slopes must be float32, got ", slopes.scalar_type());
@@ -604,7 +607,8 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   params.heads_k = static_cast<int>(heads_k);
   params.head_dim = static_cast<int>(head_dim);
   params.softmax_scale = static_cast<float>(options.softmax_scale);
-  set_extended_params(params, options, q);
+  // The KV-cache kernel takes the soft cap and ALiBi at run time in its one instantiation.
+  set_extended_params(params, options, q, /*score_mods_built_in=*/true);
 
   // The cache: pages of a block table, or one page per cache row.
   params.block_table = kvcache_indices(block_table, "block_table", 2, q);

@@ -87,6 +87,22 @@ def test_shared_checks_bound_what_the_shapes_bound():
         reference.check_kvcache_arguments(q, cache, cache, None, None, -1)
 
 
+def test_shared_checks_bound_rotary_positions_of_an_int_length():
+    """An int cache_seqlens is known without data: rotary positions past seqlen_ro raise on the CUDA
+    path too (its kernels would clamp them); a tensor's lengths are left to the kernels."""
+    q = torch.empty(2, 3, 4, 16, device="meta", dtype=torch.float16)
+    cache = torch.empty(2, 16, 2, 16, device="meta", dtype=torch.float16)
+    new = torch.empty(2, 2, 2, 16, device="meta", dtype=torch.float16)
+    cos = torch.empty(8, 4, device="meta", dtype=torch.float16)
+    # Positions 6 and 7 (keys), 6-8 (queries, causal): up to 8, one past seqlen_ro = 8.
+    with pytest.raises(ValueError, match=r"have 8 positions \(seqlen_ro\) but the call rotates positions up to 8"):
+        reference.check_kvcache_arguments(q, cache, cache, new, new, 6, causal=True, rotary_cos=cos, rotary_sin=cos)
+    # Without a mask every query turns at the length: positions up to 7 fit.
+    reference.check_kvcache_arguments(q, cache, cache, new, new, 6, rotary_cos=cos, rotary_sin=cos)
+    seqlens = torch.empty(2, device="meta", dtype=torch.int32)
+    reference.check_kvcache_arguments(q, cache, cache, new, new, seqlens, causal=True, rotary_cos=cos, rotary_sin=cos)
+
+
 def test_exported_from_the_package():
     assert "flash_attention_with_kvcache" in flash_cutlass.__all__
     assert flash_cutlass.flash_attention_with_kvcache.__module__ == "flash_cutlass.kvcache"

@@ -7,8 +7,14 @@ out moved per second) next to this GPU's measured device-to-device copy bandwidt
     python3 benchmarks/benchmark_decode.py --batch 1 --context 131072 --impls flash_cutlass,flash_cutlass_contiguous
 
 Each sequence holds --context tokens; one new query token per sequence (seqlen_q 1). SDPA and
-FlexAttention read a contiguous (batch, heads_k, context, head_dim) cache with GQA. Timings: the
-median of CUDA-event timings after warm-up, implementations interleaved per shape.
+FlexAttention read a contiguous (batch, heads_k, context, head_dim) cache with GQA.
+
+Timings: after warm-up, --calls back-to-back calls between one pair of CUDA events (--timing loop,
+the default: the host enqueues the next call while the GPU runs the last, so only host overhead
+longer than a call shows), or one replay of a CUDA graph capturing them (--timing graph: no host
+overhead at all); the time of a call is the median over --repeats such measurements, divided by
+--calls. Every call reads the same cache: one that fits in L2 (50 MB on an H100/H200) is partly read
+from there, so small shapes can show more than HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -21,25 +27,45 @@ import torch
 IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
 
 
-def time_ms(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def time_ms(fn, calls: int, repeats: int, graph: bool = False, warmup: int = 5) -> float:
+    """Milliseconds per call of fn: the median over `repeats` of `calls` back-to-back calls timed
+    between one pair of CUDA events (one event pair per call would time the host's launch of each
+    call too, and a sync per call would leave the GPU idle between them), or of one replay of a
+    CUDA graph capturing the `calls` calls."""
+    # The warm-up runs on a side stream, as a graph capture needs (PyTorch's CUDA graph notes).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            for _ in range(calls):
+                fn()
+        captured.replay()
+
+        def timed():
+            captured.replay()
+    else:
+        def timed():
+            for _ in range(calls):
+                fn()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in pairs:
         start.record()
-        fn()
+        timed()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in pairs) / calls
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
     src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), 20)
+    ms = time_ms(lambda: dst.copy_(src), calls=5, repeats=5)
     return 2 * src.numel() / (ms * 1e-3)
 
 
@@ -91,7 +117,14 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=16, help="page size of the paged cache (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS))
-    parser.add_argument("--iters", type=int, default=50, help="timed calls per implementation (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=20,
+                        help="back-to-back calls per timed measurement (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="timed measurements per implementation and shape; the median is reported "
+                             "(default: %(default)s)")
+    parser.add_argument("--timing", choices=("loop", "graph"), default="loop",
+                        help="loop: calls launched back to back; graph: one replay of a CUDA graph capturing "
+                             "them (default: %(default)s)")
     parser.add_argument("--max-cache-gib", type=float, default=40.0,
                         help="skip shapes whose K/V cache exceeds this (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -99,11 +132,14 @@ def main(argv=None) -> int:
     unknown = [name for name in impls if name not in IMPLS]
     if unknown:
         parser.error(f"unknown --impls {unknown}; choose from {', '.join(IMPLS)}")
+    if args.calls < 1 or args.repeats < 1:
+        parser.error("--calls and --repeats must be >= 1")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     copy = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy / 1e9:.0f} GB/s")
+    print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy / 1e9:.0f} GB/s; timing: {args.timing}, "
+          f"median of {args.repeats} x {args.calls} calls")
     print(f"{'batch':>6} {'context':>8} {'impl':>26} {'time us':>9} {'GB/s':>8} {'of copy':>8}")
     for batch in args.batch:
         for context in args.context:
@@ -116,7 +152,7 @@ def main(argv=None) -> int:
                 try:
                     fn = make_callables(impl, batch, context, args.heads, args.heads_k, args.head_dim,
                                         args.page_size, dtype)
-                    ms = time_ms(fn, args.iters)
+                    ms = time_ms(fn, args.calls, args.repeats, graph=args.timing == "graph")
                 except (RuntimeError, torch.OutOfMemoryError) as error:
                     print(f"{batch:>6} {context:>8} {impl:>26}  unavailable: {str(error).splitlines()[0][:80]}")
                     continue

@@ -112,8 +112,8 @@ def kvcache_instances(hdim: int, dtype: str) -> str:
     """The explicit instantiations of the KV-cache attention of one head dim and C++ DType."""
     args = f"{hdim}, flash_cutlass::DType::{dtype}"
     return (f"template cudaError_t flash_cutlass::sm80::run_kvcache<{args}>(flash_cutlass::KVCacheParams const&, "
-            "cudaStream_t);\n"
-            f"template int flash_cutlass::sm80::kvcache_ctas_per_sm<{args}>();\n")
+            "flash_cutlass::KVCacheDevice const&, cudaStream_t);\n"
+            f"template int flash_cutlass::sm80::kvcache_ctas_per_sm<{args}>(flash_cutlass::KVCacheDevice const&);\n")
 
 
 def kvcache_append_instances(dtype: str) -> str:
@@ -132,7 +132,7 @@ def kvcache_source(selection: BuildSelection, hdim) -> str:
     for dtype in selection.dtypes:
         text += kvcache_append_instances(DTYPES[dtype][0]) if hdim is None else kvcache_instances(hdim, DTYPES[dtype][0])
     if hdim is not None:
-        text += f"template int flash_cutlass::sm80::kvcache_smem_bytes_of<{hdim}>();\n"
+        text += f"template int flash_cutlass::sm80::kvcache_smem_bytes_of<{hdim}>(flash_cutlass::KVCacheDevice const&);\n"
     return text
 
 

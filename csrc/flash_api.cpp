@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "flash_cutlass/common/per_device.h"
 #include "flash_cutlass/dispatch.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/select.h"
@@ -213,13 +214,16 @@ void set_mask_params(FwdParams& params, AttentionOptions const& options) {
 // softcap) and exponentiate it times softcap; 0: none), ALiBi slopes (fp32, (heads,) or
 // (batch, heads), on q's device; none: no ALiBi) and dropout's probability (dropout_p in [0, 1);
 // its Philox state: set_philox_state), and the factor the kernels take before exp2 (exp2_scale).
-void set_extended_params(FwdParams& params, AttentionOptions const& options, const at::Tensor& q) {
+// score_mods_built_in: the caller's kernels carry the soft cap and ALiBi whatever the build flags
+// FLASH_CUTLASS_SOFTCAP and FLASH_CUTLASS_ALIBI say (the KV-cache kernel), so they are not checked.
+void set_extended_params(FwdParams& params, AttentionOptions const& options, const at::Tensor& q,
+                         bool score_mods_built_in = false) {
   const double softcap = options.softcap, dropout_p = options.dropout_p;
   const std::optional<at::Tensor>& alibi_slopes = options.alibi_slopes;
   FLASH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
   params.exp2_scale = static_cast<float>((softcap > 0 ? softcap : options.softmax_scale) * M_LOG2E);
   if (softcap > 0) {
-    FLASH_CHECK(compiled::kSoftcap, "softcap=", softcap,
+    FLASH_CHECK(score_mods_built_in || compiled::kSoftcap, "softcap=", softcap,
                  " needs the soft cap of the extended kernels, which this build left out (FLASH_CUTLASS_SOFTCAP=0); "
                  "rebuild with FLASH_CUTLASS_SOFTCAP=1");
     params.softcap = static_cast<float>(softcap);
@@ -227,7 +231,7 @@ void set_extended_params(FwdParams& params, AttentionOptions const& options, con
   }
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {
     const at::Tensor& slopes = *alibi_slopes;
-    FLASH_CHECK(compiled::kAlibi,
+    FLASH_CHECK(score_mods_built_in || compiled::kAlibi,
                  "alibi_slopes needs ALiBi in the extended kernels, which this build left out (FLASH_CUTLASS_ALIBI=0); "
                  "rebuild with FLASH_CUTLASS_ALIBI=1");
     FLASH_CHECK(slopes.scalar_type() == at::kFloat, "alibi_slopes must be float32, got ", slopes.scalar_type());
@@ -543,6 +547,23 @@ const int* kvcache_indices(const std::optional<at::Tensor>& t, const char* name,
   return t->data_ptr<int>();
 }
 
+// Device `index`'s SM count and per-block shared memory limit, queried once per device and process,
+// so that a decode step asks the driver nothing (the kernels keep their own attributes per device:
+// sm80/kvcache_launch.h).
+KVCacheDevice kvcache_device(int index) {
+  auto attribute = [index](cudaDeviceAttr which) {
+    int value = 0;
+    const cudaError_t status = cudaDeviceGetAttribute(&value, which, index);
+    return status == cudaSuccess ? value : -int(status);
+  };
+  static PerDeviceValue sm_counts, smem_limits;
+  const int sm_count = sm_counts.get(index, [&] { return attribute(cudaDevAttrMultiProcessorCount); });
+  if (sm_count < 0) C10_CUDA_CHECK(cudaError_t(-sm_count));
+  const int smem = smem_limits.get(index, [&] { return attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); });
+  if (smem < 0) C10_CUDA_CHECK(cudaError_t(-smem));
+  return {index, sm_count, smem};
+}
+
 // Attention over a KV cache (flash_cutlass/kvcache.py, which checked every argument with
 // flash_cutlass.reference.check_kvcache_arguments): the append of k and v (rotated with rotary)
 // at cache_seqlens, then the attention of q (rotated with rotary) over each sequence's cache into
@@ -592,7 +613,8 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   params.heads_k = static_cast<int>(heads_k);
   params.head_dim = static_cast<int>(head_dim);
   params.softmax_scale = static_cast<float>(options.softmax_scale);
-  set_extended_params(params, options, q);
+  // The KV-cache kernel takes the soft cap and ALiBi at run time in its one instantiation.
+  set_extended_params(params, options, q, /*score_mods_built_in=*/true);
 
   // The cache: pages of a block table, or one page per cache row.
   params.block_table = kvcache_indices(block_table, "block_table", 2, q);
@@ -701,21 +723,21 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                                                    : static_cast<int>(std::min<int64_t>(options.window_right, unbounded));
 
   const c10::cuda::CUDAGuard device_guard(q.device());
-  int sm_count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.get_device()));
-  int smem_limit = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-  const int smem_needed = kvcache_smem_bytes(kernel_hdim);
-  FLASH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
-              " KV-cache kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
-              " allows ", smem_limit / 1024, " KiB");
+  const KVCacheDevice device = kvcache_device(q.get_device());
+  const int smem_needed = kvcache_smem_bytes(kernel_hdim, device);
+  FLASH_CHECK(smem_needed <= device.smem_per_block, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
+              " KV-cache kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block even at its "
+              "shallowest pipeline, but ", q.device(), " allows ", device.smem_per_block / 1024,
+              " KiB per block (cudaDevAttrMaxSharedMemoryPerBlockOptin; sm86, sm89 and sm120 GPUs allow 99 KiB, "
+              "which holds the KV-cache kernels up to head dim 128)");
   const int64_t row_blocks = kvcache_row_blocks(params);
   FLASH_CHECK(row_blocks <= 65535, "seqlen_q times heads / heads_k must be at most ", 65535 * kKVCacheTileRows,
               " in a KV-cache call");
   FLASH_CHECK(num_splits >= 0 && num_splits <= kKVCacheMaxSplits, "num_splits must be in [0, ", kKVCacheMaxSplits, "]");
   params.num_splits = num_splits > 0 ? static_cast<int>(num_splits)
                                      : kvcache_num_splits(batch * heads_k * row_blocks, capacity,
-                                                          int64_t(sm_count) * std::max(kvcache_ctas_per_sm(dtype, kernel_hdim), 1));
+                                                          int64_t(device.sm_count) *
+                                                              std::max(kvcache_ctas_per_sm(dtype, kernel_hdim, device), 1));
   at::Tensor out_accum, lse_accum;
   if (params.num_splits > 1) {
     const auto fp32 = q.options().dtype(at::kFloat);
@@ -731,7 +753,7 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
   }
   if (seqlen_q == 0) return;
-  const cudaError_t status = run_kvcache_kernel(params, dtype, kernel_hdim, stream);
+  const cudaError_t status = run_kvcache_kernel(params, dtype, kernel_hdim, device, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache kernel launch failed: ", cudaGetErrorString(status));
 }
 

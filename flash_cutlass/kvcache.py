@@ -6,7 +6,9 @@ read no tensor data, for both paths. CPU tensors then run flash_cutlass.referenc
 attention_with_kvcache, which also reads and checks the lengths, block ids and cache rows. CUDA
 tensors run the extension's KV-cache kernels (include/flash_cutlass/sm80/kvcache_kernel.h), which
 read nothing on the host: no synchronization, so CUDA graphs capture the call; lengths and block
-ids out of range are clamped into the cache on the device instead of raising.
+ids out of range are clamped into the cache on the device instead of raising, and so are rotary
+positions past seqlen_ro (to its last row) where cache_seqlens is a tensor (an int is checked on the
+host, on both paths).
 """
 
 from __future__ import annotations

@@ -539,8 +539,24 @@ def check_kvcache_arguments(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if rotary_sin.shape != rotary_cos.shape:
         raise ValueError(f"rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, "
                          f"got {tuple(rotary_sin.shape)}")
-    return dataclasses.replace(arguments, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                               rotary_interleaved=_options_bool(rotary_interleaved, "rotary_interleaved"))
+    arguments = dataclasses.replace(arguments, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                    rotary_interleaved=_options_bool(rotary_interleaved, "rotary_interleaved"))
+    if _is_int(arguments.cache_seqlens) and batch:
+        # An int length is known without reading data: CUDA calls, whose kernels would clamp a
+        # position past seqlen_ro to its last row, raise here as CPU calls do.
+        _check_rotary_positions(rotary_cos.shape[0], [arguments.cache_seqlens], seqlen_new, sq,
+                                arguments.rotary_q_per_row)
+    return arguments
+
+
+def _check_rotary_positions(seqlen_ro: int, starts: list[int], seqlen_new: int, seqlen_q: int, q_per_row: bool):
+    """Raises unless rotary_cos/rotary_sin have a row for every position the call rotates: the new
+    keys at starts[b] + j, the queries at starts[b] + i (q_per_row) or starts[b]."""
+    rows = max(seqlen_new, seqlen_q if q_per_row else 1)
+    needed = max(starts) + rows if starts else 0
+    if needed > seqlen_ro:
+        raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} positions (seqlen_ro) but the call "
+                         f"rotates positions up to {needed - 1}")
 
 
 def _check_kvcache_tensors(q, k_cache, v_cache, k, v):
@@ -657,11 +673,7 @@ class _KVCachePlan:
         if self.rotary:
             self.cos, self.sin = arguments.rotary_cos, arguments.rotary_sin
             self.interleaved, self.q_per_row = arguments.rotary_interleaved, arguments.rotary_q_per_row
-            rows = max(self.seqlen_new, sq if self.q_per_row else 1)
-            needed = max(self.start) + rows if self.start else 0
-            if needed > self.cos.shape[0]:
-                raise ValueError(f"rotary_cos/rotary_sin have {self.cos.shape[0]} positions (seqlen_ro) but the call "
-                                 f"rotates positions up to {needed - 1}")
+            _check_rotary_positions(self.cos.shape[0], self.start, self.seqlen_new, sq, self.q_per_row)
         self._check_conflicts()
 
     def _check_seqlens(self, cache_seqlens, batch) -> list[int]:

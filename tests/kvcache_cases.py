@@ -63,6 +63,31 @@ def reference_of(call, **options):
     return oracle, baseline
 
 
+def reference_caches(call, **options):
+    """The caches (k_cache, v_cache) after the reference's append of a call, on the CPU in the
+    call's dtype: a kernel's append must write them bitwise."""
+    expected = cloned(call, None, "cpu")
+    reference.attention_with_kvcache(**expected, **_on_cpu(options, None))
+    return expected["k_cache"], expected["v_cache"]
+
+
+# The log-sum-exp against the reference in the input dtype, which computes it in fp32 from the same
+# rounded inputs (rotated q and k included): the kernels' other summation order and their exp2 and
+# log approximations (relative error ~2^-22) move it by ~1e-6 of its size, so 1e-4 absolute plus
+# relative has room, while a mask one key off moves it by that key's weight, ~1/length (2e-3 at
+# 511 keys, 7e-3 at 150). The soft cap's hardware tanh (relative error ~2^-11 of |tanh| <= 1)
+# moves each score by up to softcap * 2^-11 (2e-3 at softcap 4) and the log-sum-exp by a weighted
+# mean of those: 3e-3 absolute, no relative term, which a one-key error at 150 keys still exceeds.
+LSE_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+LSE_SOFTCAP_TOLERANCE = {"atol": 3e-3, "rtol": 0.0}
+
+
+def check_lse(lse, expected, softcap=0.0):
+    """lse (any device) against expected with the tolerance above; -inf rows must match exactly."""
+    tolerance = LSE_SOFTCAP_TOLERANCE if softcap > 0 else LSE_TOLERANCE
+    torch.testing.assert_close(lse.detach().float().cpu(), expected.float().cpu(), **tolerance)
+
+
 def _on_cpu(options, dtype):
     moved = {}
     for name, value in options.items():

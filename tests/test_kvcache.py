@@ -1,13 +1,14 @@
 """flash_cutlass.flash_attention_with_kvcache on the CPU: it is the reference there (bitwise), its
 argument checks are the reference's (one implementation, check_kvcache_arguments, which reads no
-tensor data: meta tensors go through it), and its own arguments (num_splits, return_lse) are checked."""
+tensor data: meta tensors go through it), and its own arguments (num_splits, return_lse) are checked;
+the GPU tests' log-sum-exp tolerance sees a mask one key off."""
 
 import pytest
 import torch
 
 import flash_cutlass
 from flash_cutlass import reference
-from kvcache_cases import cloned, make_call, rotary_tables
+from kvcache_cases import check_lse, cloned, make_call, rotary_tables
 
 
 @pytest.mark.parametrize("page_size", [None, 1, 4, 16])
@@ -85,6 +86,41 @@ def test_shared_checks_bound_what_the_shapes_bound():
         reference.check_kvcache_arguments(q, cache, cache, new, new, 8)
     with pytest.raises(ValueError, match="cache_seqlens must be >= 0"):
         reference.check_kvcache_arguments(q, cache, cache, None, None, -1)
+
+
+def test_shared_checks_bound_rotary_positions_of_an_int_length():
+    """An int cache_seqlens is known without data: rotary positions past seqlen_ro raise on the CUDA
+    path too (its kernels would clamp them); a tensor's lengths are left to the kernels."""
+    q = torch.empty(2, 3, 4, 16, device="meta", dtype=torch.float16)
+    cache = torch.empty(2, 16, 2, 16, device="meta", dtype=torch.float16)
+    new = torch.empty(2, 2, 2, 16, device="meta", dtype=torch.float16)
+    cos = torch.empty(8, 4, device="meta", dtype=torch.float16)
+    # Positions 6 and 7 (keys), 6-8 (queries, causal): up to 8, one past seqlen_ro = 8.
+    with pytest.raises(ValueError, match=r"have 8 positions \(seqlen_ro\) but the call rotates positions up to 8"):
+        reference.check_kvcache_arguments(q, cache, cache, new, new, 6, causal=True, rotary_cos=cos, rotary_sin=cos)
+    # Without a mask every query turns at the length: positions up to 7 fit.
+    reference.check_kvcache_arguments(q, cache, cache, new, new, 6, rotary_cos=cos, rotary_sin=cos)
+    seqlens = torch.empty(2, device="meta", dtype=torch.int32)
+    reference.check_kvcache_arguments(q, cache, cache, new, new, seqlens, causal=True, rotary_cos=cos, rotary_sin=cos)
+
+
+@pytest.mark.parametrize("seqlens,options", [((200, 511), {"causal": True}), ((33, 150), {"causal": True}),
+                                             ((33, 150), {"softcap": 4.0, "causal": True})],
+                         ids=["decode", "options", "softcap"])
+@pytest.mark.parametrize("shift", [1, -1])
+def test_the_gpu_tests_lse_tolerance_sees_a_mask_one_key_off(gen, seqlens, options, shift):
+    """kvcache_cases.check_lse (the GPU tests' log-sum-exp check) fails on the log-sum-exp of a mask
+    one key longer or shorter, at the GPU tests' shapes and lengths, and passes on the right one."""
+    call = make_call(gen, batch=2, heads=8, heads_k=2, head_dim=128, seqlens=seqlens, seqlen_new=0, page_size=16,
+                     capacity=512)
+    _, expected = reference.attention_with_kvcache(**cloned(call), **options)
+    _, same = reference.attention_with_kvcache(**cloned(call), **options, block_size=64)
+    check_lse(same, expected, options.get("softcap", 0.0))
+    off = cloned(call)
+    off["cache_seqlens"] = off["cache_seqlens"] + shift
+    _, wrong = reference.attention_with_kvcache(**off, **options)
+    with pytest.raises(AssertionError):
+        check_lse(wrong, expected, options.get("softcap", 0.0))
 
 
 def test_exported_from_the_package():

@@ -134,7 +134,11 @@ def main(argv=None) -> int:
             flags = re.findall(r"Lb([01])E", line)
             kinds = re.findall(r"MaskKindE(\d)E", line)
             extensions = re.findall(r"ExtensionE(\d)E", line)
-            details = ([f"mask kind {', '.join(kinds)}"] if kinds else []) + (
+            # The KV-cache attention has an instantiation per pipeline depth (kvcache_kernel.h's
+            # KVCacheStages): its int template arguments are the head dim and the stages.
+            stages = re.match(r"flash_kvcache_sm80ILi(\d+)ELi(\d+)E", line[entry.start(1):])
+            details = ([f"{stages.group(2)} stages"] if stages else []) + (
+                [f"mask kind {', '.join(kinds)}"] if kinds else []) + (
                 [f"extension {', '.join(extensions)}"] if extensions else []) + (
                 [f"bool template arguments {', '.join(flags)}"] if flags else [])
             print(f"  {entry.group(1)}" + (f" ({'; '.join(details)})" if details else ""))

@@ -137,13 +137,15 @@ cudaError_t run_kernel(Params const& params, DType dtype, int kernel_hdim, cudaS
   });
 }
 
-// The KV-cache kernels compiled for `kernel_hdim` (one of compiled::KVCacheHeadDims) and dtype:
-// the attention with its split merge, its CTAs per SM and shared memory; and the append of a dtype.
-// cudaErrorNotSupported (0 for the sizes) where the build left them out.
-inline cudaError_t run_kvcache_kernel(KVCacheParams const& params, DType dtype, int kernel_hdim, cudaStream_t stream) {
+// The KV-cache kernels compiled for `kernel_hdim` (one of compiled::KVCacheHeadDims) and dtype on
+// `device` (the current one): the attention with its split merge, its CTAs per SM and shared
+// memory; and the append of a dtype. cudaErrorNotSupported (0 for the sizes) where the build left
+// them out.
+inline cudaError_t run_kvcache_kernel(KVCacheParams const& params, DType dtype, int kernel_hdim,
+                                      KVCacheDevice const& device, cudaStream_t stream) {
   return detail::with_value(compiled::KVCacheHeadDims{}, kernel_hdim, [&](auto hdim) {
     return detail::with_value(compiled::DTypes{}, dtype, [&](auto type) {
-      return sm80::run_kvcache<decltype(hdim)::value, decltype(type)::value>(params, stream);
+      return sm80::run_kvcache<decltype(hdim)::value, decltype(type)::value>(params, device, stream);
     });
   });
 }
@@ -155,21 +157,21 @@ inline cudaError_t run_kvcache_append_kernel(KVCacheParams const& params, DType 
   });
 }
 
-inline int kvcache_ctas_per_sm(DType dtype, int kernel_hdim) {
+inline int kvcache_ctas_per_sm(DType dtype, int kernel_hdim, KVCacheDevice const& device) {
   int ctas = 0;
   detail::with_value(compiled::KVCacheHeadDims{}, kernel_hdim, [&](auto hdim) {
     return detail::with_value(compiled::DTypes{}, dtype, [&](auto type) {
-      ctas = sm80::kvcache_ctas_per_sm<decltype(hdim)::value, decltype(type)::value>();
+      ctas = sm80::kvcache_ctas_per_sm<decltype(hdim)::value, decltype(type)::value>(device);
       return cudaSuccess;
     });
   });
   return ctas;
 }
 
-inline int kvcache_smem_bytes(int kernel_hdim) {
+inline int kvcache_smem_bytes(int kernel_hdim, KVCacheDevice const& device) {
   int bytes = 0;
   detail::with_value(compiled::KVCacheHeadDims{}, kernel_hdim, [&](auto hdim) {
-    bytes = sm80::kvcache_smem_bytes_of<decltype(hdim)::value>();
+    bytes = sm80::kvcache_smem_bytes_of<decltype(hdim)::value>(device);
     return cudaSuccess;
   });
   return bytes;

@@ -18,6 +18,14 @@ struct FwdTimeline {
   static constexpr int kEntries = kCtas * kSteps * kWarpgroups * kEvents;
 };
 
+// What the KV-cache launches need of the device a call runs on (the current one), which the host
+// caches per device: its index, SM count and per-block shared memory limit (the opt-in maximum).
+struct KVCacheDevice {
+  int index;
+  int sm_count;
+  int smem_per_block;
+};
+
 namespace sm90 {
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
@@ -46,11 +54,11 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
 template <DType kDType>
 cudaError_t run_kvcache_append(KVCacheParams const& params, cudaStream_t stream);
 template <int kHeadDim, DType kDType>
-cudaError_t run_kvcache(KVCacheParams const& params, cudaStream_t stream);
+cudaError_t run_kvcache(KVCacheParams const& params, KVCacheDevice const& device, cudaStream_t stream);
 template <int kHeadDim, DType kDType>
-int kvcache_ctas_per_sm();
+int kvcache_ctas_per_sm(KVCacheDevice const& device);
 template <int kHeadDim>
-int kvcache_smem_bytes_of();
+int kvcache_smem_bytes_of(KVCacheDevice const& device);
 
 // Dynamic shared memory one CTA of the forward kernel for `kernel_hdim` needs, in bytes.
 int fwd_smem_bytes(int kernel_hdim);

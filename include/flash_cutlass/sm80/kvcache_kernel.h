@@ -81,17 +81,36 @@ struct KVCacheTraits {
 // Pipeline depth per head dim: a warp keeps kStages - 1 chunks of K and V in flight, about 100 KiB
 // of loads per CTA (two CTAs share a Hopper SM up to head dim 192), so that an SM has enough
 // bytes in flight to cover the memory latency (Little's law: ~40 KB per SM at 4.8 TB/s).
+// kCompactStages: the deepest pipeline within kKVCacheCompactSmemBytes, for the devices whose
+// per-block shared memory kStages exceeds (sm86, sm89 and sm120 allow 99 KiB a block; sm80 163 KiB,
+// sm90 227 KiB); the host picks it from the device's limit, and where it equals kStages one kernel
+// serves every device. Head dims 192 and 256 exceed 99 KiB even at 2 stages: the host refuses them
+// on such devices.
+constexpr int kKVCacheCompactSmemBytes = 99 * 1024;
 template <int kHeadDim>
 struct KVCacheStages;
-template <> struct KVCacheStages<32>  { static constexpr int kStages = 8; };
-template <> struct KVCacheStages<64>  { static constexpr int kStages = 6; };
-template <> struct KVCacheStages<96>  { static constexpr int kStages = 4; };
-template <> struct KVCacheStages<128> { static constexpr int kStages = 3; };
-template <> struct KVCacheStages<192> { static constexpr int kStages = 2; };
-template <> struct KVCacheStages<256> { static constexpr int kStages = 2; };
+template <> struct KVCacheStages<32>  { static constexpr int kStages = 8, kCompactStages = 8; };
+template <> struct KVCacheStages<64>  { static constexpr int kStages = 6, kCompactStages = 5; };
+template <> struct KVCacheStages<96>  { static constexpr int kStages = 4, kCompactStages = 3; };
+template <> struct KVCacheStages<128> { static constexpr int kStages = 3, kCompactStages = 2; };
+template <> struct KVCacheStages<192> { static constexpr int kStages = 2, kCompactStages = 2; };
+template <> struct KVCacheStages<256> { static constexpr int kStages = 2, kCompactStages = 2; };
 
 template <int kHeadDim, class Element>
 using KVCacheTraitsFor = KVCacheTraits<kHeadDim, KVCacheStages<kHeadDim>::kStages, Element>;
+template <int kHeadDim, class Element>
+using KVCacheCompactTraitsFor = KVCacheTraits<kHeadDim, KVCacheStages<kHeadDim>::kCompactStages, Element>;
+static_assert(KVCacheCompactTraitsFor<64, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes &&
+              KVCacheCompactTraitsFor<96, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes &&
+              KVCacheCompactTraitsFor<128, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes &&
+              KVCacheTraitsFor<32, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes);
+static_assert(KVCacheTraits<64, KVCacheStages<64>::kCompactStages + 1, cutlass::half_t>::kSmemBytes >
+                  kKVCacheCompactSmemBytes &&
+              KVCacheTraits<96, KVCacheStages<96>::kCompactStages + 1, cutlass::half_t>::kSmemBytes >
+                  kKVCacheCompactSmemBytes &&
+              KVCacheTraits<128, KVCacheStages<128>::kCompactStages + 1, cutlass::half_t>::kSmemBytes >
+                  kKVCacheCompactSmemBytes,
+              "kCompactStages is the deepest pipeline that fits");
 
 // One CTA: packed rows [m_block * kRows, + kRows) of (batch, kv_head), over split `split` of their keys.
 template <class Traits>
@@ -402,10 +421,10 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
 }
 
 // Grid: x = (kv head, batch) with the kv head fastest, y = block of packed query rows, z = split.
-template <int kHeadDim, class Element>
-__global__ void __launch_bounds__(KVCacheTraitsFor<kHeadDim, Element>::kThreads)
+template <int kHeadDim, int kStages, class Element>
+__global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kThreads)
     flash_kvcache_sm80(__grid_constant__ const KVCacheParams params) {
-  using Traits = KVCacheTraitsFor<kHeadDim, Element>;
+  using Traits = KVCacheTraits<kHeadDim, kStages, Element>;
   extern __shared__ __align__(128) char smem[];
   const int kv_head = int(blockIdx.x % unsigned(params.heads_k));
   const int batch = int(blockIdx.x / unsigned(params.heads_k));
@@ -461,8 +480,29 @@ __global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constan
   if (lane == 0) params.lse[index] = lse;
 }
 
+// fp32 a * b, a - b and a + b rounded to nearest, each on its own: PTX without .ftz, which neither
+// nvcc's FMA contraction nor --use_fast_math's flush of subnormals (-ftz=true, which turns even
+// __fmul_rn into FMUL.FTZ) touches. The append's rotation is thereby bitwise the CPU's.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float result;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(result) : "f"(a), "f"(b));
+  return result;
+}
+__device__ __forceinline__ float sub_rn(float a, float b) {
+  float result;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(result) : "f"(a), "f"(b));
+  return result;
+}
+__device__ __forceinline__ float add_rn(float a, float b) {
+  float result;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(result) : "f"(a), "f"(b));
+  return result;
+}
+
 // Eight columns from `col` of the row at src into the row at dst, turned by the rotary embedding
-// of `position` where they lie below rotary_dim (fp32 math, rounded once).
+// of `position` where they lie below rotary_dim: bitwise the reference's rotation
+// (flash_cutlass.reference, _KVCachePlan._rotated), which rounds each fp32 product, then their
+// difference or sum, then the result to the dtype.
 template <class Element>
 __device__ __forceinline__ void rotate_and_store(KVCacheParams const& params, const Element* src, Element* dst,
                                                  int col, int position) {
@@ -483,7 +523,8 @@ __device__ __forceinline__ void rotate_and_store(KVCacheParams const& params, co
       const int x2_col = params.rotary_interleaved ? 2 * m + 1 : m + half;
       const float x1 = float(src[x1_col]), x2 = float(src[x2_col]);
       const float c = float(cos[m]), s = float(sin[m]);
-      values[e] = Element(first ? x1 * c - x2 * s : x1 * s + x2 * c);
+      // An FMA would round once where the reference rounds the product and the sum each.
+      values[e] = Element(first ? sub_rn(mul_rn(x1, c), mul_rn(x2, s)) : add_rn(mul_rn(x1, s), mul_rn(x2, c)));
     }
   }
   *reinterpret_cast<cutlass::Array<Element, 8>*>(dst + col) = values;

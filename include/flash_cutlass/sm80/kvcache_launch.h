@@ -2,34 +2,88 @@
 // instantiation files.
 #pragma once
 
+#include <algorithm>
+
 #include <cuda_runtime_api.h>
 
+#include "flash_cutlass/common/per_device.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm80/kvcache_kernel.h"
 
 namespace flash_cutlass::sm80 {
 
+// The attention kernel of one pipeline depth, with what the host asks of it once per device.
+template <int kHeadDim, int kStages, class Element>
+struct KVCacheKernel {
+  using Traits = KVCacheTraits<kHeadDim, kStages, Element>;
+
+  // Raises the kernel's dynamic shared memory limit past the default 48 KiB on the current device,
+  // `device`, on its first launch there (the attribute is per device and stays set).
+  static cudaError_t prepare(int device) {
+    if constexpr (Traits::kSmemBytes <= 48 * 1024) {
+      return cudaSuccess;
+    } else {
+      static PerDeviceValue prepared;
+      const int result = prepared.get(device, [] {
+        const cudaError_t status = cudaFuncSetAttribute(&flash_kvcache_sm80<kHeadDim, kStages, Element>,
+                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+        return status == cudaSuccess ? 0 : -int(status);
+      });
+      return result < 0 ? cudaError_t(-result) : cudaSuccess;
+    }
+  }
+
+  // CTAs one SM of `device` holds at once; 0 where that cannot be found.
+  static int ctas_per_sm(int device) {
+    static PerDeviceValue ctas;
+    return std::max(ctas.get(device, [device] {
+      int count = 0;
+      if (prepare(device) != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, &flash_kvcache_sm80<kHeadDim, kStages, Element>,
+                                                        Traits::kThreads, Traits::kSmemBytes) != cudaSuccess) {
+        return -1;
+      }
+      return count;
+    }), 0);
+  }
+
+  static cudaError_t launch(KVCacheParams const& params, int device, dim3 grid, cudaStream_t stream) {
+    const cudaError_t status = prepare(device);
+    if (status != cudaSuccess) return status;
+    flash_kvcache_sm80<kHeadDim, kStages, Element><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+    return cudaGetLastError();
+  }
+};
+
+// f(KVCacheKernel<...>{}) of the pipeline depth that runs on `device`: KVCacheStages' kStages
+// where its shared memory fits the device's per-block limit, else kCompactStages (only then is a
+// second kernel compiled in).
+template <int kHeadDim, class Element, class F>
+decltype(auto) with_kvcache_kernel(KVCacheDevice const& device, F&& f) {
+  using Stages = KVCacheStages<kHeadDim>;
+  using Deep = KVCacheKernel<kHeadDim, Stages::kStages, Element>;
+  if constexpr (Stages::kCompactStages != Stages::kStages) {
+    if (Deep::Traits::kSmemBytes > device.smem_per_block) {
+      return f(KVCacheKernel<kHeadDim, Stages::kCompactStages, Element>{});
+    }
+  }
+  return f(Deep{});
+}
+
 // The attention over the cache (params.num_splits CTAs per tile), then, with more than one split,
 // the merge of their partial outputs. The append, if any, ran before (run_kvcache_append).
 template <int kHeadDim, DType kDType>
-cudaError_t run_kvcache(KVCacheParams const& params, cudaStream_t stream) {
+cudaError_t run_kvcache(KVCacheParams const& params, KVCacheDevice const& device, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  using Traits = KVCacheTraitsFor<kHeadDim, Element>;
   const int64_t row_blocks = kvcache_row_blocks(params);
   const int64_t kv_heads = int64_t(params.batch) * params.heads_k;
   if (kv_heads > 0x7fffffff || row_blocks > 65535 || params.num_splits < 1 || params.num_splits > 65535) {
     return cudaErrorInvalidConfiguration;
   }
-  auto kernel = &flash_kvcache_sm80<kHeadDim, Element>;
-  if (Traits::kSmemBytes > 48 * 1024) {
-    const cudaError_t status =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-    if (status != cudaSuccess) return status;
-  }
   const dim3 grid(unsigned(kv_heads), unsigned(row_blocks), unsigned(params.num_splits));
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
-  cudaError_t status = cudaGetLastError();
+  cudaError_t status = with_kvcache_kernel<kHeadDim, Element>(
+      device, [&](auto kernel) { return kernel.launch(params, device.index, grid, stream); });
   if (status != cudaSuccess || params.num_splits == 1) return status;
   const int64_t rows = int64_t(params.batch) * params.heads * params.seqlen_q;
   const int64_t combine_ctas = (rows + 3) / 4;
@@ -38,27 +92,18 @@ cudaError_t run_kvcache(KVCacheParams const& params, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// CTAs of the attention kernel one SM holds at once (for the split heuristic, select.h).
+// CTAs of the attention kernel one SM of `device` holds at once (for the split heuristic, select.h).
 template <int kHeadDim, DType kDType>
-int kvcache_ctas_per_sm() {
+int kvcache_ctas_per_sm(KVCacheDevice const& device) {
   using Element = typename ElementOf<kDType>::type;
-  using Traits = KVCacheTraitsFor<kHeadDim, Element>;
-  auto kernel = &flash_kvcache_sm80<kHeadDim, Element>;
-  if (Traits::kSmemBytes > 48 * 1024 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes) != cudaSuccess) {
-    return 0;
-  }
-  int ctas = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, Traits::kThreads, Traits::kSmemBytes) !=
-      cudaSuccess) {
-    return 0;
-  }
-  return ctas;
+  return with_kvcache_kernel<kHeadDim, Element>(device, [&](auto kernel) { return kernel.ctas_per_sm(device.index); });
 }
 
+// Shared memory per CTA of the attention kernel that runs on `device` (fp16 and bf16 alike).
 template <int kHeadDim>
-int kvcache_smem_bytes_of() {
-  return KVCacheTraitsFor<kHeadDim, cutlass::half_t>::kSmemBytes;
+int kvcache_smem_bytes_of(KVCacheDevice const& device) {
+  return with_kvcache_kernel<kHeadDim, cutlass::half_t>(
+      device, [](auto kernel) { return int(decltype(kernel)::Traits::kSmemBytes); });
 }
 
 // The append of the new keys and values (and the rotated queries with rotary).

@@ -55,7 +55,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from flash_cutlass.interface import check_forward_tensors, flash_backward, flash_backward_varlen, flash_forward
+from flash_cutlass.interface import (check_cu_seqlens, check_forward_tensors, check_packed_tensors, flash_backward,
+                                     flash_backward_varlen, flash_forward)
 from flash_cutlass.interface import flash_forward_varlen
 from flash_cutlass.options import check_bool, check_dropout_p, forward_options
 
@@ -151,12 +152,7 @@ def unshard_sequence(shards: Sequence[torch.Tensor], *, layout: str = "load_bala
 
 def _host_lengths(cu_seqlens, name: str = "cu_seqlens") -> List[int]:
     """The sequence lengths of int32 cumulative lengths (read on the host), checked."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}")
+    check_cu_seqlens(cu_seqlens, name)
     starts = cu_seqlens.tolist()
     lengths = [end - start for start, end in zip(starts, starts[1:])]
     if starts[0] != 0 or any(n < 0 for n in lengths):
@@ -796,12 +792,7 @@ def ring_flash_attention(q, k, v, group=None, softmax_scale: Optional[float] = N
 
 
 def _check_varlen_tensors(q, k, v) -> None:
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) in a variable-length "
-                             f"call, got shape {tuple(t.shape)}")
+    check_packed_tensors(q, k, v)
     check_forward_tensors(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
     _check_self_attention(q, k, 0, "tokens (dimension 0)")
 

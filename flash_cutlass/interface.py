@@ -70,6 +70,17 @@ def check_forward_tensors(q, k, v) -> None:
         )
 
 
+def check_cu_seqlens(cu_seqlens, name: str) -> None:
+    """Validates the type, dtype and shape of cumulative sequence lengths (int32, batch + 1
+    entries); raises TypeError/ValueError naming the argument."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}")
+
+
 def check_backward_tensors(dout, q, k, v, out, lse) -> None:
     """Validates the tensors of a backward call; raises TypeError/ValueError naming the argument."""
     check_forward_tensors(q, k, v)
@@ -92,27 +103,28 @@ def check_backward_tensors(dout, q, k, v, out, lse) -> None:
         raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {expected}, got {tuple(lse.shape)}")
 
 
-def check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
-    """The checks of a variable-length call that read no tensor data (so torch.compile traces
-    them): packed q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim), int32 1-D
-    cumulative lengths of batch + 1 entries on q's device, int max_seqlen_q / max_seqlen_k in
-    [0, 2^31). Returns the batch size; raises TypeError or ValueError naming the argument."""
+def check_packed_tensors(q, k, v) -> None:
+    """q, k and v of a variable-length call are tensors of 3 dimensions (total_tokens, heads,
+    head_dim); raises TypeError/ValueError naming the argument."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) in a variable-length "
                              f"call, got shape {tuple(t.shape)}")
+
+
+def check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
+    """The checks of a variable-length call that read no tensor data (so torch.compile traces
+    them): packed q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim), int32 1-D
+    cumulative lengths of batch + 1 entries on q's device, int max_seqlen_q / max_seqlen_k in
+    [0, 2^31). Returns the batch size; raises TypeError or ValueError naming the argument."""
+    check_packed_tensors(q, k, v)
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
     for name, cu, max_name, max_len in (("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q),
                                         ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.shape[0] < 1:
-            raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {tuple(cu.shape)}")
+        check_cu_seqlens(cu, name)
         if cu.device != q.device:
             raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; they must be on one device")
         if isinstance(max_len, bool) or not isinstance(max_len, int):

@@ -116,6 +116,22 @@ def test_hopper_backward_is_the_same_in_a_cuda_graph(cuda_gen, head_dim):
 DETERMINISTIC_HEAD_DIMS = [d for d in COMPILED_SM90_BACKWARD_HEAD_DIMS if d <= 128]
 
 
+def check_deterministic_runs(gen, head_dim, seqlens, heads_k, causal, options, label):
+    """Three deterministic kernel="sm90" backwards of random inputs: bitwise equal, and the first
+    against the fp32 oracle with FlashAttention-2's rule."""
+    q, k, v, dout = random_inputs(gen, 2, *seqlens, heads_k, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
+    runs = [flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, kernel="sm90",
+                                         **options) for _ in range(3)]
+    for run in runs[1:]:
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(first, again), f"{name} differs between two deterministic runs ({label})"
+    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32, **options)
+    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16, **options)
+    for name, grad, ref, base in zip(("dq", "dk", "dv"), runs[0], oracle, same_dtype):
+        fa2_check(grad, ref, base, f"deterministic sm90 backward {name} ({label})")
+
+
 @pytest.mark.parametrize("heads_k", [8, 2], ids=["gqa1", "gqa4"])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 @pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
@@ -128,17 +144,7 @@ def test_deterministic_hopper_backward_is_bitwise_reproducible_and_correct(cuda_
     reason = options_left_out(**options)
     if reason:
         pytest.skip(reason)
-    q, k, v, dout = random_inputs(cuda_gen, 2, 333, 700, heads_k, head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
-    runs = [flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, kernel="sm90",
-                                         **options) for _ in range(3)]
-    for run in runs[1:]:
-        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
-            assert torch.equal(first, again), f"{name} differs between two deterministic runs ({mask})"
-    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32, **options)
-    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16, **options)
-    for name, grad, ref, base in zip(("dq", "dk", "dv"), runs[0], oracle, same_dtype):
-        fa2_check(grad, ref, base, f"deterministic sm90 backward {name} (head dim {head_dim}, {mask})")
+    check_deterministic_runs(cuda_gen, head_dim, (333, 700), heads_k, causal, options, f"head dim {head_dim}, {mask}")
 
 
 @pytest.mark.parametrize("case", ["window_of_long_keys", "softcap_alibi"])
@@ -161,17 +167,7 @@ def test_deterministic_hopper_backward_edges(cuda_gen, case):
             pytest.skip(reason)
         slopes = torch.rand(HEADS, generator=cuda_gen, device="cuda") * 0.1
         options, seqlens = {"softcap": 30.0, "alibi_slopes": slopes}, (333, 700)
-    q, k, v, dout = random_inputs(cuda_gen, 2, *seqlens, 2, head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v, **options)
-    runs = [flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90", **options)
-            for _ in range(3)]
-    for run in runs[1:]:
-        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
-            assert torch.equal(first, again), f"{name} differs between two deterministic runs ({case})"
-    oracle = oracle_gradients(q, k, v, dout, False, torch.float32, **options)
-    same_dtype = oracle_gradients(q, k, v, dout, False, torch.bfloat16, **options)
-    for name, grad, ref, base in zip(("dq", "dk", "dv"), runs[0], oracle, same_dtype):
-        fa2_check(grad, ref, base, f"deterministic sm90 backward {name} ({case})")
+    check_deterministic_runs(cuda_gen, head_dim, seqlens, 2, False, options, case)
 
 
 def test_deterministic_varlen_hopper_backward_is_bitwise_reproducible(cuda_gen):

@@ -148,13 +148,11 @@ def test_deterministic_hopper_backward_is_bitwise_reproducible_and_correct(cuda_
 
 
 @pytest.mark.parametrize("case", ["window_of_long_keys", "softcap_alibi"])
-def test_deterministic_hopper_backward_edges(cuda_gen, case):
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_deterministic_hopper_backward_edges(cuda_gen, head_dim, case):
     """A one-sided window over 900 keys for 200 queries (key blocks whose query range is empty, and
     query blocks only some key blocks reach), and the extended kernels (soft cap and ALiBi, whose
     instantiation takes the window mask at run time): bitwise equal runs, close to the oracle."""
-    head_dim = DETERMINISTIC_HEAD_DIMS[-1] if DETERMINISTIC_HEAD_DIMS else 0
-    if not head_dim:
-        pytest.skip("no Hopper backward in this build")
     skip_unless_hopper_backward(head_dim)
     if case == "window_of_long_keys":
         options, seqlens = {"window_size": (64, 0)}, (200, 900)
@@ -167,7 +165,7 @@ def test_deterministic_hopper_backward_edges(cuda_gen, case):
             pytest.skip(reason)
         slopes = torch.rand(HEADS, generator=cuda_gen, device="cuda") * 0.1
         options, seqlens = {"softcap": 30.0, "alibi_slopes": slopes}, (333, 700)
-    check_deterministic_runs(cuda_gen, head_dim, seqlens, 2, False, options, case)
+    check_deterministic_runs(cuda_gen, head_dim, seqlens, 2, False, options, f"head dim {head_dim}, {case}")
 
 
 def test_deterministic_varlen_hopper_backward_is_bitwise_reproducible(cuda_gen):

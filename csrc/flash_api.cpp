@@ -392,8 +392,8 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-  const KernelSelection selection = select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, major,
-                                                              minor, options.deterministic);
+  const KernelSelection selection =
+      select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, major, minor);
   FLASH_CHECK(selection.error.empty(), selection.error);
   if (selection.path == KernelPath::kSm80) {
     constexpr bool kForward = kDirection == Direction::kForward;

@@ -225,15 +225,14 @@ def test_backward_memory_is_linear_in_seqlen(cuda_gen):
 
 
 def test_forced_hopper_backward_where_it_cannot_run_raises(cuda_gen):
-    # deterministic=True past head dim 128, or any call where the Hopper backward is not built or
-    # the GPU is not compute capability 9.0.
+    # Where the Hopper backward is not built for the head dim or the GPU is not compute capability 9.0.
     head_dim = COMPILED_HEAD_DIMS[-1]
-    if head_dim <= 128 and not kernel_unavailable("sm90", head_dim, "backward"):
-        pytest.skip("the Hopper backward runs every compiled head dim here, deterministic included")
+    if not kernel_unavailable("sm90", head_dim, "backward"):
+        pytest.skip("the Hopper backward runs every compiled head dim here")
     q = torch.randn(1, 64, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     out, lse = flash_cutlass.flash_forward(q, q, q)
     with pytest.raises(RuntimeError, match="kernel='sm90' cannot run this backward: "):
-        flash_cutlass.flash_backward(out, q, q, q, out, lse, deterministic=True, kernel="sm90")
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm90")
 
 
 def test_backward_kernel_environment_variable(cuda_gen, monkeypatch):

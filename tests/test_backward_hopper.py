@@ -5,8 +5,8 @@ Its CTA owns 128 keys (64 past head dim 128) and walks query blocks of 64 rows (
 after those multiples, give a CTA 1 to 5 query blocks (fewer, as many and more than the stages),
 and cover GQA ratios 1 to 8. Head dims between the compiled ones run padded in the next one. Gradients
 are checked against the fp32 oracle with FlashAttention-2's rule. Also: a CUDA graph of the
-backward replays to the same gradients, and deterministic=True (up to head dim 128) gives bitwise
-equal gradients run after run. Skipped (with the reason) without an H100/H200 build.
+backward replays to the same gradients, and deterministic=True gives bitwise equal gradients run
+after run. Skipped (with the reason) without an H100/H200 build.
 """
 
 import math
@@ -113,7 +113,7 @@ def test_hopper_backward_is_the_same_in_a_cuda_graph(cuda_gen, head_dim):
         torch.testing.assert_close(replayed.float(), -reference.float(), atol=2e-2, rtol=2e-2, msg=name)
 
 
-DETERMINISTIC_HEAD_DIMS = [d for d in COMPILED_SM90_BACKWARD_HEAD_DIMS if d <= 128]
+DETERMINISTIC_HEAD_DIMS = list(COMPILED_SM90_BACKWARD_HEAD_DIMS)
 
 
 def check_deterministic_runs(gen, head_dim, seqlens, heads_k, causal, options, label):
@@ -148,13 +148,11 @@ def test_deterministic_hopper_backward_is_bitwise_reproducible_and_correct(cuda_
 
 
 @pytest.mark.parametrize("case", ["window_of_long_keys", "softcap_alibi"])
-def test_deterministic_hopper_backward_edges(cuda_gen, case):
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_deterministic_hopper_backward_edges(cuda_gen, head_dim, case):
     """A one-sided window over 900 keys for 200 queries (key blocks whose query range is empty, and
     query blocks only some key blocks reach), and the extended kernels (soft cap and ALiBi, whose
     instantiation takes the window mask at run time): bitwise equal runs, close to the oracle."""
-    head_dim = DETERMINISTIC_HEAD_DIMS[-1] if DETERMINISTIC_HEAD_DIMS else 0
-    if not head_dim:
-        pytest.skip("no Hopper backward up to head dim 128 in this build")
     skip_unless_hopper_backward(head_dim)
     if case == "window_of_long_keys":
         options, seqlens = {"window_size": (64, 0)}, (200, 900)
@@ -167,13 +165,13 @@ def test_deterministic_hopper_backward_edges(cuda_gen, case):
             pytest.skip(reason)
         slopes = torch.rand(HEADS, generator=cuda_gen, device="cuda") * 0.1
         options, seqlens = {"softcap": 30.0, "alibi_slopes": slopes}, (333, 700)
-    check_deterministic_runs(cuda_gen, head_dim, seqlens, 2, False, options, case)
+    check_deterministic_runs(cuda_gen, head_dim, seqlens, 2, False, options, f"head dim {head_dim}, {case}")
 
 
 def test_deterministic_varlen_hopper_backward_is_bitwise_reproducible(cuda_gen):
     """Packed sequences of different lengths (each its own turns) and a max_seqlen above the longest."""
     if not DETERMINISTIC_HEAD_DIMS:
-        pytest.skip("no Hopper backward up to head dim 128 in this build")
+        pytest.skip("no Hopper backward in this build")
     head_dim = DETERMINISTIC_HEAD_DIMS[-1]
     skip_unless_hopper_backward(head_dim)
     lengths = [517, 1, 300, 129]
@@ -208,14 +206,3 @@ def test_automatic_deterministic_backward_runs_on_the_hopper_kernel(cuda_gen, he
     hopper = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, kernel="sm90")
     for name, a, b in zip(("dq", "dk", "dv"), auto, hopper):
         assert torch.equal(a, b), f"{name} of kernel='auto' differs from kernel='sm90''s"
-
-
-def test_deterministic_hopper_backward_past_head_dim_128_names_the_limit(cuda_gen):
-    wide = [d for d in COMPILED_SM90_BACKWARD_HEAD_DIMS if d > 128]
-    if not wide:
-        pytest.skip("no Hopper backward past head dim 128 in this build")
-    skip_unless_hopper_backward(wide[0])
-    q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, HEADS, wide[0])
-    out, lse = flash_cutlass.flash_forward(q, k, v)
-    with pytest.raises(RuntimeError, match="deterministic=True runs on the Hopper backward up to head dim 128"):
-        flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")

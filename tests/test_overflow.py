@@ -243,8 +243,6 @@ def test_backward_is_finite_and_matches_fp64(cuda_gen, kernel, head_dim, case, c
     reason = kernel_unavailable(kernel, head_dim, "backward")
     if reason:
         pytest.skip(reason)
-    if deterministic and kernel == "sm90" and head_dim > 128:
-        pytest.skip("deterministic=True runs on the Hopper backward up to head dim 128")
     # The forward of the kernel's path where it has one at this head dim (its out and lse feed the
     # backward).
     forward_kernel = "sm80" if kernel_unavailable(kernel, head_dim, "forward") else kernel

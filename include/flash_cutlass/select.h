@@ -36,14 +36,10 @@ constexpr bool sm90_causal_forward_uses_wide_tiles(int seqlen_q) {
   return seqlen_q > kSm90CausalNarrowTilesMaxSeqlenQ;
 }
 
-// The Hopper backward's widest head dim with a deterministic mode (BwdKernelTraits's dQ writer;
-// sm90/bwd_launch.h).
-constexpr int kSm90DeterministicMaxHeadDim = 128;
-
 // Why the Hopper path cannot run a call of this direction and head dim on a GPU of compute
 // capability major.minor, or an empty string when it can.
 template <Direction kDirection>
-std::string sm90_unavailable_reason(int head_dim, int major, int minor, bool deterministic) {
+std::string sm90_unavailable_reason(int head_dim, int major, int minor) {
   constexpr const char* kName = kDirection == Direction::kForward ? "forward" : "backward";
   if constexpr (!has_compiled_head_dims<kDirection, KernelPath::kSm90>()) {
     return std::string("the Hopper ") + kName +
@@ -56,11 +52,7 @@ std::string sm90_unavailable_reason(int head_dim, int major, int minor, bool det
   if (kernel_head_dim<kDirection, KernelPath::kSm90>(head_dim) == 0) {
     return "head_dim " + std::to_string(head_dim) + " exceeds the Hopper " + kName + "'s compiled head dims";
   }
-  if (kDirection == Direction::kBackward && deterministic &&
-      kernel_head_dim<kDirection, KernelPath::kSm90>(head_dim) > kSm90DeterministicMaxHeadDim) {
-    return "deterministic=True runs on the Hopper backward up to head dim " +
-           std::to_string(kSm90DeterministicMaxHeadDim) + " (its head-split layout above adds dQ with atomics)";
-  }
+
   return "";
 }
 
@@ -77,11 +69,11 @@ constexpr bool sm90_backward_pads_faster(int sm80_hdim, int sm90_hdim) {
 // or, for the backward, a padding measured to pay (above); the sm80 path otherwise. kSm80 and
 // kSm90 force a path (an error where the forced one cannot run).
 template <Direction kDirection>
-KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int minor, bool deterministic) {
+KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int minor) {
   KernelSelection selection;
   const int sm80_hdim = kernel_head_dim<kDirection, KernelPath::kSm80>(head_dim);
   if (choice != KernelChoice::kSm80) {
-    const std::string reason = sm90_unavailable_reason<kDirection>(head_dim, major, minor, deterministic);
+    const std::string reason = sm90_unavailable_reason<kDirection>(head_dim, major, minor);
     const int sm90_hdim = kernel_head_dim<kDirection, KernelPath::kSm90>(head_dim);
     if (choice == KernelChoice::kSm90 && !reason.empty()) {
       selection.error = std::string("kernel='sm90' cannot run this ") +

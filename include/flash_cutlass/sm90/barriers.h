@@ -23,6 +23,9 @@ enum class BwdBarrier : int {
   // warp's TMA reduce-add has read it, so the next one may be written (kDqEmpty).
   kDqFull = 2,
   kDqEmpty = 3,
+  // Every consumer thread of the head-split layout in a deterministic call: every thread's atomics
+  // of a query block's dQ are done (before thread 0 passes the block's turn on).
+  kDqTurn = 4,
 };
 
 // bar.sync / bar.arrive with the id (a FwdBarrier or a BwdBarrier) as an immediate.

@@ -6,7 +6,8 @@
 //                                            in shared memory: P and dS of both warpgroups)
 //   dQ = dS K                                (each warpgroup half of the head dim)
 // and each warpgroup adds its half of the block's dQ to dq_accum with 8-byte atomics while the
-// tensor cores run dV^T and dK^T.
+// tensor cores run dV^T and dK^T (in a deterministic call, once the block's turn has come:
+// ordered_reduce.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,6 +21,7 @@
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_mainloop.h"
+#include "flash_cutlass/sm90/ordered_reduce.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
@@ -76,6 +78,9 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
   float* dq_accum = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head).dq_accum;
   const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
+  // Deterministic calls: a block's stage fills when its turn has come (stage_query_statistics);
+  // the consumers pass the turn on once their atomics are done.
+  int* const turns = DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind>(params, work).counters;
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(0);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
@@ -118,6 +123,11 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
         atomicAdd(reinterpret_cast<float2*>(dq_thread + dr * kHeadDim + (get<1>(tdQcdQ(i)) - dq_col0)),
                   make_float2(acc_dq(i), acc_dq(i + 1)));
       }
+    }
+    if (turns != nullptr) {
+      __threadfence();  // this thread's atomics before the turn passes
+      named_barrier_sync<BwdBarrier::kDqTurn, 0, Traits::kConsumerThreads>();
+      if (consumer_idx == 0) pass_turn(turns + m_block);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dvt);

@@ -12,16 +12,14 @@
 
 namespace flash_cutlass::sm90 {
 
-// The preprocess, the Hopper main kernel (dK, dV; dQ by TMA reduce-add, in key-block order when
-// deterministic), the postprocess (common/bwd_stages.h). The head-split layout (past head dim 128)
-// adds dQ with per-thread atomics and has no deterministic mode: the host routes those calls to the
-// sm80 path.
+// The preprocess, the Hopper main kernel (dK, dV; dQ by TMA reduce-add, or past head dim 128 by the
+// consumers' atomics, in key-block order when deterministic), the postprocess (common/bwd_stages.h).
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   using namespace cute;
   using Element = typename ElementOf<kDType>::type;
   using Traits = BwdTraitsFor<kHeadDim, Element>;
-  if (params.deterministic && (Traits::kHeadSplit || params.dq_turns == nullptr)) return cudaErrorNotSupported;
+  if (params.deterministic && params.dq_turns == nullptr) return cudaErrorInvalidValue;
   const TmaExtents extents = tma_extents(params);
   // An operand's TMA view: (rows, head_dim, heads, batch) with its strides.
   auto operand = [&](const void* base, int rows, int heads, int64_t row_stride, int64_t head_stride,

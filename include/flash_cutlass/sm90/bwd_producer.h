@@ -129,9 +129,17 @@ __device__ __forceinline__ void stage_query_statistics(
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kStages = Traits::kStages;
   const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, work.tile.head);
+  // Past head dim 128 the consumers add dQ with atomics as soon as a block is computed: in a
+  // deterministic call its stage fills only when the block's turn has come (ordered_reduce.h).
+  const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
     const int stage = step % kStages;
+    if (Traits::kHeadSplit && turns) {
+      const int place = turns.place(work, m_block, lane);
+      if (lane == 0) wait_for_turn(turns.counters + m_block, place);
+      __syncwarp();
+    }
     storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
     bool exact_rows = false;
     CUTE_UNROLL
@@ -177,19 +185,10 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   auto [tdQgdQ, tdQsdQ] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                         group_modes<0, 2>(gdQ));
   const bool varlen = params.cu_seqlens_q != nullptr;
-  // Deterministic calls: this sequence and head's turn counters, a query block each
-  // (ordered_reduce.h); params.seqlen_q bounds every sequence's length.
-  int* turns = nullptr;
-  const int key_blocks = (work.sequence.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  if (params.deterministic) {
-    const int m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    turns = params.dq_turns + (int64_t(work.tile.batch) * params.heads + work.tile.head) * m_blocks;
-  }
+  const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     // Counted while the consumers still compute this block's dQ.
-    const int place = turns != nullptr ? later_key_blocks<Traits::kBlockM, Traits::kBlockN>(
-                                             work.mask, work.tile.n_block, key_blocks, m_block, lane)
-                                       : 0;
+    const int place = turns ? turns.place(work, m_block, lane) : 0;
     named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
     const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
     if (varlen && queries_in_block < Traits::kBlockM) {
@@ -199,7 +198,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
       __syncwarp();
     }
     if (lane == 0) {
-      if (turns != nullptr) wait_for_turn(turns + m_block, place);
+      if (turns) wait_for_turn(turns.counters + m_block, place);
       copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block));
       tma_store_arrive();
       tma_store_wait<0>();  // the TMA unit has read storage.dq
@@ -207,7 +206,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
     __syncwarp();
     if (m_block + 1 < work.m_block_end) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
     // The consumers refill storage.dq meanwhile.
-    if (lane == 0 && turns != nullptr) pass_turn_after_reductions(turns + m_block);
+    if (lane == 0 && turns) pass_turn_after_reductions(turns.counters + m_block);
   }
 }
 

@@ -1,11 +1,15 @@
 // Reductions into global memory in a fixed order across CTAs, for the deterministic Hopper backward:
 // the CTAs that add to one accumulator tile take turns, kept in an int32 counter in global memory
 // (zeroed before the kernel). A CTA waits until the counter equals its place in the order, adds
-// with TMA's reduce-add, waits for that reduction to complete (not only for its shared-memory
-// source to be read), and passes the turn on by incrementing the counter. The CTAs of earlier
+// (with TMA's reduce-add, waiting for that reduction to complete and not only for its shared-memory
+// source to be read; or with every consumer thread's atomics, each fenced, then a barrier), and
+// passes the turn on by incrementing the counter. The CTAs of earlier
 // turns are never waiting on later ones (the grid launches them first and each walks its tiles in
 // one direction), so the chain cannot deadlock.
 #pragma once
+
+#include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/params.h"
 
 namespace flash_cutlass::sm90 {
 
@@ -25,12 +29,42 @@ __device__ __forceinline__ void wait_for_turn(const int* turn, int place) {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// Releases the turn to the next CTA: every write this thread has made, or has seen ordered before
+// this point (the other threads' atomics, after their fences and a barrier), comes before it.
+__device__ __forceinline__ void pass_turn(int* turn) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
+}
+
 // After this thread's committed bulk reductions: waits for them to complete in global memory, then
-// releases the turn to the next CTA.
+// passes the turn on.
 __device__ __forceinline__ void pass_turn_after_reductions(int* turn) {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   asm volatile("fence.proxy.async.global;" ::: "memory");
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
+  pass_turn(turn);
 }
+
+// A deterministic call's turn counters of this CTA's sequence and head, one per query block of
+// kBlockM rows (params.dq_turns; null in other calls), and the place of the CTA's key block in
+// each: the key blocks take turns last first, as they are launched (key_block_work_of_this_cta).
+template <int kBlockM, int kBlockN, MaskKind kMaskKind>
+struct DqTurns {
+  int* counters = nullptr;
+  int key_blocks = 0;  // of the sequence
+
+  __device__ DqTurns(BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work) {
+    if (!params.deterministic) return;
+    const int m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;  // params.seqlen_q bounds every sequence
+    counters = params.dq_turns + (int64_t(work.tile.batch) * params.heads + work.tile.head) * m_blocks;
+    key_blocks = (work.sequence.seqlen_k + kBlockN - 1) / kBlockN;
+  }
+
+  __device__ explicit operator bool() const { return counters != nullptr; }
+
+  // This CTA's place at m_block; every lane of a warp calls it.
+  __device__ __forceinline__ int place(KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work, int m_block,
+                                       int lane) const {
+    return later_key_blocks<kBlockM, kBlockN>(work.mask, work.tile.n_block, key_blocks, m_block, lane);
+  }
+};
 
 }  // namespace flash_cutlass::sm90

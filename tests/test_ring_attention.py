@@ -411,9 +411,11 @@ def overlapping_copies(trace_path: str) -> int:
 
 @requires_cuda
 def test_emulated_ring_overlaps_transfers_with_attention(tmp_path):
-    """In a profile of the emulated ring (4 ranks, 8k tokens), key/value copies on the side stream
-    run while attention kernels run on the compute stream."""
-    world_size, chunk = 4, 1024
+    """In a profile of the emulated ring (4 ranks, 32k tokens), key/value copies on the side stream
+    run while attention kernels run on the compute stream. The shards are large enough that the
+    GPU's attention outlasts the host's launches: with small ones the compute stream drains between
+    launches and the copies run alone."""
+    world_size, chunk = 4, 4096
     shards = [[torch.randn(1, 2 * chunk, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(world_size)]
               for heads in (16, 4, 4)]
     for _ in range(2):  # warm-up

@@ -125,7 +125,8 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
       }
     }
     if (turns != nullptr) {
-      __threadfence();  // this thread's atomics before the turn passes
+      // Every thread's atomics come before thread 0's release through the barrier (no per-thread
+      // fence: one would make ptxas return every atomic's value, the usual calls' too).
       named_barrier_sync<BwdBarrier::kDqTurn, 0, Traits::kConsumerThreads>();
       if (consumer_idx == 0) pass_turn(turns + m_block);
     }

@@ -2,7 +2,7 @@
 // the CTAs that add to one accumulator tile take turns, kept in an int32 counter in global memory
 // (zeroed before the kernel). A CTA waits until the counter equals its place in the order, adds
 // (with TMA's reduce-add, waiting for that reduction to complete and not only for its shared-memory
-// source to be read; or with every consumer thread's atomics, each fenced, then a barrier), and
+// source to be read; or with every consumer thread's atomics, then a barrier before one thread's release), and
 // passes the turn on by incrementing the counter. The CTAs of earlier
 // turns are never waiting on later ones (the grid launches them first and each walks its tiles in
 // one direction), so the chain cannot deadlock.

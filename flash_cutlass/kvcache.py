@@ -9,6 +9,10 @@ read nothing on the host: no synchronization, so CUDA graphs capture the call; l
 ids out of range are clamped into the cache on the device instead of raising, and so are rotary
 positions past seqlen_ro (to its last row) where cache_seqlens is a tensor (an int is checked on the
 host, on both paths).
+
+The call is also the custom op torch.ops.flash_cutlass.kvcache (mutating k_cache and v_cache), with
+a fake implementation, so that torch.compile traces a decoding step without a graph break; eager
+calls skip the op's dispatch.
 """
 
 from __future__ import annotations
@@ -102,15 +106,61 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seql
         rotary_interleaved=rotary_interleaved)
     num_splits = _check_num_splits(num_splits)
     return_lse = check_bool(return_lse, "return_lse")
-    if q.device.type != "cuda":
-        out, lse = reference.attention_with_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
-            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved)
+    op_args = _op_args(q, k_cache, v_cache, k, v, arguments, num_splits)
+    if torch.compiler.is_compiling():
+        out, lse = kvcache_op(*op_args)
     else:
-        out, lse = _forward_cuda(q, k_cache, v_cache, k, v, arguments, num_splits)
+        out, lse = _run(arguments, *op_args)
     return (out, lse) if return_lse else out
+
+
+def _op_args(q, k_cache, v_cache, k, v, arguments: reference.KVCacheArguments, num_splits: int) -> tuple:
+    """The op's arguments, in its schema's order, from checked ones."""
+    seqlens = arguments.cache_seqlens
+    return (q, k_cache, v_cache, k, v, seqlens if isinstance(seqlens, torch.Tensor) else None,
+            seqlens if isinstance(seqlens, int) else None, arguments.block_table, arguments.cache_batch_idx,
+            arguments.softmax_scale, arguments.causal, arguments.window_size[0], arguments.window_size[1],
+            arguments.softcap, arguments.alibi_slopes, arguments.rotary_cos, arguments.rotary_sin,
+            arguments.rotary_interleaved, num_splits)
+
+
+def _run(arguments: Optional[reference.KVCacheArguments], q, k_cache, v_cache, k, v, seqlens_tensor, seqlens_int,
+         block_table, cache_batch_idx, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+         rotary_cos, rotary_sin, rotary_interleaved, num_splits):
+    """(out, lse) of a call given the op's arguments; `arguments` are their checked form, or None to
+    check them again (the op's own entry, whose values came from checked ones)."""
+    cache_seqlens = seqlens_tensor if seqlens_tensor is not None else seqlens_int
+    options = dict(block_table=block_table, cache_batch_idx=cache_batch_idx, softmax_scale=softmax_scale,
+                   causal=causal, window_size=(window_left, window_right), softcap=softcap,
+                   alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                   rotary_interleaved=rotary_interleaved)
+    if q.device.type != "cuda":
+        return reference.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, **options)
+    if arguments is None:
+        arguments = reference.check_kvcache_arguments(q, k_cache, v_cache, k, v, cache_seqlens, **options)
+    return _forward_cuda(q, k_cache, v_cache, k, v, arguments, num_splits)
+
+
+_LIBRARY = torch.library.Library("flash_cutlass", "FRAGMENT")
+_LIBRARY.define("kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+                "Tensor? cache_seqlens, int? cache_seqlen, Tensor? block_table, Tensor? cache_batch_idx, "
+                "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+                "Tensor? alibi_slopes, Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, "
+                "int num_splits) -> (Tensor, Tensor)")
+
+
+@torch.library.impl(_LIBRARY, "kvcache", "CompositeExplicitAutograd")
+def _kvcache_impl(*op_args):
+    return _run(None, *op_args)
+
+
+@torch.library.register_fake("flash_cutlass::kvcache")
+def _kvcache_fake(q, *_):
+    batch, seqlen_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+kvcache_op = torch.ops.flash_cutlass.kvcache.default
 
 
 def _forward_cuda(q, k_cache, v_cache, k, v, arguments: reference.KVCacheArguments, num_splits: int):

@@ -148,3 +148,48 @@ def test_flash_attention_2_door_has_its_signature_and_runs_the_kvcache_call(gen)
     assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
     with pytest.raises(NotImplementedError, match="cache_leftpad"):
         flash_attn_with_kvcache(**cloned(call), cache_leftpad=torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("form", ["append_tensor_lengths", "append_int_length", "no_append"])
+def test_kvcache_op_passes_opcheck(gen, page_size, form):
+    """The custom op's schema (it writes the caches), fake implementation and dispatch."""
+    from flash_cutlass import kvcache
+
+    call = make_call(gen, page_size=page_size, dtype=torch.float32)
+    if form == "append_int_length":
+        call["cache_seqlens"] = 9
+    elif form == "no_append":
+        del call["k"], call["v"]
+    arguments = reference.check_kvcache_arguments(**call, causal=True)
+    op_args = kvcache._op_args(call["q"], call["k_cache"], call["v_cache"], call.get("k"), call.get("v"),
+                               arguments, 0)
+    torch.library.opcheck(kvcache.kvcache_op, op_args)
+
+
+@pytest.mark.parametrize("page_size", [None, 4], ids=["contiguous", "paged"])
+def test_torch_compile_traces_decoding_steps_in_one_graph(gen, page_size):
+    """Three decoding steps, compiled with fullgraph=True (a graph break raises), give the eager
+    steps' outputs and leave the caches as the eager steps do."""
+    call = make_call(gen, page_size=page_size, dtype=torch.float32)
+    cos, sin = rotary_tables(gen, 64, 16, torch.float32, "cpu")
+    options = {"causal": True, "rotary_cos": cos, "rotary_sin": sin}
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        return flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                          block_table=block_table, return_lse=True, **options)
+
+    compiled_step = torch.compile(step, fullgraph=True)
+    eager, compiled = cloned(call), cloned(call)
+    for _ in range(3):
+        args = [eager[name] if name in eager else None
+                for name in ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table")]
+        out, lse = step(*args)
+        args = [compiled[name] if name in compiled else None
+                for name in ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table")]
+        compiled_out, compiled_lse = compiled_step(*args)
+        torch.testing.assert_close(compiled_out, out, rtol=0, atol=1e-6)
+        torch.testing.assert_close(compiled_lse, lse, rtol=0, atol=1e-6)
+        assert torch.equal(compiled["k_cache"], eager["k_cache"]) and torch.equal(compiled["v_cache"], eager["v_cache"])
+        for state in (eager, compiled):
+            state["cache_seqlens"] += 1

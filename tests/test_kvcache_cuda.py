@@ -2,7 +2,7 @@
 option, compiled head dim and dtype, padded head dims, GQA 1-8, contiguous and paged caches (page
 sizes 1, 16, 64, 256, pages shuffled), decoding and chunked prefill, split-KV; the append (rotated
 too) bitwise the reference's; paged == contiguous bitwise; lengths 0 and 1, fully masked rows, int
-and None cache_seqlens, NaN past the lengths; CUDA graph replay == eager; out-of-range lengths and
+and None cache_seqlens, NaN past the lengths; CUDA graph replay and torch.compile == eager; out-of-range lengths and
 block ids stay inside the cache. Skipped without a GPU."""
 
 import pytest
@@ -250,6 +250,31 @@ def test_cuda_graph_replay_matches_eager(cuda_gen, num_splits):
     graph.replay()
     out_fresh, lse_fresh = run(fresh, causal=True, num_splits=num_splits)
     assert torch.equal(out_graph, out_fresh) and torch.equal(lse_graph, lse_fresh)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "cuda_graphs"])
+def test_torch_compile_matches_eager(cuda_gen, mode):
+    """Decoding steps compiled with fullgraph=True (through the custom op; "reduce-overhead" also
+    captures them in CUDA graphs) give the eager steps' results bitwise and the same caches."""
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=3, heads=8, heads_k=2, seqlens=(10, 300, 1), page_size=16, capacity=512,
+                     device="cuda")
+    names = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table")
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        return flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                          block_table=block_table, causal=True, return_lse=True)
+
+    compiled_step = torch.compile(step, fullgraph=True, mode=mode)
+    eager, compiled = cloned(call), cloned(call)
+    for _ in range(4):
+        out, lse = step(*(eager[name] for name in names))
+        compiled_out, compiled_lse = compiled_step(*(compiled[name] for name in names))
+        torch.cuda.synchronize()
+        assert torch.equal(compiled_out, out) and torch.equal(compiled_lse, lse)
+        assert torch.equal(compiled["k_cache"], eager["k_cache"]) and torch.equal(compiled["v_cache"], eager["v_cache"])
+        for state in (eager, compiled):
+            state["cache_seqlens"] += 1
 
 
 def test_out_of_range_lengths_and_block_ids_stay_inside_the_cache(cuda_gen):

@@ -37,15 +37,19 @@ _LIBRARY.define(f"backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out
                 f"{AttentionOptions.schema()}) -> (Tensor, Tensor, Tensor)")
 
 
-@torch.library.impl(_LIBRARY, "forward", "CompositeExplicitAutograd")
-def _forward(q, k, v, *option_args):
-    options = AttentionOptions.from_op_args(option_args)
+def _forward_outputs(q, k, v, options: AttentionOptions):
+    """The forward op's outputs (out, lse, rng_state) of checked options."""
     out, lse, rng_state = backend.forward(q, k, v, options)
     if rng_state is None:
         rng_state = q.new_empty(0, dtype=torch.int64)
     elif rng_state is options.rng_state:
         rng_state = rng_state.clone()  # an op's outputs may not alias its inputs
     return out, lse, rng_state
+
+
+@torch.library.impl(_LIBRARY, "forward", "CompositeExplicitAutograd")
+def _forward(q, k, v, *option_args):
+    return _forward_outputs(q, k, v, AttentionOptions.from_op_args(option_args))
 
 
 @torch.library.impl(_LIBRARY, "backward", "CompositeExplicitAutograd")
@@ -87,10 +91,10 @@ def _backward_fake(dout, q, k, v, out, lse, *option_args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _save_for_backward(ctx, q, k, v, option_args, out, lse, rng_state) -> None:
+def _save_for_backward(ctx, q, k, v, options: AttentionOptions, out, lse, rng_state) -> None:
     ctx.save_for_backward(q, k, v, out, lse, rng_state)
     # The options' tensors (slopes, lengths, rng_state) are inputs that get no gradient.
-    ctx.options = AttentionOptions.from_op_args(option_args)
+    ctx.options = options
     ctx.mark_non_differentiable(lse, rng_state)
     # lse gets no gradient: without this autograd would allocate and zero-fill one for every backward.
     ctx.set_materialize_grads(False)
@@ -98,19 +102,22 @@ def _save_for_backward(ctx, q, k, v, option_args, out, lse, rng_state) -> None:
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *option_args = inputs
-    _save_for_backward(ctx, q, k, v, option_args, *output)
+    _save_for_backward(ctx, q, k, v, AttentionOptions.from_op_args(option_args), *output)
+
+
+def _backward_options(forward_options: AttentionOptions, rng_state: torch.Tensor) -> AttentionOptions:
+    """The backward's options of a forward call's: its own kernel choice (flash_attention's kernel=
+    is the forward's) and, with dropout, the mask the forward drew or was given."""
+    kernel = check_kernel(None, "backward")
+    changes = {"kernel": kernel} if kernel != forward_options.kernel else {}
+    if forward_options.dropout_p > 0:
+        changes.update(rng_state=rng_state, generator=None)
+    return forward_options.replace(**changes) if changes else forward_options
 
 
 def _gradients(ctx, grad_out, _grad_lse, _grad_rng_state):
     q, k, v, out, lse, rng_state = ctx.saved_tensors
-    # The backward picks its own kernel: flash_attention's kernel= is the forward's.
-    options, kernel = ctx.options, check_kernel(None, "backward")
-    changes = {"kernel": kernel} if kernel != options.kernel else {}
-    if options.dropout_p > 0:
-        # The mask the forward drew (or was given): the backward drops the same probabilities.
-        changes.update(rng_state=rng_state, generator=None)
-    if changes:
-        options = options.replace(**changes)
+    options = _backward_options(ctx.options, rng_state)
     dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, *options.op_args())
     return (dq, dk, dv) + _NO_OPTION_GRADIENTS
 
@@ -120,18 +127,22 @@ torch.library.register_autograd("flash_cutlass::forward", _gradients, setup_cont
 
 class _Attention(torch.autograd.Function):
     """The forward op and its gradient as an autograd.Function, for eager calls: the same
-    context and formula as the op's registered autograd, without torch.library's per-call walk
-    over the schema (fill_defaults: about 60 us a call for the forward op's 17 arguments)."""
+    context and formula as the op's registered autograd, calling the ops' implementations
+    directly (the dispatcher's walk over the schemas, torch.library's autograd redispatch and the
+    options' round trip through op arguments cost about as much host time as the rest of a call)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *option_args):
-        out, lse, rng_state = forward_op(q, k, v, *option_args)
-        _save_for_backward(ctx, q, k, v, option_args, out, lse, rng_state)
+    def forward(ctx, q, k, v, options: AttentionOptions):
+        out, lse, rng_state = _forward_outputs(q, k, v, options)
+        _save_for_backward(ctx, q, k, v, options, out, lse, rng_state)
         return out, lse, rng_state
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse, grad_rng_state):
-        return _gradients(ctx, grad_out, grad_lse, grad_rng_state)
+    def backward(ctx, grad_out, _grad_lse, _grad_rng_state):
+        q, k, v, out, lse, rng_state = ctx.saved_tensors
+        options = _backward_options(ctx.options, rng_state)
+        dq, dk, dv = backend.backward(grad_out.contiguous(), q, k, v, out, lse, options)
+        return dq, dk, dv, None
 
 
 def attention(q, k, v, options: AttentionOptions):
@@ -140,5 +151,5 @@ def attention(q, k, v, options: AttentionOptions):
     if torch.compiler.is_compiling():
         out, lse, _ = forward_op(q, k, v, *options.op_args())
     else:
-        out, lse, _ = _Attention.apply(q, k, v, *options.op_args())
+        out, lse, _ = _Attention.apply(q, k, v, options)
     return out, lse

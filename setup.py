@@ -19,7 +19,7 @@ Build options (environment variables; see README.md):
                             other two as well). A call with an option whose flag is 0 raises,
                             naming the flag.
   FLASH_CUTLASS_BACKWARD    1 (default) builds the backward kernels; 0 leaves them out for
-                            inference (8 of the 17 instantiation files, the slowest ones: 43% of
+                            inference (9 of the 27 instantiation files, the slowest ones: 43% of
                             the build time on 2 cores; the backward of a CUDA call then raises,
                             naming this flag).
   FLASH_CUTLASS_KVCACHE     1 (default) builds the KV-cache kernels (flash_attention_with_kvcache:

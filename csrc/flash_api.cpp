@@ -352,25 +352,30 @@ void set_varlen_params(FwdParams& params, AttentionOptions const& options, const
   params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.out_batch_stride = 0;
 }
 
-// Writes the pointers, strides, sizes, scale, mask and extended options of q, k, v, out and lse into
-// params.
-void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& out, const at::Tensor& lse, AttentionShape const& shape,
-                          AttentionOptions const& options) {
-  params.q = q.data_ptr();
+// Writes the pointers and (batch, row, head) strides of k and v (or of a KV cache) into params.
+void set_key_value_params(FwdParams& params, const at::Tensor& k, const at::Tensor& v) {
   params.k = k.data_ptr();
   params.v = v.data_ptr();
-  params.out = out.data_ptr();
-  params.lse = lse.data_ptr<float>();
-  params.q_batch_stride = q.stride(0);
-  params.q_row_stride = q.stride(1);
-  params.q_head_stride = q.stride(2);
   params.k_batch_stride = k.stride(0);
   params.k_row_stride = k.stride(1);
   params.k_head_stride = k.stride(2);
   params.v_batch_stride = v.stride(0);
   params.v_row_stride = v.stride(1);
   params.v_head_stride = v.stride(2);
+}
+
+// Writes the pointers, strides, sizes, scale, mask and extended options of q, k, v, out and lse into
+// params.
+void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& out, const at::Tensor& lse, AttentionShape const& shape,
+                          AttentionOptions const& options) {
+  params.q = q.data_ptr();
+  set_key_value_params(params, k, v);
+  params.out = out.data_ptr();
+  params.lse = lse.data_ptr<float>();
+  params.q_batch_stride = q.stride(0);
+  params.q_row_stride = q.stride(1);
+  params.q_head_stride = q.stride(2);
   params.out_batch_stride = out.stride(0);
   params.out_row_stride = out.stride(1);
   params.out_head_stride = out.stride(2);
@@ -640,14 +645,9 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               "the cache's positions and seqlen_q must be below 2^30");
   params.capacity = static_cast<int>(capacity);
   params.seqlen_k = params.capacity;
-  params.k = params.k_cache = k_cache.data_ptr();
-  params.v = params.v_cache = v_cache.data_ptr();
-  params.k_batch_stride = k_cache.stride(0);
-  params.k_row_stride = k_cache.stride(1);
-  params.k_head_stride = k_cache.stride(2);
-  params.v_batch_stride = v_cache.stride(0);
-  params.v_row_stride = v_cache.stride(1);
-  params.v_head_stride = v_cache.stride(2);
+  set_key_value_params(params, k_cache, v_cache);
+  params.k_cache = k_cache.data_ptr();
+  params.v_cache = v_cache.data_ptr();
   params.cache_seqlens = kvcache_indices(cache_seqlens, "cache_seqlens", 1, q);
   FLASH_CHECK(params.cache_seqlens == nullptr || cache_seqlens->size(0) == batch, "cache_seqlens must have batch entries");
   params.cache_seqlen = static_cast<int>(std::min<int64_t>(std::max<int64_t>(cache_seqlen, 0), capacity));

@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from flash_cutlass import backend, ops
+from flash_cutlass import backend, ops, reference
 from flash_cutlass.options import backward_options, forward_options
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -88,16 +88,14 @@ def check_backward_tensors(dout, q, k, v, out, lse) -> None:
         _check_tensor(t, name)
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on one device")
+        reference.check_device_of_q(t, name, q.device)
         if t.shape != q.shape:
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
     if lse.dtype != torch.float32:
         raise TypeError(f"lse must be float32 (as flash_forward returns it), got {lse.dtype}")
-    if lse.device != q.device:
-        raise ValueError(f"lse is on {lse.device} but q is on {q.device}; they must be on one device")
+    reference.check_device_of_q(lse, "lse", q.device)
     expected = (q.shape[0], q.shape[2], q.shape[1])
     if tuple(lse.shape) != expected:
         raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {expected}, got {tuple(lse.shape)}")
@@ -125,8 +123,7 @@ def check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     for name, cu, max_name, max_len in (("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q),
                                         ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k)):
         check_cu_seqlens(cu, name)
-        if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; they must be on one device")
+        reference.check_device_of_q(cu, name, q.device)
         if isinstance(max_len, bool) or not isinstance(max_len, int):
             raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
         if not 0 <= max_len < 2**31:

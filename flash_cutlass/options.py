@@ -153,8 +153,7 @@ def check_alibi_slopes(alibi_slopes, q: torch.Tensor, batch: int) -> Optional[to
     alibi_slopes = reference.check_alibi_slopes(alibi_slopes, batch, q.shape[-2])
     if alibi_slopes is None:
         return None
-    if alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}; they must be on one device")
+    reference.check_device_of_q(alibi_slopes, "alibi_slopes", q.device)
     return alibi_slopes.contiguous()
 
 

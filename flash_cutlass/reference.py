@@ -428,14 +428,25 @@ def attention_with_kvcache(
     return out, lse
 
 
+def check_device_of_q(t: torch.Tensor, name: str, device: torch.device) -> None:
+    """Raises ValueError naming ``name`` unless tensor t is on q's device."""
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; they must be on one device")
+
+
+def check_dtype_of_q(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    """Raises TypeError naming ``name`` unless tensor t has q's dtype."""
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have q's dtype {dtype}, got {t.dtype}")
+
+
 def _int32_tensor(value: object, name: str, device: torch.device, dims: int, what: str) -> torch.Tensor:
     """``value`` checked to be an int32 ``dims``-D tensor on ``device``; raises naming ``name``."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor ({what}), got {type(value).__name__}")
     if value.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {value.dtype}")
-    if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but q is on {device}; they must be on one device")
+    check_device_of_q(value, name, device)
     if value.dim() != dims:
         raise ValueError(f"{name} must be {what}, got shape {tuple(value.shape)}")
     return value
@@ -529,10 +540,8 @@ def check_kvcache_arguments(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but q is on {device}; they must be on one device")
+        check_dtype_of_q(t, name, q.dtype)
+        check_device_of_q(t, name, device)
         if t.dim() != 2 or t.shape[0] < 1 or t.shape[1] < 1 or 2 * t.shape[1] > head_dim:
             raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= head_dim = "
                              f"{head_dim} and seqlen_ro >= 1, got shape {tuple(t.shape)}")
@@ -573,10 +582,8 @@ def _check_kvcache_tensors(q, k_cache, v_cache, k, v):
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} dtype must be one of {_FLOAT_DTYPES}, got {t.dtype}")
     for name, t in given[1:]:
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on one device")
+        check_dtype_of_q(t, name, q.dtype)
+        check_device_of_q(t, name, q.device)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     batch, _, heads, head_dim = q.shape

@@ -61,7 +61,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0) {
       load_key_block<Traits, kMaskKind>(kernel_params, work, storage, lane);
     } else if (warp == 1) {
-      if constexpr (!Traits::kHeadSplit) write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
+      if constexpr (Traits::kHeadSplit) {
+        keep_dq_turns<Traits, kMaskKind>(params, work, lane);
+      } else {
+        write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
+      }
     } else if (warp == 2) {
       stage_query_statistics<Traits, kMaskKind>(params, work, storage, lane,
                                                 lse_score_unit<carries_score_mods(kExtension)>(params));

@@ -80,7 +80,8 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
   // Deterministic calls: the atomics of a block wait for its turn, which warp 1 keeps
   // (keep_dq_turns); the GEMMs before them do not.
-  const bool ordered = params.deterministic;
+  // The same condition as warp 1's (DqTurns: a deterministic call, with its counters).
+  const bool ordered = bool(DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind>(params, work));
   constexpr int kTurnThreads = Traits::kConsumerThreads + 32;
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(0);

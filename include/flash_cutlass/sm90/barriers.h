@@ -23,9 +23,11 @@ enum class BwdBarrier : int {
   // warp's TMA reduce-add has read it, so the next one may be written (kDqEmpty).
   kDqFull = 2,
   kDqEmpty = 3,
-  // Every consumer thread of the head-split layout in a deterministic call: every thread's atomics
-  // of a query block's dQ are done (before thread 0 passes the block's turn on).
+  // The head-split layout's consumers and its turn warp in a deterministic call: a query block's
+  // turn to add dQ has come (kDqTurn), and every consumer thread's atomics of it are done, so the
+  // turn warp may pass the turn on (kDqAdded).
   kDqTurn = 4,
+  kDqAdded = 5,
 };
 
 // bar.sync / bar.arrive with the id (a FwdBarrier or a BwdBarrier) as an immediate.

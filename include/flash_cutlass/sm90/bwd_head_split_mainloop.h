@@ -7,7 +7,7 @@
 //   dQ = dS K                                (each warpgroup half of the head dim)
 // and each warpgroup adds its half of the block's dQ to dq_accum with 8-byte atomics while the
 // tensor cores run dV^T and dK^T (in a deterministic call, once the block's turn has come:
-// ordered_reduce.h).
+// ordered_reduce.h, keep_dq_turns in bwd_producer.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -78,9 +78,11 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
   float* dq_accum = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head).dq_accum;
   const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
-  // Deterministic calls: a block's stage fills when its turn has come (stage_query_statistics);
-  // the consumers pass the turn on once their atomics are done.
-  int* const turns = DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind>(params, work).counters;
+  // Deterministic calls: the atomics of a block wait for its turn, which warp 1 keeps
+  // (keep_dq_turns); the GEMMs before them do not.
+  // The same condition as warp 1's (DqTurns: a deterministic call, with its counters).
+  const bool ordered = bool(DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind>(params, work));
+  constexpr int kTurnThreads = Traits::kConsumerThreads + 32;
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(0);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
@@ -111,6 +113,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     issue_gemm_wgmma<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, buffer), acc_dkt);
     warpgroup_wait<2>();
     warpgroup_fence_operand(acc_dq);
+    if (ordered) named_barrier_sync<BwdBarrier::kDqTurn, 0, kTurnThreads>();
     // Rows past the sequence are not added (in a variable-length call they are the next one's).
     // An element's distance from the thread's first is known at compile time: its address is a
     // base plus an immediate.
@@ -124,12 +127,9 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
                   make_float2(acc_dq(i), acc_dq(i + 1)));
       }
     }
-    if (turns != nullptr) {
-      // Every thread's atomics come before thread 0's release through the barrier (no per-thread
-      // fence: one would make ptxas return every atomic's value, the usual calls' too).
-      named_barrier_sync<BwdBarrier::kDqTurn, 0, Traits::kConsumerThreads>();
-      if (consumer_idx == 0) pass_turn(turns + m_block);
-    }
+    // Every thread's atomics come before warp 1's release through the barrier (no per-thread
+    // fence: one would make ptxas return every atomic's value, the usual calls' too).
+    if (ordered) named_barrier_arrive<BwdBarrier::kDqAdded, 0, kTurnThreads>();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dvt);
     warpgroup_fence_operand(acc_dkt);

@@ -4,7 +4,8 @@
 // Warpgroup 0 produces (bwd_producer.h): warp 0 loads K, V, Q and dO by TMA and warp 2 the LSE and
 // D through a multi-stage pipeline, warp 1 adds dQ with TMA's reduce-add; the consumer warpgroups,
 // 64 keys each, run the five GEMMs and the softmax gradient (bwd_mainloop.h). Past head dim 128
-// the consumers split the head dim instead and add dQ themselves (bwd_head_split_mainloop.h). Tile sizes, layouts and shared memory:
+// the consumers split the head dim instead and add dQ themselves (bwd_head_split_mainloop.h), and
+// warp 1 keeps a deterministic call's turns. Tile sizes, layouts and shared memory:
 // bwd_tile_config.h; named barriers: barriers.h. The preprocess (D, dq_accum zeroed) and the
 // postprocess (dQ scaled, converted) are both paths' (common/bwd_stages.h).
 #pragma once
@@ -61,7 +62,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0) {
       load_key_block<Traits, kMaskKind>(kernel_params, work, storage, lane);
     } else if (warp == 1) {
-      if constexpr (!Traits::kHeadSplit) write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
+      if constexpr (Traits::kHeadSplit) {
+        keep_dq_turns<Traits, kMaskKind>(params, work, lane);
+      } else {
+        write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
+      }
     } else if (warp == 2) {
       stage_query_statistics<Traits, kMaskKind>(params, work, storage, lane,
                                                 lse_score_unit<carries_score_mods(kExtension)>(params));

@@ -129,17 +129,9 @@ __device__ __forceinline__ void stage_query_statistics(
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kStages = Traits::kStages;
   const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, work.tile.head);
-  // Past head dim 128 the consumers add dQ with atomics as soon as a block is computed: in a
-  // deterministic call its stage fills only when the block's turn has come (ordered_reduce.h).
-  const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
     const int stage = step % kStages;
-    if (Traits::kHeadSplit && turns) {
-      const int place = turns.place(work, m_block, lane);
-      if (lane == 0) wait_for_turn(turns.counters + m_block, place);
-      __syncwarp();
-    }
     storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
     bool exact_rows = false;
     CUTE_UNROLL
@@ -160,6 +152,28 @@ __device__ __forceinline__ void stage_query_statistics(
     exact_rows = __any_sync(0xffffffffu, exact_rows);
     if (lane == 0) storage.pipeline.exact_rows[stage] = exact_rows;
     storage.pipeline.query_full[stage].arrive();  // each lane releases its own stores
+  }
+}
+
+// Run by the 32 lanes of warp 1 in the head-split layout (whose consumers add dQ with atomics) in a
+// deterministic call: per query block, waits for the CTA's turn (ordered_reduce.h), lets the
+// consumers' atomics go (kDqTurn), and passes the turn on once every consumer thread has added
+// (kDqAdded). The consumers compute the block meanwhile; only their atomics wait.
+template <class Traits, MaskKind kMaskKind>
+__device__ __forceinline__ void keep_dq_turns(BwdParams const& params,
+                                              KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
+                                              int lane) {
+  constexpr int kThreads = Traits::kConsumerThreads + 32;
+  const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work);
+  if (!turns) return;
+  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
+    const int place = turns.place(work, m_block, lane);
+    if (lane == 0) wait_for_turn(turns.counters + m_block, place);
+    __syncwarp();  // lane 0's acquire before every lane's arrival
+    named_barrier_arrive<BwdBarrier::kDqTurn, 0, kThreads>();
+    // The consumers' arrivals release their atomics; lane 0's release then passes them on.
+    named_barrier_sync<BwdBarrier::kDqAdded, 0, kThreads>();
+    if (lane == 0) pass_turn(turns.counters + m_block);
   }
 }
 

@@ -28,8 +28,9 @@ struct BwdCommonTraits {
                 "query rows, keys and head dim in 64s (rows of 128-byte swizzle atoms, 64-row wgmmas)");
 
   // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory where the
-  // consumers leave it in shared memory (TMA reduce-add), warp 2 stages LSE and D; the others exit
-  // at once. Warpgroups 1 and 2 are the consumers.
+  // consumers leave it in shared memory (TMA reduce-add; in the head-split layout, where the
+  // consumers add it, warp 1 keeps a deterministic call's turns), warp 2 stages LSE and D; the
+  // others exit at once. Warpgroups 1 and 2 are the consumers.
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;

@@ -30,7 +30,8 @@ __device__ __forceinline__ void wait_for_turn(const int* turn, int place) {
 }
 
 // Releases the turn to the next CTA: every write this thread has made, or has seen ordered before
-// this point (the other threads' atomics, after their fences and a barrier), comes before it.
+// this point (the other threads' atomics, before their arrival on a barrier this thread then synced
+// on), comes before it.
 __device__ __forceinline__ void pass_turn(int* turn) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
 }

@@ -110,6 +110,8 @@ def check_bool(value, name: str) -> bool:
 
 
 def _check_real(value, name: str, what: str) -> float:
+    if type(value) is float:  # the usual case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {what}, got {_type_name(value)}")
     try:

@@ -12,8 +12,9 @@ FlexAttention read a contiguous (batch, heads_k, context, head_dim) cache with G
 Timings: after warm-up, --calls back-to-back calls between one pair of CUDA events (--timing loop,
 the default: the host enqueues the next call while the GPU runs the last, so only host overhead
 longer than a call shows), or one replay of a CUDA graph capturing them (--timing graph: no host
-overhead at all); the time of a call is the median over --repeats such measurements, divided by
---calls. Every call reads the same cache: one that fits in L2 (50 MB on an H100/H200) is partly read
+overhead at all), or both (--timing both: two columns, the bandwidth from the graph's time, so that
+the host's share of a call shows as their difference); the time of a call is the median over
+--repeats such measurements, divided by --calls. Every call reads the same cache: one that fits in L2 (50 MB on an H100/H200) is partly read
 from there, so small shapes can show more than HBM bandwidth.
 """
 
@@ -122,9 +123,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=10,
                         help="timed measurements per implementation and shape; the median is reported "
                              "(default: %(default)s)")
-    parser.add_argument("--timing", choices=("loop", "graph"), default="loop",
+    parser.add_argument("--timing", choices=("loop", "graph", "both"), default="loop",
                         help="loop: calls launched back to back; graph: one replay of a CUDA graph capturing "
-                             "them (default: %(default)s)")
+                             "them; both: the two, bandwidth from the graph's (default: %(default)s)")
     parser.add_argument("--max-cache-gib", type=float, default=40.0,
                         help="skip shapes whose K/V cache exceeds this (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -140,7 +141,9 @@ def main(argv=None) -> int:
     copy = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy / 1e9:.0f} GB/s; timing: {args.timing}, "
           f"median of {args.repeats} x {args.calls} calls")
-    print(f"{'batch':>6} {'context':>8} {'impl':>26} {'time us':>9} {'GB/s':>8} {'of copy':>8}")
+    both = args.timing == "both"
+    graph_column = f" {'graph us':>9}" if both else ""
+    print(f"{'batch':>6} {'context':>8} {'impl':>26} {'time us':>9}{graph_column} {'GB/s':>8} {'of copy':>8}")
     for batch in args.batch:
         for context in args.context:
             cache_bytes = 2 * batch * context * args.heads_k * args.head_dim * dtype.itemsize
@@ -156,8 +159,15 @@ def main(argv=None) -> int:
                 except (RuntimeError, torch.OutOfMemoryError) as error:
                     print(f"{batch:>6} {context:>8} {impl:>26}  unavailable: {str(error).splitlines()[0][:80]}")
                     continue
-                achieved = moved / (ms * 1e-3)
-                print(f"{batch:>6} {context:>8} {impl:>26} {ms * 1e3:>9.1f} {achieved / 1e9:>8.0f} "
+                graph_ms, graph_value = ms, ""
+                if both:
+                    try:
+                        graph_ms = time_ms(fn, args.calls, args.repeats, graph=True)
+                        graph_value = f" {graph_ms * 1e3:>9.1f}"
+                    except RuntimeError:  # a peer that cannot be captured: bandwidth from the loop
+                        graph_value = f" {'n/a':>9}"
+                achieved = moved / (graph_ms * 1e-3)
+                print(f"{batch:>6} {context:>8} {impl:>26} {ms * 1e3:>9.1f}{graph_value} {achieved / 1e9:>8.0f} "
                       f"{achieved / copy:>8.2f}")
                 torch.cuda.empty_cache()
     return 0

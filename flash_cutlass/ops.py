@@ -115,10 +115,15 @@ def _backward_options(forward_options: AttentionOptions, rng_state: torch.Tensor
     return forward_options.replace(**changes) if changes else forward_options
 
 
-def _gradients(ctx, grad_out, _grad_lse, _grad_rng_state):
+def _backward_inputs(ctx):
+    """The saved (q, k, v, out, lse) and the backward's options."""
     q, k, v, out, lse, rng_state = ctx.saved_tensors
-    options = _backward_options(ctx.options, rng_state)
-    dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, *options.op_args())
+    return (q, k, v, out, lse), _backward_options(ctx.options, rng_state)
+
+
+def _gradients(ctx, grad_out, _grad_lse, _grad_rng_state):
+    tensors, options = _backward_inputs(ctx)
+    dq, dk, dv = backward_op(grad_out.contiguous(), *tensors, *options.op_args())
     return (dq, dk, dv) + _NO_OPTION_GRADIENTS
 
 
@@ -139,9 +144,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse, _grad_rng_state):
-        q, k, v, out, lse, rng_state = ctx.saved_tensors
-        options = _backward_options(ctx.options, rng_state)
-        dq, dk, dv = backend.backward(grad_out.contiguous(), q, k, v, out, lse, options)
+        tensors, options = _backward_inputs(ctx)
+        dq, dk, dv = backend.backward(grad_out.contiguous(), *tensors, options)
         return dq, dk, dv, None
 
 

@@ -4,9 +4,11 @@
 //   P^T = exp2(S^T scale - lse)              (while dP^T is still in the tensor cores; the scale and
 //                                             the LSE's offset per query: probability_exponent)
 //   dS^T = P^T (dP^T - D)                    (registers)
-//   dV += P^T dO, dK += dS^T Q               (wgmma, P^T and dS^T straight from the accumulators)
+//   dV += P^T dO                             (wgmma, P^T straight from the accumulators)
 //   dQ = dS K                                (wgmma from both warpgroups' dS^T in shared memory)
-// and each block's dQ goes to shared memory for the dQ warp's TMA reduce-add (bwd_producer.h).
+//   dK += dS^T Q                             (wgmma, dS^T from the accumulators)
+// and each block's dQ goes to shared memory, while dK runs, for the dQ warp's TMA reduce-add
+// (bwd_producer.h).
 #pragma once
 
 #include <cmath>
@@ -35,14 +37,13 @@ namespace flash_cutlass::sm90 {
 // register.
 struct QueryExponents {
   const ScoreExponent* exponent;  // per query: its scale and offset
-  const float* offset;            // per query: its offset alone
   float uniform_scale;
   bool exact_rows;
 
   template <bool kPerQueryScale>
   __device__ __forceinline__ ScoreExponent of(int local_query) const {
     if constexpr (kPerQueryScale) return exponent[local_query];
-    else return {uniform_scale, offset[local_query]};
+    else return {uniform_scale, exponent[local_query].offset};
   }
 };
 
@@ -50,7 +51,7 @@ struct QueryExponents {
 template <class PipelineStorage>
 __device__ __forceinline__ QueryExponents query_exponents(PipelineStorage const& pipeline, int stage,
                                                           BwdParams const& params) {
-  return {pipeline.exponent[stage], pipeline.exponent_offset[stage], params.exp2_scale,
+  return {pipeline.exponent[stage], params.exp2_scale,
           pipeline.exact_rows[stage] != 0};
 }
 
@@ -314,23 +315,19 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
     Tensor dst = convert_fragment<Element>(acc_dp);
     copy(smem_tiled_copy_ds, smem_thr_copy_ds.retile_S(dst), tdSsdS(_, _, _, ds_buffer));
     Tensor tdKrdSt = make_tensor(dst.data(), acc_layout_as_operand_a(dst.layout()));
-    issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
 
-    // dQ = dS K once both warpgroups' dS^T is in shared memory (dV and dK run meanwhile). The other
-    // dS buffer may still be read by the step before's dQ GEMM of the other warpgroup until it
-    // reaches this barrier.
+    // dQ = dS K once both warpgroups' dS^T is in shared memory (dV runs meanwhile), then dK, under
+    // which dQ goes to shared memory. The other dS buffer may still be read by the step before's
+    // dQ GEMM of the other warpgroup until it reaches this barrier.
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
     Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
     issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt, acc_dq);
-    warpgroup_wait<0>();
+    issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
+    warpgroup_wait<1>();
     warpgroup_fence_operand(acc_dv);
-    warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(acc_dq);
     warpgroup_fence_operand(pt);
-    warpgroup_fence_operand(dst);
-    // This thread's GEMMs are done with the stage's Q and dO.
-    storage.pipeline.query_empty[stage].arrive();
 
     // The dQ warp has read the block before's dQ out of shared memory; this block's goes in.
     if (step > 0) named_barrier_sync<BwdBarrier::kDqEmpty, 0, kDqThreads>();
@@ -340,6 +337,11 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
       const int offset = dq_offset(get<0>(tdQcdQ(i)) - dq_row0, get<1>(tdQcdQ(i)) - dq_col0);
       *reinterpret_cast<float2*>(sdq + offset) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dk);
+    warpgroup_fence_operand(dst);
+    // This thread's GEMMs are done with the stage's Q and dO.
+    storage.pipeline.query_empty[stage].arrive();
     cutlass::arch::fence_view_async_shared();
     named_barrier_arrive<BwdBarrier::kDqFull, 0, kDqThreads>();
   }

@@ -146,7 +146,6 @@ __device__ __forceinline__ void stage_query_statistics(
       const ScoreExponent exponent = probability_exponent(lse, params.exp2_scale, score_unit);
       exact_rows |= exponent.scale != params.exp2_scale;
       storage.pipeline.exponent[stage][local_row] = exponent;
-      storage.pipeline.exponent_offset[stage][local_row] = exponent.offset;
       storage.pipeline.dsum[stage][local_row] = dsum;
     }
     exact_rows = __any_sync(0xffffffffu, exact_rows);

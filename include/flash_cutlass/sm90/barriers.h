@@ -20,14 +20,11 @@ enum class BwdBarrier : int {
   // Every consumer thread: both warpgroups' dS^T of a query block is in shared memory.
   kDsReady = 1,
   // The consumers and the dQ warp: a query block's dQ is in shared memory (kDqFull), and the dQ
-  // warp's TMA reduce-add has read it, so the next one may be written (kDqEmpty).
+  // warp's TMA reduce-add has read it, so the next one may be written (kDqEmpty). In the head-split
+  // layout the warpgroups stage their halves in turn, each with its own pair: kDqFull + 2 w and
+  // kDqEmpty + 2 w for warpgroup w.
   kDqFull = 2,
   kDqEmpty = 3,
-  // The head-split layout's consumers and its turn warp in a deterministic call: a query block's
-  // turn to add dQ has come (kDqTurn), and every consumer thread's atomics of it are done, so the
-  // turn warp may pass the turn on (kDqAdded).
-  kDqTurn = 4,
-  kDqAdded = 5,
 };
 
 // bar.sync / bar.arrive with the id (a FwdBarrier or a BwdBarrier) as an immediate.

@@ -2,12 +2,13 @@
 // warpgroups walk the query blocks that see their CTA's 64 keys. Per query block:
 //   S^T = K Q^T, then dP^T = V dO^T          (each warpgroup half of the queries)
 //   P^T, dS^T as in bwd_mainloop.h           (registers), then to shared memory in the inputs' dtype
-//   dV^T += dO^T P, dK^T += Q^T dS           (each warpgroup half of the head dim, both operands
-//                                            in shared memory: P and dS of both warpgroups)
+//   dV^T += dO^T P                           (each warpgroup half of the head dim, both operands
+//                                            in shared memory: P of both warpgroups; dO's stage is
+//                                            released once it is done)
 //   dQ = dS K                                (each warpgroup half of the head dim)
-// and each warpgroup adds its half of the block's dQ to dq_accum with 8-byte atomics while the
-// tensor cores run dV^T and dK^T (in a deterministic call, once the block's turn has come:
-// ordered_reduce.h, keep_dq_turns in bwd_producer.h).
+//   dK^T += Q^T dS                           (as dV^T)
+// and each warpgroup stages its half of the block's dQ in shared memory while dK^T runs, warpgroup
+// 0 first, for the dQ warp's TMA reduce-add (write_dq in bwd_producer.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -21,7 +22,6 @@
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_mainloop.h"
-#include "flash_cutlass/sm90/ordered_reduce.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
@@ -76,27 +76,31 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   // (key, query) of every S^T accumulator element inside its tile; (query, column) of dQ's.
   Tensor tScS = as_rows_cols(thr_sdp.partition_C(make_identity_tensor(TileSt{})));
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
-  float* dq_accum = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head).dq_accum;
+  // This warpgroup's half of dQ in the staging tile: its columns less the half's first.
+  const int warpgroup = consumer_idx / 128;
+  static_assert(std::is_same_v<typename Traits::SmemLayoutdQ,
+                               decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, typename Traits::TileDq{}))>,
+                "DqTileOffsets is the closed form of this layout");
   const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
-  // Deterministic calls: the atomics of a block wait for its turn, which warp 1 keeps
-  // (keep_dq_turns); the GEMMs before them do not.
-  // The same condition as warp 1's (DqTurns: a deterministic call, with its counters).
-  const bool ordered = bool(DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind>(params, work));
-  constexpr int kTurnThreads = Traits::kConsumerThreads + 32;
+  const DqTileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0 - warpgroup * (kHeadDim / Traits::kConsumerWarpgroups));
+  float* sdq = storage.dq.data();
+  constexpr int kDqThreads = 128 + 32;  // a warpgroup and the dQ warp
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(0);
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
     const int stage = step % Traits::kStages;
+    const int dout_stage = step % Traits::kStagesdO;
     const int buffer = step & 1;
     const int row_start = m_block * Traits::kBlockM;
     storage.pipeline.query_full[stage].wait((step / Traits::kStages) & 1);
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
-    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s, acc_dp,
-                                  tScS, params, work, score_mods, dropout, row_start,
-                                  query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage]);
+    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, dout_stage), acc_s,
+                                  acc_dp, tScS, params, work, score_mods, dropout, row_start,
+                                  query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
+                                  [&] { storage.pipeline.dout_full[dout_stage].wait((step / Traits::kStagesdO) & 1); });
     // This warpgroup's queries of P^T and dS^T to shared memory. The buffer's previous contents
     // (two steps back) were read by GEMMs that both warpgroups waited for before the last barrier.
     Tensor pt = convert_fragment<Element>(acc_s);
@@ -106,34 +110,39 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
 
-    // dQ first: its atomics then run while the tensor cores compute dV^T and dK^T.
+    // dV^T first (dO's stage then goes back to the loader), dQ, and dK^T, under which dQ is staged.
+    issue_gemm_wgmma<false>(mma_dkv, tdVrdOt(_, _, _, dout_stage), tdVrPt(_, _, _, buffer), acc_dvt);
     Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
     issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, acc_dq);
-    issue_gemm_wgmma<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, buffer), acc_dvt);
     issue_gemm_wgmma<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, buffer), acc_dkt);
-    warpgroup_wait<2>();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc_dvt);
     warpgroup_fence_operand(acc_dq);
-    if (ordered) named_barrier_sync<BwdBarrier::kDqTurn, 0, kTurnThreads>();
-    // Rows past the sequence are not added (in a variable-length call they are the next one's).
-    // An element's distance from the thread's first is known at compile time: its address is a
-    // base plus an immediate.
-    const int rows_left = work.sequence.seqlen_q - row_start - dq_row0;
-    float* dq_thread = dq_accum + int64_t(row_start + dq_row0) * kHeadDim + dq_col0;
+    storage.pipeline.dout_empty[dout_stage].arrive();
+
+    // The staging tile is free: warpgroup 0 waits for the dQ warp to have read the block before's
+    // second half, warpgroup 1 for this block's first. Immediate barrier ids (a computed one costs
+    // registers).
+    if (warpgroup == 0) {
+      if (step > 0) named_barrier_sync<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+    } else {
+      named_barrier_sync<BwdBarrier::kDqEmpty, 2, kDqThreads>();
+    }
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
-      const int dr = get<0>(tdQcdQ(i)) - dq_row0;
-      if (dr < rows_left) {
-        atomicAdd(reinterpret_cast<float2*>(dq_thread + dr * kHeadDim + (get<1>(tdQcdQ(i)) - dq_col0)),
-                  make_float2(acc_dq(i), acc_dq(i + 1)));
-      }
+      // Columns col and col + 1 stay neighbours under the swizzle (it permutes 16-byte units).
+      const int offset = dq_offset(get<0>(tdQcdQ(i)) - dq_row0, get<1>(tdQcdQ(i)) - dq_col0);
+      *reinterpret_cast<float2*>(sdq + offset) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
-    // Every thread's atomics come before warp 1's release through the barrier (no per-thread
-    // fence: one would make ptxas return every atomic's value, the usual calls' too).
-    if (ordered) named_barrier_arrive<BwdBarrier::kDqAdded, 0, kTurnThreads>();
+    cutlass::arch::fence_view_async_shared();
+    if (warpgroup == 0) {
+      named_barrier_arrive<BwdBarrier::kDqFull, 0, kDqThreads>();
+    } else {
+      named_barrier_arrive<BwdBarrier::kDqFull, 2, kDqThreads>();
+    }
     warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_dvt);
     warpgroup_fence_operand(acc_dkt);
-    // This thread's GEMMs are done with the stage's Q and dO.
+    // This thread's GEMMs are done with the stage's Q.
     storage.pipeline.query_empty[stage].arrive();
   }
 

@@ -4,9 +4,8 @@
 // Warpgroup 0 produces (bwd_producer.h): warp 0 loads K, V, Q and dO by TMA and warp 2 the LSE and
 // D through a multi-stage pipeline, warp 1 adds dQ with TMA's reduce-add; the consumer warpgroups,
 // 64 keys each, run the five GEMMs and the softmax gradient (bwd_mainloop.h). Past head dim 128
-// the consumers split the head dim instead and add dQ themselves (bwd_head_split_mainloop.h), and
-// warp 1 keeps a deterministic call's turns. Tile sizes, layouts and shared memory:
-// bwd_tile_config.h; named barriers: barriers.h. The preprocess (D, dq_accum zeroed) and the
+// the consumers split the head dim instead (bwd_head_split_mainloop.h). Tile sizes, layouts and
+// shared memory: bwd_tile_config.h; named barriers: barriers.h. The preprocess (D, dq_accum zeroed) and the
 // postprocess (dQ scaled, converted) are both paths' (common/bwd_stages.h).
 #pragma once
 
@@ -40,7 +39,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(kernel_params.tma_dout.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kernel_params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kernel_params.tma_v.get_tma_descriptor());
-    if constexpr (!Traits::kHeadSplit) cute::prefetch_tma_descriptor(kernel_params.tma_dq.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kernel_params.tma_dq.get_tma_descriptor());
     storage.pipeline.kv_full.init(1);
     storage.pipeline.kv_landed.init(1);
     storage.pipeline.query_landed.init(1);
@@ -49,6 +48,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // The TMA transaction's arrival and one a statistics-warp lane (its LSE and D stores).
       storage.pipeline.query_full[stage].init(1 + 32);
       storage.pipeline.query_empty[stage].init(Traits::kConsumerThreads);
+    }
+    if constexpr (Traits::kSeparatedO) {
+      CUTE_UNROLL
+      for (int stage = 0; stage < Traits::kStagesdO; ++stage) {
+        storage.pipeline.dout_full[stage].init(1);
+        storage.pipeline.dout_empty[stage].init(Traits::kConsumerThreads);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -62,11 +68,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0) {
       load_key_block<Traits, kMaskKind>(kernel_params, work, storage, lane);
     } else if (warp == 1) {
-      if constexpr (Traits::kHeadSplit) {
-        keep_dq_turns<Traits, kMaskKind>(params, work, lane);
-      } else {
-        write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
-      }
+      write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
     } else if (warp == 2) {
       stage_query_statistics<Traits, kMaskKind>(params, work, storage, lane,
                                                 lse_score_unit<carries_score_mods(kExtension)>(params));

@@ -1,29 +1,19 @@
 // What the Hopper-path backward kernel receives (built by bwd_launch.h): the call and the TMA
-// descriptors of Q, dO, K, V (and the dQ accumulator) built from it on the host.
+// descriptors of Q, dO, K, V and the dQ accumulator built from it on the host.
 #pragma once
 
 #include "flash_cutlass/params.h"
 
 namespace flash_cutlass::sm90 {
 
-template <class Traits, bool kHeadSplit = Traits::kHeadSplit>
+template <class Traits>
 struct BwdKernelParams {
   BwdParams call;
   typename Traits::TmaQ tma_q;
   typename Traits::TmaQ tma_dout;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
-  typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum
-};
-
-// The head-split kernels add dQ with the consumers' atomics: no dQ descriptor.
-template <class Traits>
-struct BwdKernelParams<Traits, true> {
-  BwdParams call;
-  typename Traits::TmaQ tma_q;
-  typename Traits::TmaQ tma_dout;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum from the staged dQ tile
 };
 
 }  // namespace flash_cutlass::sm90

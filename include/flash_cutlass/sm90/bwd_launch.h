@@ -1,5 +1,5 @@
-// Host-side launch of the Hopper-path backward: builds the TMA descriptors of Q, dO, K and V from
-// the call's pointers and strides; included only by the instantiation files.
+// Host-side launch of the Hopper-path backward: builds the TMA descriptors of Q, dO, K, V and the
+// dQ accumulator from the call's pointers and strides; included only by the instantiation files.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,8 +12,8 @@
 
 namespace flash_cutlass::sm90 {
 
-// The preprocess, the Hopper main kernel (dK, dV; dQ by TMA reduce-add, or past head dim 128 by the
-// consumers' atomics, in key-block order when deterministic), the postprocess (common/bwd_stages.h).
+// The preprocess, the Hopper main kernel (dK, dV; dQ by TMA reduce-add, in key-block order when
+// deterministic), the postprocess (common/bwd_stages.h).
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   using namespace cute;
@@ -42,21 +42,15 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const auto tma_dout = make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q_stage, TileQ{}, _1{});
   const auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, TileKV{}, _1{});
   const auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, TileKV{}, _1{});
-  const BwdKernelParams<Traits> kernel_params = [&] {
-    if constexpr (Traits::kHeadSplit) {
-      return BwdKernelParams<Traits>{params, tma_q, tma_dout, tma_k, tma_v};
-    } else {
-      // dq_accum: (batch, heads, seqlen_q, kHeadDim), or (heads, total_q, kHeadDim) in a variable-length call.
-      const bool varlen = params.cu_seqlens_q != nullptr;
-      const int64_t dq_head_stride = int64_t(extents.rows_q) * kHeadDim;
-      const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads,
-                                                extents.batch, int64_t(kHeadDim), dq_head_stride,
-                                                varlen ? int64_t(0) : dq_head_stride * params.heads);
-      return BwdKernelParams<Traits>{
-          params, tma_q, tma_dout, tma_k, tma_v,
-          make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, TileQ{}, _1{})};
-    }
-  }();
+  // dq_accum: (batch, heads, seqlen_q, kHeadDim), or (heads, total_q, kHeadDim) in a variable-length call.
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  const int64_t dq_head_stride = int64_t(extents.rows_q) * kHeadDim;
+  const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads, extents.batch,
+                                            int64_t(kHeadDim), dq_head_stride,
+                                            varlen ? int64_t(0) : dq_head_stride * params.heads);
+  const BwdKernelParams<Traits> kernel_params{
+      params, tma_q, tma_dout, tma_k, tma_v,
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{})};
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
     const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension>,

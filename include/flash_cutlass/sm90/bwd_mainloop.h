@@ -154,8 +154,8 @@ __device__ __forceinline__ auto smem_operands(typename Traits::SharedStorage& st
   using namespace cute;
   return cute::make_tuple(make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{}),
                           make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQt{}),
-                          make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQ{}),
-                          make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQt{}),
+                          make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutdO{}),
+                          make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutdOt{}),
                           make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{}),
                           make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKt{}),
                           make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{}),
@@ -177,16 +177,18 @@ __device__ __forceinline__ void with_exponent_variant(bool apply_mask, bool per_
 
 // A query block's S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), turned in place
 // into P^T and dS^T: the exponentials while dP^T is still computed (the extended kernels, which
-// need both at once, wait for both). Both consumer layouts run it on their part of the tile.
+// need both at once, wait for both). Both consumer layouts run it on their part of the tile;
+// wait_for_dout() runs between the two GEMMs' issue (dO's own barrier, where it has one).
 template <MaskKind kMaskKind, int kBlockM, int kBlockN, class TiledMma, class FragK, class FragQ, class FragV,
-          class FragdO, class Acc, class Coords, bool kExtended, bool kDropout>
+          class FragdO, class Acc, class Coords, bool kExtended, bool kDropout, class WaitForDout>
 __device__ __forceinline__ void probabilities_and_ds_of_block(
     TiledMma& mma_sdp, FragK const& tSrK, FragQ const& tSrQ, FragV const& tdPrV, FragdO const& tdPrdO, Acc& acc_s,
     Acc& acc_dp, Coords const& tScS, BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
     ScoreMods<kExtended> const& score_mods, Dropout<kDropout> const& dropout, int row_start,
-    QueryExponents const& exponents, const float* dsum) {
+    QueryExponents const& exponents, const float* dsum, WaitForDout&& wait_for_dout) {
   using namespace cute;
   issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ, acc_s);
+  wait_for_dout();
   issue_gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO, acc_dp);
   Tensor st = as_rows_cols(acc_s);
   Tensor dpt = as_rows_cols(acc_dp);
@@ -306,7 +308,8 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
     probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s, acc_dp,
                                   tScS, params, work, score_mods, dropout, row_start,
-                                  query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage]);
+                                  query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
+                                  [] {});
     // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared
     // memory for dQ.
     Tensor pt = convert_fragment<Element>(acc_s);

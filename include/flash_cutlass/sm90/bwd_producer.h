@@ -8,6 +8,8 @@
 //   waited for the statistics' global loads, which 24 registers serialize.)
 // - The dQ warp adds each query block's dQ, which the consumers leave in shared memory, to dq_accum
 //   with TMA's reduce-add (fp32 add in L2), off the consumers' path.
+// - Past head dim 128 (kSeparatedO) dO has one stage and barriers of its own, so that its next
+//   block loads once the consumers' dV GEMMs are done, not after dK's.
 // Sequence isolation in a variable-length call: TMA reads a tile's rows past its sequence from the
 // next sequence (elsewhere rows past the tensor arrive as zeros). Those rows would meet a zero
 // (P = 0, dS = 0) in a GEMM, and 0 * NaN = NaN, so the warps of this warpgroup zero them in shared
@@ -63,7 +65,7 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   Tensor gK = local_tile(domain_offset(k_rows, mK(_, _, head_k, tma_batch)), TileKV{}, make_coord(work.tile.n_block, _0{}));
   Tensor gV = local_tile(domain_offset(k_rows, mV(_, _, head_k, tma_batch)), TileKV{}, make_coord(work.tile.n_block, _0{}));
   Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutdO{});
   Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
   auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
@@ -94,27 +96,51 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     const int step = m_block - work.m_block_begin;
     const int stage = step % kStages;
+    const int dout_stage = step % Traits::kStagesdO;
     // The stage's previous block is done (the first kStages steps find it free).
     storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
     // Only a sequence's last query block can hold rows past it: its loads land on query_landed.
     const int queries_in_block = work.sequence.seqlen_q - m_block * kBlockM;
     const bool zero_query_tail = varlen && queries_in_block < kBlockM;
+    if constexpr (Traits::kSeparatedO) {
+      if (zero_query_tail) storage.pipeline.dout_empty[dout_stage].wait(((step / Traits::kStagesdO) & 1) ^ 1);
+    }
     auto& query_arrival = zero_query_tail ? storage.pipeline.query_landed : storage.pipeline.query_full[stage];
     if (lane == 0) {
-      query_arrival.arrive_and_expect_tx(2 * Traits::kBytesQ);
-      copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
-      copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(query_arrival)), tdOgdO(_, m_block),
-           tdOsdO(_, stage));
+      if constexpr (Traits::kSeparatedO) {
+        // Q as soon as its stage is free; dO once the consumers' dV GEMMs are done with the last one.
+        if (zero_query_tail) {
+          query_arrival.arrive_and_expect_tx(2 * Traits::kBytesQ);
+        } else {
+          query_arrival.arrive_and_expect_tx(Traits::kBytesQ);
+        }
+        copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
+        auto& dout_arrival = zero_query_tail ? storage.pipeline.query_landed : storage.pipeline.dout_full[dout_stage];
+        if (!zero_query_tail) {
+          storage.pipeline.dout_empty[dout_stage].wait(((step / Traits::kStagesdO) & 1) ^ 1);
+          dout_arrival.arrive_and_expect_tx(Traits::kBytesQ);
+        }
+        copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(dout_arrival)), tdOgdO(_, m_block),
+             tdOsdO(_, dout_stage));
+      } else {
+        query_arrival.arrive_and_expect_tx(2 * Traits::kBytesQ);
+        copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
+        copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(query_arrival)), tdOgdO(_, m_block),
+             tdOsdO(_, stage));
+      }
     }
     if (zero_query_tail) {
       storage.pipeline.query_landed.wait(0);  // once per CTA: the walk has one last block
       zero_tile_rows<Traits::kHeadDim, 32>(storage.q.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
                                            kBlockM, lane, stage);
-      zero_tile_rows<Traits::kHeadDim, 32>(storage.dout.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
-                                           kBlockM, lane, stage);
+      zero_tile_rows<Traits::kHeadDim, 32>(storage.dout.data(), typename Traits::SmemLayoutdO{}, queries_in_block,
+                                           kBlockM, lane, dout_stage);
       cutlass::arch::fence_view_async_shared();
       __syncwarp();
-      if (lane == 0) storage.pipeline.query_full[stage].arrive();  // in place of the TMA transaction's arrival
+      if (lane == 0) {
+        storage.pipeline.query_full[stage].arrive();  // in place of the TMA transaction's arrival
+        if constexpr (Traits::kSeparatedO) storage.pipeline.dout_full[dout_stage].arrive();
+      }
     }
   }
 }
@@ -154,46 +180,29 @@ __device__ __forceinline__ void stage_query_statistics(
   }
 }
 
-// Run by the 32 lanes of warp 1 in the head-split layout (whose consumers add dQ with atomics) in a
-// deterministic call: per query block, waits for the CTA's turn (ordered_reduce.h), lets the
-// consumers' atomics go (kDqTurn), and passes the turn on once every consumer thread has added
-// (kDqAdded). The consumers compute the block meanwhile; only their atomics wait.
-template <class Traits, MaskKind kMaskKind>
-__device__ __forceinline__ void keep_dq_turns(BwdParams const& params,
-                                              KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
-                                              int lane) {
-  constexpr int kThreads = Traits::kConsumerThreads + 32;
-  const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work);
-  if (!turns) return;
-  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
-    const int place = turns.place(work, m_block, lane);
-    if (lane == 0) wait_for_turn(turns.counters + m_block, place);
-    __syncwarp();  // lane 0's acquire before every lane's arrival
-    named_barrier_arrive<BwdBarrier::kDqTurn, 0, kThreads>();
-    // The consumers' arrivals release their atomics; lane 0's release then passes them on.
-    named_barrier_sync<BwdBarrier::kDqAdded, 0, kThreads>();
-    if (lane == 0) pass_turn(turns.counters + m_block);
-  }
-}
-
-// Run by the dQ warp: the query blocks in the consumers' order, one TMA reduce-add each. Rows past
-// the tensor are not written; in a variable-length call the rows past a sequence are the next
-// one's: the last block's are zeroed first (0 in exact arithmetic, but not when this sequence holds
-// a NaN or an Inf).
+// Run by the dQ warp: the query blocks in the consumers' order, one TMA reduce-add each (in the
+// head-split layout two, one a warpgroup's half of the columns, staged in turn). Rows past the
+// tensor are not written; in a variable-length call the rows past a sequence are the next one's:
+// the last block's are zeroed first (0 in exact arithmetic, but not when this sequence holds a NaN
+// or an Inf).
 template <class Traits, MaskKind kMaskKind>
 __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_params,
                                          KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
                                          typename Traits::SharedStorage& storage, int lane) {
   using namespace cute;
-  constexpr int kDqThreads = Traits::kConsumerThreads + 32;
-  using TileQ = typename Traits::TileQ;
+  // The consumers that stage one tile, and this warp.
+  constexpr int kParts = Traits::kHeadSplit ? Traits::kConsumerWarpgroups : 1;
+  constexpr int kDqThreads = Traits::kConsumerThreads / kParts + 32;
+  using TileDq = typename Traits::TileDq;
+  constexpr int kDqColumns = size<1>(TileDq{});
   BwdParams const& params = kernel_params.call;
   const TmaExtents extents = tma_extents(params);
   const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
   Tensor mdQ = kernel_params.tma_dq.get_tma_tensor(
       make_shape(extents.rows_q, Int<Traits::kHeadDim>{}, params.heads, extents.batch));
+  // (rows, columns, m_block, part)
   Tensor gdQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mdQ(_, _, work.tile.head, tma_batch)),
-                          TileQ{}, make_coord(_, _0{}));
+                          TileDq{}, make_coord(_, _));
   Tensor sdQ = make_tensor(make_smem_ptr(storage.dq.data()), typename Traits::SmemLayoutdQ{});
   auto [tdQgdQ, tdQsdQ] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                         group_modes<0, 2>(gdQ));
@@ -202,23 +211,35 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
     // Counted while the consumers still compute this block's dQ.
     const int place = turns ? turns.place(work, m_block, lane) : 0;
-    named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
-    const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
-    if (varlen && queries_in_block < Traits::kBlockM) {
-      zero_tile_rows<Traits::kHeadDim, 32>(storage.dq.data(), typename Traits::SmemLayoutdQ{}, queries_in_block,
-                                           Traits::kBlockM, lane);
-      cutlass::arch::fence_view_async_shared();  // before the TMA unit reads the tile
+    const bool last_block = m_block + 1 == work.m_block_end;
+    CUTE_UNROLL
+    for (int part = 0; part < kParts; ++part) {
+      if (part == 0) {
+        named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
+      } else {
+        named_barrier_sync<BwdBarrier::kDqFull, 2, kDqThreads>();
+      }
+      const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
+      if (varlen && queries_in_block < Traits::kBlockM) {
+        zero_tile_rows<kDqColumns, 32>(storage.dq.data(), typename Traits::SmemLayoutdQ{}, queries_in_block,
+                                       Traits::kBlockM, lane);
+        cutlass::arch::fence_view_async_shared();  // before the TMA unit reads the tile
+        __syncwarp();
+      }
+      if (lane == 0) {
+        if (part == 0 && turns) wait_for_turn(turns.counters + m_block, place);
+        copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block, part));
+        tma_store_arrive();
+        tma_store_wait<0>();  // the TMA unit has read storage.dq
+      }
       __syncwarp();
+      // The next part's consumers (the next block's, after the last part) refill storage.dq.
+      if (part + 1 < kParts) {
+        named_barrier_arrive<BwdBarrier::kDqEmpty, 2, kDqThreads>();
+      } else if (!last_block) {
+        named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+      }
     }
-    if (lane == 0) {
-      if (turns) wait_for_turn(turns.counters + m_block, place);
-      copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block));
-      tma_store_arrive();
-      tma_store_wait<0>();  // the TMA unit has read storage.dq
-    }
-    __syncwarp();
-    if (m_block + 1 < work.m_block_end) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
-    // The consumers refill storage.dq meanwhile.
     if (lane == 0 && turns) pass_turn_after_reductions(turns.counters + m_block);
   }
 }

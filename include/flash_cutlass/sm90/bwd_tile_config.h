@@ -16,21 +16,25 @@ namespace flash_cutlass::sm90 {
 // What both consumer layouts share: the roles and register budgets of a CTA of a producer
 // warpgroup and two consumer warpgroups, the tiles, the K-major 128-byte-swizzled layouts that TMA
 // writes Q, dO, K and V in (and their transposed views), and the TMA copy types.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_, int kStagesdO_ = kStages_>
 struct BwdCommonTraits {
   using Element = Element_;
   static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step of a CTA's walk
   static constexpr int kBlockN = kBlockN_;  // keys of a CTA
-  static constexpr int kStages = kStages_;  // query blocks (Q, dO, LSE, D) in flight
+  static constexpr int kStages = kStages_;  // query blocks (Q, LSE, D) in flight
+  static constexpr int kStagesdO = kStagesdO_;  // and their dO: as many, or one
+  // With one dO stage under more Q stages, dO has barriers of its own (dout_full, dout_empty): it is
+  // released after dV, its last GEMM, while Q waits for dK.
+  static constexpr bool kSeparatedO = kStagesdO != kStages;
+  static_assert(kStagesdO == kStages || kStagesdO == 1);
   static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 64 == 0,
                 "query rows, keys and head dim in 64s (rows of 128-byte swizzle atoms, 64-row wgmmas)");
 
   // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory where the
-  // consumers leave it in shared memory (TMA reduce-add; in the head-split layout, where the
-  // consumers add it, warp 1 keeps a deterministic call's turns), warp 2 stages LSE and D; the
-  // others exit at once. Warpgroups 1 and 2 are the consumers.
+  // consumers leave it in shared memory (TMA reduce-add), warp 2 stages LSE and D; the others exit
+  // at once. Warpgroups 1 and 2 are the consumers.
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -58,11 +62,18 @@ struct BwdCommonTraits {
   // contiguous: the layout TMA writes and wgmma reads.
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   // Q and dO: one buffer a stage.
-  using SmemLayoutQ = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-  using SmemLayoutQt = decltype(cute::composition(
-      SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
-                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  template <int kBuffers>
+  using SmemLayoutQueryRows = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBuffers>>{}));
+  template <int kBuffers>
+  using SmemLayoutQueryRowsT = decltype(cute::composition(
+      SmemLayoutQueryRows<kBuffers>{},
+      cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kBuffers>>{},
+                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutQ = SmemLayoutQueryRows<kStages>;
+  using SmemLayoutQt = SmemLayoutQueryRowsT<kStages>;
+  using SmemLayoutdO = SmemLayoutQueryRows<kStagesdO>;
+  using SmemLayoutdOt = SmemLayoutQueryRowsT<kStagesdO>;
   using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
@@ -90,23 +101,34 @@ struct BwdCommonTraits {
                                             cute::take<0, 2>(SmemLayoutQ{}), TileQ{}, cute::_1{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{},
                                              cute::_1{}));
+  // dq_accum as (rows, kHeadDim, heads, batch) fp32, added to with TMA's reduce-add from a staged
+  // tile of dQ.
+  using GmemTensordQ =
+      decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<float*>(nullptr)), GmemLayout{}));
+  template <class SmemLayoutdQ, class TileDq>
+  using TmadQFor = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutdQ{},
+                                                TileDq{}, cute::_1{}));
 };
 
 // The pipeline's shared state: per stage and query row the exponent of P from the log-sum-exp
 // (probability_exponent, common/softmax.h; lse = +inf past the sequence, so that P = 0 there; the
 // blocks whose every scale is exp2_scale, exact_rows false, read only its offset), D (0 past the
 // sequence), and the barriers.
-template <int kStages, int kBlockM>
+template <int kStages, int kBlockM, int kStagesdO = kStages>
 struct BwdPipelineStorage {
   alignas(16) ScoreExponent exponent[kStages][kBlockM];
   int exact_rows[kStages];  // whether a row of the stage takes probability_exponent's exact form
   alignas(16) float dsum[kStages][kBlockM];
   cutlass::arch::ClusterTransactionBarrier kv_full;
-  // A stage is full when its Q and dO have landed (TMA transaction bytes) and every lane of the
-  // statistics warp has stored its LSE and D (an arrival each); empty when every consumer thread is
-  // done with it.
+  // A stage is full when its Q and dO (only Q if kSeparatedO) have landed (TMA transaction bytes)
+  // and every lane of the statistics warp has stored its LSE and D (an arrival each); empty when
+  // every consumer thread is done with it.
   cutlass::arch::ClusterTransactionBarrier query_full[kStages];
   cutlass::arch::ClusterBarrier query_empty[kStages];
+  // dO's own, where it has fewer stages than Q (kSeparatedO): full when its TMA bytes have landed,
+  // empty when every consumer thread's dV GEMM is done with it.
+  cutlass::arch::ClusterTransactionBarrier dout_full[kStagesdO];
+  cutlass::arch::ClusterBarrier dout_empty[kStagesdO];
   // Variable-length calls only: the K/V tile, and a sequence's last query block, land here when
   // they hold rows past the sequence; the loader zeroes those rows before it marks them full.
   cutlass::arch::ClusterTransactionBarrier kv_landed;
@@ -138,13 +160,13 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
   // A query block's dQ in fp32, 128-byte swizzled (columns in chunks of 32): the layout the TMA
   // reduce-add reads, on which a warp's 64-bit stores of an accumulator (8 rows of 32 bytes) hit
   // every bank once per 128 bytes; unswizzled rows of kHeadDim floats put all 8 rows on the same
-  // 8 banks.
-  using SmemLayoutdQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{},
-                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  // 8 banks. The whole tile at once (both warpgroups' columns).
+  using TileDq = TileQ;
+  using SmemLayoutdQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{}, TileDq{}));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdO>> dout;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> v;
     // dS^T, two buffers.
@@ -156,11 +178,7 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
 
-  // dq_accum as (rows, kHeadDim, heads, batch) fp32, added to with TMA's reduce-add.
-  using GmemTensordQ =
-      decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<float*>(nullptr)), typename Base::GmemLayout{}));
-  using TmadQ = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutdQ{}, TileQ{},
-                                             cute::_1{}));
+  using TmadQ = typename Base::template TmadQFor<SmemLayoutdQ, TileDq>;
 };
 
 // The wide head dims (256): dK and dV of 64 keys x 256 do not fit one warpgroup's registers next
@@ -169,11 +187,14 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
 //   P^T and dS^T go to shared memory (keys, queries), where both warpgroups read all of them;
 //   dV^T += dO^T P and dK^T += Q^T dS: (head dim, 64 keys), each warpgroup half of the head dim,
 //   both operands from shared memory;
-//   dQ = dS K: (queries, head dim), each warpgroup half of the head dim, added to dq_accum by the
-//   consumers' own vector atomics (a 64 x 256 fp32 staging tile does not fit next to two stages).
+//   dQ = dS K: (queries, head dim), each warpgroup half of the head dim, staged in shared memory
+//   one warpgroup's half after the other for the dQ warp's TMA reduce-add (the consumers' own
+//   atomics had them wait on the memory pipeline: a third of their time).
+// The staging tile (64 x 128 fp32) takes the room of a second dO stage: dO has one, released after
+// dV^T, Q two.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
-struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_> {
-  using Base = BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_>;
+struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_, 1> {
+  using Base = BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_, 1>;
   using typename Base::Element;
   using typename Base::WarpgroupsAlongM;
   using typename Base::WarpgroupsAlongN;
@@ -197,15 +218,22 @@ struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_,
                                  cute::GMMA::Major::K>(),
       WarpgroupsAlongM{}));
 
+  // One warpgroup's half of a query block's dQ, fp32, 128-byte swizzled (as BwdKernelTraits's).
+  using TileDq = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>>;
+  using SmemLayoutdQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{}, TileDq{}));
+  using TmadQ = typename Base::template TmadQFor<SmemLayoutdQ, TileDq>;
+
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdO>> dout;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> v;
     // P^T and dS^T, two buffers each: the K-major B of dV^T and dK^T.
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdSt>> pt;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdSt>> ds;
-    BwdPipelineStorage<kStages, kBlockM> pipeline;
+    // Half a query block's dQ, staged for the dQ warp (the warpgroups take turns).
+    alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>> dq;
+    BwdPipelineStorage<kStages, kBlockM, Base::kStagesdO> pipeline;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
@@ -219,7 +247,7 @@ struct BwdTileSizes {
   static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64, kBlockN = 128, kStages = kHeadDim <= 64 ? 2 : 3;
 };
 
-// Past 128: 64 keys a CTA, query blocks of 64 rows, two stages (BwdHeadSplitKernelTraits).
+// Past 128: 64 keys a CTA, query blocks of 64 rows, two Q stages and one of dO (BwdHeadSplitKernelTraits).
 template <int kHeadDim, class Element, class Sizes = BwdTileSizes<kHeadDim>>
 using BwdTraitsFor = std::conditional_t<(kHeadDim > 128), BwdHeadSplitKernelTraits<kHeadDim, 64, 64, 2, Element>,
                                         BwdKernelTraits<kHeadDim, Sizes::kBlockM, Sizes::kBlockN, Sizes::kStages, Element>>;

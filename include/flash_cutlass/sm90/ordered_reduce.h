@@ -2,8 +2,7 @@
 // the CTAs that add to one accumulator tile take turns, kept in an int32 counter in global memory
 // (zeroed before the kernel). A CTA waits until the counter equals its place in the order, adds
 // (with TMA's reduce-add, waiting for that reduction to complete and not only for its shared-memory
-// source to be read; or with every consumer thread's atomics, then a barrier before one thread's release), and
-// passes the turn on by incrementing the counter. The CTAs of earlier
+// source to be read), and passes the turn on by incrementing the counter. The CTAs of earlier
 // turns are never waiting on later ones (the grid launches them first and each walks its tiles in
 // one direction), so the chain cannot deadlock.
 #pragma once
@@ -30,8 +29,7 @@ __device__ __forceinline__ void wait_for_turn(const int* turn, int place) {
 }
 
 // Releases the turn to the next CTA: every write this thread has made, or has seen ordered before
-// this point (the other threads' atomics, before their arrival on a barrier this thread then synced
-// on), comes before it.
+// this point, comes before it.
 __device__ __forceinline__ void pass_turn(int* turn) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
 }

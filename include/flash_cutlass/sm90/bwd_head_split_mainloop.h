@@ -33,6 +33,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     typename Traits::SharedStorage& storage, int consumer_idx) {
   using namespace cute;
   static_assert(Traits::kHeadSplit);
+  static_assert(Traits::kSeparatedO, "dO's own barriers (dout_full, dout_empty) are waited on below");
   constexpr bool kExtended = kExtension != Extension::kNone;
   constexpr bool kDropout = kExtension == Extension::kDropout;
   constexpr int kHeadDim = Traits::kHeadDim;

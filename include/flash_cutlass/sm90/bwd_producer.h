@@ -2,8 +2,9 @@
 // stages the query rows' statistics.
 // - The loader brings the CTA's K and V into shared memory once, then each query block's Q and dO
 //   with TMA, and the statistics warp its LSE and D with its lanes' own loads, through kStages
-//   stages: a stage is full when the TMA bytes have landed and every lane of the statistics warp
-//   has stored its rows, empty when every consumer thread is done with it. Rows past the sequence
+//   stages (dO past head dim 128: see below): a stage is full when the TMA bytes have landed and
+//   every lane of the statistics warp has stored its rows, empty when every consumer thread is done
+//   with it. Rows past the sequence
 //   read LSE +inf and D 0, so that the consumers need no bounds there. (In one warp, the TMA issue
 //   waited for the statistics' global loads, which 24 registers serialize.)
 // - The dQ warp adds each query block's dQ, which the consumers leave in shared memory, to dq_accum

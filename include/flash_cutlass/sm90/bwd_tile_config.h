@@ -23,8 +23,8 @@ struct BwdCommonTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step of a CTA's walk
   static constexpr int kBlockN = kBlockN_;  // keys of a CTA
-  static constexpr int kStages = kStages_;  // query blocks (Q, LSE, D) in flight
-  static constexpr int kStagesdO = kStagesdO_;  // and their dO: as many, or one
+  static constexpr int kStages = kStages_;  // query blocks (Q, LSE, D and, unless kSeparatedO, dO) in flight
+  static constexpr int kStagesdO = kStagesdO_;  // dO's stages: kStages, or one
   // With one dO stage under more Q stages, dO has barriers of its own (dout_full, dout_empty): it is
   // released after dV, its last GEMM, while Q waits for dK.
   static constexpr bool kSeparatedO = kStagesdO != kStages;
@@ -61,7 +61,7 @@ struct BwdCommonTraits {
   // 128-byte-swizzled rows of 64 elements, the head dim (or, for P^T and dS^T, the queries)
   // contiguous: the layout TMA writes and wgmma reads.
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
-  // Q and dO: one buffer a stage.
+  // Q and dO: one buffer a stage (of kStages and kStagesdO).
   template <int kBuffers>
   using SmemLayoutQueryRows = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBuffers>>{}));

@@ -4,7 +4,9 @@
 Every implementation runs in one process on the same random inputs, one shape after another,
 so the peers share the GPU, the clocks and the software stack of the run. Shapes follow the
 project convention: 16k tokens per batch and hidden size 2048, so batch = 16384 // seqlen and
-heads = 2048 // head_dim. benchmarks/README.md describes the output and the FLOP convention.
+heads = 2048 // head_dim; --batch, --heads and --heads-k fix them instead (e.g. cuDNN's published
+GQA shape: --batch 1 --heads 64 --heads-k 8). benchmarks/README.md describes the output and the
+FLOP convention.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ class Case:
     seqlen: int
     batch: int
     heads: int
+    heads_k: int | None = None  # K/V heads (GQA/MQA); None: heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads if self.heads_k is None else self.heads_k
 
 
 @dataclass
@@ -105,16 +112,22 @@ def tflops(flops: float, ms: float) -> float:
 
 
 def benchmark_cases(head_dims: Sequence[int], seqlens: Sequence[int], causals: Sequence[bool],
-                    tokens: int = TOKENS_PER_BATCH, hidden: int = HIDDEN_SIZE) -> list[Case]:
+                    tokens: int = TOKENS_PER_BATCH, hidden: int = HIDDEN_SIZE, batch: int | None = None,
+                    heads: int | None = None, heads_k: int | None = None) -> list[Case]:
     """Cases ordered by head_dim, then causal, then seqlen; batch and heads keep the token count
-    and hidden size fixed (each at least 1)."""
-    return [Case(head_dim=d, causal=c, seqlen=s, batch=max(1, tokens // s),
-                 heads=max(1, hidden // d))
+    and hidden size fixed (each at least 1) unless given; heads_k (K/V heads) defaults to heads."""
+    return [Case(head_dim=d, causal=c, seqlen=s, batch=batch or max(1, tokens // s),
+                 heads=heads or max(1, hidden // d), heads_k=heads_k)
             for d in head_dims for c in causals for s in seqlens]
 
 
 def _format(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+def heads_text(heads: int, heads_k: int | None) -> str:
+    """The heads of a shape as the tables show them: "16", or "64/8" with fewer K/V heads."""
+    return str(heads) if heads_k in (None, heads) else f"{heads}/{heads_k}"
 
 
 def markdown_table(rows: Sequence[dict], impls: Sequence[str]) -> str:
@@ -132,7 +145,7 @@ def markdown_table(rows: Sequence[dict], impls: Sequence[str]) -> str:
         ratios = [speed[SUBJECT] / speed[p] if speed[SUBJECT] and speed[p] else None
                   for p in peers]
         cells = [str(head_dim), "yes" if causal else "no", str(seqlen), str(first["batch"]),
-                 str(first["heads"]), *(_format(speed[i], ".1f") for i in impls),
+                 heads_text(first["heads"], first.get("heads_k")), *(_format(speed[i], ".1f") for i in impls),
                  *(_format(r, ".2f") for r in ratios)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -364,18 +377,25 @@ def write_rows(path: Path | None, rows: Sequence[dict]) -> None:
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: str = "cuda") -> Inputs:
-    shape = (case.batch, case.seqlen, case.heads, case.head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+    q = torch.randn(case.batch, case.seqlen, case.heads, case.head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(case.batch, case.seqlen, case.kv_heads, case.head_dim, device=device, dtype=dtype)
+            for _ in range(2))
     return Inputs(q, k, v, *(t.transpose(1, 2).contiguous() for t in (q, k, v)))
+
+
+def sdpa_gqa_kwargs(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor) -> dict:
+    """SDPA's own GQA (enable_gqa, torch 2.5+) where K/V have fewer heads than q."""
+    return {"enable_gqa": True} if k_bhsd.shape[1] != q_bhsd.shape[1] else {}
 
 
 def sdpa_call(inputs: Inputs, causal: bool, backend: SDPBackend | None) -> torch.Tensor:
     """SDPA on the (b, h, s, d) copies, restricted to one backend unless backend is None."""
     args = (inputs.q_bhsd, inputs.k_bhsd, inputs.v_bhsd)
+    gqa = sdpa_gqa_kwargs(inputs.q_bhsd, inputs.k_bhsd)
     if backend is None:
-        return F.scaled_dot_product_attention(*args, is_causal=causal)
+        return F.scaled_dot_product_attention(*args, is_causal=causal, **gqa)
     with sdpa_kernel([backend]):
-        return F.scaled_dot_product_attention(*args, is_causal=causal)
+        return F.scaled_dot_product_attention(*args, is_causal=causal, **gqa)
 
 
 def make_runner(impl: str, inputs: Inputs, causal: bool, subject: ModuleType | None,
@@ -409,9 +429,11 @@ def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: Modul
     leaves = [t.detach().requires_grad_() for t in (inputs.q_bhsd, inputs.k_bhsd, inputs.v_bhsd)]
     dout = torch.randn_like(leaves[0])
 
+    gqa = sdpa_gqa_kwargs(leaves[0], leaves[1])
+
     def forward():
         with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(*leaves, is_causal=causal)
+            return F.scaled_dot_product_attention(*leaves, is_causal=causal, **gqa)
 
     if direction == "backward":
         out = forward()
@@ -463,8 +485,8 @@ def check_case(subject: ModuleType, inputs: Inputs, case: Case, dtype_name: str)
     diff = out.float() - ref
     rows = torch.linspace(0, case.seqlen - 1, min(CHECK_LSE_ROWS, case.seqlen),
                           device=inputs.q.device).round().long().unique()
-    lse_ref = reference_lse(inputs.q[0, rows], inputs.k[0], rows, case.causal,
-                            case.head_dim ** -0.5)
+    k_per_query_head = inputs.k[0].repeat_interleave(case.heads // case.kv_heads, dim=1)
+    lse_ref = reference_lse(inputs.q[0, rows], k_per_query_head, rows, case.causal, case.head_dim ** -0.5)
     finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
     result["max_abs_diff"] = diff.abs().max().item()
     result["rel_l2"] = (diff.norm() / ref.norm()).item()
@@ -541,7 +563,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Forward attention benchmark: flash_cutlass.flash_forward side by side with "
                     "torch SDPA restricted to its flash, cuDNN and memory-efficient backends, in "
                     "one process on the same random inputs. Shapes: batch = 16384 // seqlen, "
-                    "heads = 2048 // head_dim, seqlen_q = seqlen_k, heads_k = heads. Reports "
+                    "heads = 2048 // head_dim, seqlen_q = seqlen_k, heads_k = heads, unless "
+                    "--batch, --heads, --heads-k say otherwise. Reports "
                     "TFLOPS (forward FLOPs 4*b*h*s*s*d, half for causal, over the median "
                     "CUDA-event time) and the ratio flash_cutlass/peer.",
         epilog="Prints a progress line per measurement and a markdown report at the end. "
@@ -556,6 +579,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seqlens", type=_int_list, metavar="S[,S...]",
                         default=",".join(map(str, DEFAULT_SEQLENS)),
                         help="sequence lengths, seqlen_q = seqlen_k (default: %(default)s)")
+    parser.add_argument("--batch", type=int, metavar="B",
+                        help="batch size of every shape (default: 16384 // seqlen)")
+    parser.add_argument("--heads", type=int, metavar="H",
+                        help="query heads of every shape (default: 2048 // head_dim)")
+    parser.add_argument("--heads-k", type=int, metavar="HK",
+                        help="K/V heads (GQA/MQA; must divide --heads, which it then needs; SDPA "
+                             "runs with enable_gqa) (default: the query heads)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                         help="dtype of q, k and v (default: %(default)s)")
     parser.add_argument("--causal", choices=("both", "true", "false"), default="both",
@@ -619,6 +649,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--check verifies {SUBJECT}; include it in --impls")
     if args.warmup < 0 or args.warmup_ms < 0 or args.reps < 1 or args.min_time_ms < 0 or args.rounds < 1:
         parser.error("--warmup and --warmup-ms must be >= 0, --reps >= 1, --min-time-ms >= 0 and --rounds >= 1")
+    if any(n is not None and n < 1 for n in (args.batch, args.heads, args.heads_k)):
+        parser.error("--batch, --heads and --heads-k must be positive")
+    if args.heads_k is not None and (args.heads is None or args.heads % args.heads_k):
+        parser.error("--heads-k needs --heads, a multiple of it")
     if args.memory_seqlen < 1 or args.memory_head_dim < 1:
         parser.error("--memory-seqlen and --memory-head-dim must be positive")
     if args.power and shutil.which("nvidia-smi") is None:
@@ -674,10 +708,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {**environment(args.dtype, subject), "direction": args.direction}
     rows: list[dict] = []
     checks: list[dict] = []
-    for case in benchmark_cases(head_dims, args.seqlens, args.causals):
+    for case in benchmark_cases(head_dims, args.seqlens, args.causals, batch=args.batch, heads=args.heads,
+                                heads_k=args.heads_k):
         inputs = make_inputs(case, dtype)
         label = (f"hdim {case.head_dim:>3} {'causal' if case.causal else 'non-causal':<10} "
-                 f"seqlen {case.seqlen:>5} (b {case.batch}, h {case.heads})")
+                 f"seqlen {case.seqlen:>5} (b {case.batch}, h {heads_text(case.heads, case.kv_heads)})")
         subject_wrong = False
         if args.check:
             result = check_case(subject, inputs, case, args.dtype)
@@ -707,7 +742,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             speed = None if ms is None else tflops(case_flops(case, args.direction), ms)
             clock, power, power_samples = median_clock_power(samplers[impl])
             rows.append({"head_dim": case.head_dim, "seqlen": case.seqlen, "batch": case.batch,
-                         "heads": case.heads, "causal": case.causal, "dtype": args.dtype,
+                         "heads": case.heads, "heads_k": case.kv_heads, "causal": case.causal,
+                         "dtype": args.dtype,
                          "direction": args.direction, "impl": impl, "ms": ms, "tflops": speed,
                          "ms_rounds": round_times.get(impl, []), "error": error,
                          "sm_clock_mhz": clock, "power_w": power, "power_samples": power_samples})

@@ -50,6 +50,25 @@ def test_default_cases_keep_tokens_and_hidden_fixed():
     assert (by_key[(256, 512)].batch, by_key[(256, 512)].heads) == (32, 8)
 
 
+def test_fixed_batch_heads_and_kv_heads_override_the_convention():
+    args = bench.parse_args(["--batch", "1", "--heads", "64", "--heads-k", "8", "--head-dims", "128",
+                             "--seqlens", "4096,16384"])
+    cases = bench.benchmark_cases(args.head_dims, args.seqlens, args.causals, batch=args.batch,
+                                  heads=args.heads, heads_k=args.heads_k)
+    assert {(c.batch, c.heads, c.kv_heads, c.seqlen) for c in cases} == {(1, 64, 8, 4096), (1, 64, 8, 16384)}
+    (mha,) = bench.benchmark_cases([128], [4096], [False])
+    assert mha.kv_heads == mha.heads == 16
+    assert bench.heads_text(64, 8) == "64/8" and bench.heads_text(16, 16) == "16" and bench.heads_text(16, None) == "16"
+
+
+@pytest.mark.parametrize("argv", [["--heads-k", "8"], ["--heads", "12", "--heads-k", "8"], ["--batch", "0"]])
+def test_parse_args_rejects_kv_heads_that_do_not_divide_the_heads(argv, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        bench.parse_args(argv)
+    assert excinfo.value.code == 2
+    assert "--" in capsys.readouterr().err
+
+
 def test_cases_never_have_zero_batch_or_heads():
     (case,) = bench.benchmark_cases([4096], [32768], [False])
     assert (case.batch, case.heads) == (1, 1)
@@ -160,6 +179,16 @@ def test_check_accepts_a_correct_forward(causal, dtype_name):
     assert result["max_abs_diff"] < 0.05
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_check_accepts_a_correct_gqa_forward(causal):
+    torch.manual_seed(0)
+    (case,) = bench.benchmark_cases([32], [96], [causal], batch=2, heads=4, heads_k=2)
+    inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
+    assert inputs.k.shape == (2, 96, 2, 32) and inputs.k_bhsd.shape == (2, 2, 96, 32)
+    result = bench.check_case(_reference_subject(), inputs, case, "bf16")
+    assert result["passed"], result["detail"]
+
+
 @pytest.mark.parametrize("broken", [dict(causal_override=False), dict(out_factor=1.05)])
 def test_check_rejects_a_wrong_forward(broken):
     torch.manual_seed(0)
@@ -206,6 +235,18 @@ def test_gradient_runners_of_flash_cutlass_return_three_gradients(direction):
     inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
     grads = bench.make_runner(bench.SUBJECT, inputs, True, flash_cutlass, direction)()
     assert [g.shape for g in grads] == [inputs.q.shape] * 3
+
+
+@pytest.mark.parametrize("direction", ["backward", "forward+backward"])
+@pytest.mark.parametrize("impl", [bench.SUBJECT, bench.MATH_IMPL])
+def test_gradient_runners_take_fewer_kv_heads(direction, impl):
+    import flash_cutlass
+
+    case = bench.Case(head_dim=32, causal=True, seqlen=40, batch=2, heads=4, heads_k=1)
+    inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
+    grads = bench.make_runner(impl, inputs, True, flash_cutlass, direction)()
+    kv_shape = inputs.k.shape if impl == bench.SUBJECT else inputs.k_bhsd.shape
+    assert [g.shape[-3:] for g in grads[1:]] == [kv_shape[-3:]] * 2
 
 
 def test_report_names_the_direction():

@@ -1,8 +1,9 @@
 """The Hopper backward kernel (kernel="sm90") at the edges of its tiles and pipeline.
 
 Its CTA owns 128 keys (64 past head dim 128) and walks query blocks of 64 rows (128 at head dim
-64) through a 2-stage load pipeline: the lengths below put sequence ends one row before, at and
-after those multiples, give a CTA 1 to 5 query blocks (fewer, as many and more than the stages),
+64) through a load pipeline of 2 or 3 stages (dO in one past head dim 128): the lengths below put
+sequence ends one row before, at and after those multiples, give a CTA 1 to 5 query blocks (fewer,
+as many and more than the stages),
 and cover GQA ratios 1 to 8. Head dims between the compiled ones run padded in the next one. Gradients
 are checked against the fp32 oracle with FlashAttention-2's rule. Also: a CUDA graph of the
 backward replays to the same gradients, and deterministic=True gives bitwise equal gradients run

@@ -6,8 +6,15 @@ out moved per second) next to this GPU's measured device-to-device copy bandwidt
     python3 benchmarks/benchmark_decode.py --batch 32 --context 8192
     python3 benchmarks/benchmark_decode.py --batch 1 --context 131072 --impls flash_cutlass,flash_cutlass_contiguous
 
-Each sequence holds --context tokens; one new query token per sequence (seqlen_q 1). SDPA and
-FlexAttention read a contiguous (batch, heads_k, context, head_dim) cache with GQA.
+Each sequence holds --context tokens; one new query token per sequence (seqlen_q 1), or with
+--seqlen-q N the last N tokens of the context (chunked prefill: causal, aligned to the context's
+end), then reported in TFLOPS too, next to flash_cutlass_prefill, the prefill forward
+(flash_forward) over the same tokens as contiguous tensors. SDPA and FlexAttention read a
+contiguous (batch, heads_k, context, head_dim) cache with GQA (and for N > 1 a bottom-right causal
+mask).
+
+    python3 benchmarks/benchmark_decode.py --batch 1 --context 16384 --seqlen-q 512 \
+        --impls flash_cutlass,flash_cutlass_prefill
 
 Timings: after warm-up, --calls back-to-back calls between one pair of CUDA events (--timing loop,
 the default: the host enqueues the next call while the GPU runs the last, so only host overhead
@@ -25,7 +32,15 @@ import statistics
 
 import torch
 
-IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
+IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_prefill", "sdpa_flash", "sdpa_efficient",
+         "sdpa_cudnn", "flex")
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, context: int, head_dim: int) -> float:
+    """Matmul FLOPs of the last seqlen_q queries of a context attending causally (aligned to the
+    context's end): query i of seqlen_q sees context - seqlen_q + i + 1 keys; 4 * d per key."""
+    keys_seen = seqlen_q * (context - seqlen_q) + seqlen_q * (seqlen_q + 1) // 2
+    return 4.0 * batch * heads * head_dim * keys_seen
 
 
 def time_ms(fn, calls: int, repeats: int, graph: bool = False, warmup: int = 5) -> float:
@@ -70,10 +85,10 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dtype):
+def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dtype, seqlen_q=1):
     import flash_cutlass
 
-    q = torch.randn(batch, 1, heads, head_dim, device="cuda", dtype=dtype)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
     seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     if impl == "flash_cutlass":
         blocks = -(-context // page_size)
@@ -87,22 +102,32 @@ def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dt
         v_cache = torch.randn_like(k_cache)
         return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                                                   causal=True)
+    if impl == "flash_cutlass_prefill":
+        k = torch.randn(batch, context, heads_k, head_dim, device="cuda", dtype=dtype)
+        v = torch.randn_like(k)
+        return lambda: flash_cutlass.flash_forward(q, k, v, causal=True)
     qt = q.transpose(1, 2)
     k = torch.randn(batch, heads_k, context, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     if impl == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         compiled = torch.compile(flex_attention)
-        return lambda: compiled(qt, k, v, enable_gqa=True)
+        if seqlen_q == 1:
+            return lambda: compiled(qt, k, v, enable_gqa=True)
+        offset = context - seqlen_q
+        mask = create_block_mask(lambda b, h, i, j: j <= i + offset, None, None, seqlen_q, context)
+        return lambda: compiled(qt, k, v, block_mask=mask, enable_gqa=True)
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
 
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
                "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
+    mask = None if seqlen_q == 1 else causal_lower_right(seqlen_q, context)
 
     def run():
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(qt, k, v, enable_gqa=True)
+            return torch.nn.functional.scaled_dot_product_attention(qt, k, v, attn_mask=mask, enable_gqa=True)
     return run
 
 
@@ -115,6 +140,8 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=32, help="query heads (default: %(default)s)")
     parser.add_argument("--heads-k", type=int, default=8, help="kv heads (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument("--seqlen-q", type=int, default=1,
+                        help="query tokens per sequence, the context's last (default: %(default)s: decoding)")
     parser.add_argument("--page-size", type=int, default=16, help="page size of the paged cache (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS))
@@ -135,6 +162,8 @@ def main(argv=None) -> int:
         parser.error(f"unknown --impls {unknown}; choose from {', '.join(IMPLS)}")
     if args.calls < 1 or args.repeats < 1:
         parser.error("--calls and --repeats must be >= 1")
+    if args.seqlen_q < 1 or args.seqlen_q > min(args.context):
+        parser.error("--seqlen-q must be in [1, the smallest --context]")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -143,18 +172,22 @@ def main(argv=None) -> int:
           f"median of {args.repeats} x {args.calls} calls")
     both = args.timing == "both"
     graph_column = f" {'graph us':>9}" if both else ""
-    print(f"{'batch':>6} {'context':>8} {'impl':>26} {'time us':>9}{graph_column} {'GB/s':>8} {'of copy':>8}")
+    prefill = args.seqlen_q > 1
+    tflops_column = f" {'TFLOPS':>8}" if prefill else ""
+    print(f"{'batch':>6} {'context':>8} {'impl':>26} {'time us':>9}{graph_column} {'GB/s':>8} {'of copy':>8}"
+          f"{tflops_column}")
     for batch in args.batch:
         for context in args.context:
             cache_bytes = 2 * batch * context * args.heads_k * args.head_dim * dtype.itemsize
             if cache_bytes > args.max_cache_gib * 2**30:
                 print(f"{batch:>6} {context:>8}  skipped: the cache is {cache_bytes / 2**30:.1f} GiB")
                 continue
-            moved = cache_bytes + 2 * batch * args.heads * args.head_dim * dtype.itemsize
+            moved = cache_bytes + 2 * batch * args.seqlen_q * args.heads * args.head_dim * dtype.itemsize
+            flops = attention_flops(batch, args.heads, args.seqlen_q, context, args.head_dim)
             for impl in impls:
                 try:
                     fn = make_callables(impl, batch, context, args.heads, args.heads_k, args.head_dim,
-                                        args.page_size, dtype)
+                                        args.page_size, dtype, args.seqlen_q)
                     ms = time_ms(fn, args.calls, args.repeats, graph=args.timing == "graph")
                 except (RuntimeError, torch.OutOfMemoryError) as error:
                     print(f"{batch:>6} {context:>8} {impl:>26}  unavailable: {str(error).splitlines()[0][:80]}")
@@ -167,8 +200,9 @@ def main(argv=None) -> int:
                     except RuntimeError:  # a peer that cannot be captured: bandwidth from the loop
                         graph_value = f" {'n/a':>9}"
                 achieved = moved / (graph_ms * 1e-3)
+                tflops_value = f" {flops / (graph_ms * 1e-3) / 1e12:>8.1f}" if prefill else ""
                 print(f"{batch:>6} {context:>8} {impl:>26} {ms * 1e3:>9.1f}{graph_value} {achieved / 1e9:>8.0f} "
-                      f"{achieved / copy:>8.2f}")
+                      f"{achieved / copy:>8.2f}{tflops_value}")
                 torch.cuda.empty_cache()
     return 0
 

@@ -360,3 +360,20 @@ def test_every_door_of_the_doors_benchmark_has_a_baseline_among_the_doors():
     names = set(doors.door_calls(64, 32, "forward", device="cpu", tokens=128, hidden=256))
     for name in names:
         assert doors.BASELINES.get(name, "flash_attention") in names, name
+
+
+decode = load_script("benchmarks", "benchmark_decode")
+
+
+def test_decode_benchmark_counts_the_keys_each_query_of_a_chunk_sees():
+    assert decode.attention_flops(1, 1, 1, 10, 1) == 4 * 10  # decoding: the whole context
+    assert decode.attention_flops(1, 1, 4, 4, 1) == 4 * (1 + 2 + 3 + 4)  # a chunk that is the whole context
+    assert decode.attention_flops(2, 3, 2, 5, 8) == 4 * 2 * 3 * 8 * (4 + 5)
+
+
+@pytest.mark.parametrize("argv", [["--seqlen-q", "0"], ["--seqlen-q", "9", "--context", "8"]])
+def test_decode_benchmark_rejects_a_chunk_longer_than_the_context(argv, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        decode.main(argv)
+    assert excinfo.value.code == 2
+    assert "--seqlen-q" in capsys.readouterr().err

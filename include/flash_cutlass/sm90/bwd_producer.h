@@ -213,6 +213,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
     // Counted while the consumers still compute this block's dQ.
     const int place = turns ? turns.place(work, m_block, lane) : 0;
     const bool last_block = m_block + 1 == work.m_block_end;
+    const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
     CUTE_UNROLL
     for (int part = 0; part < kParts; ++part) {
       if (part == 0) {
@@ -220,7 +221,6 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
       } else {
         named_barrier_sync<BwdBarrier::kDqFull, 2, kDqThreads>();
       }
-      const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
       if (varlen && queries_in_block < Traits::kBlockM) {
         zero_tile_rows<kDqColumns, 32>(storage.dq.data(), typename Traits::SmemLayoutdQ{}, queries_in_block,
                                        Traits::kBlockM, lane);

@@ -446,7 +446,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 
 // The backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k and v, last
 // dimension contiguous). D = rowsum(dout * out) and the fp32 dQ accumulator are computed on the
-// device; with GQA, dK and dV come per query head in fp32 and are summed over each group here.
+// device. With GQA, dK and dV come in fp32: per K/V head, the group's query heads adding with
+// atomics (the Hopper kernels), or per query head, summed over each group here in a fixed order
+// (deterministic calls, the sm80 kernel).
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
               const at::Tensor& dv, const pybind11::handle& options_object) {
@@ -480,10 +482,19 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   at::Tensor dsoftmax_sum = at::empty({batch, heads, seqlen_q}, fp32);
   at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
   const bool grouped = heads != heads_k;
+  // The Hopper kernels add a group's dK and dV with atomics; deterministic calls and the sm80 kernel
+  // store them per query head, summed below.
+  const bool per_query_head = options.deterministic || kernel.path != KernelPath::kSm90;
+  const int64_t dkv_accum_heads = per_query_head ? heads : heads_k;
   at::Tensor dk_accum, dv_accum;
   if (grouped) {
-    dk_accum = at::empty({batch, seqlen_k, heads, accum_hdim}, fp32);
-    dv_accum = at::empty({batch, seqlen_k, heads, accum_hdim}, fp32);
+    if (per_query_head) {
+      dk_accum = at::empty({batch, seqlen_k, heads, accum_hdim}, fp32);
+      dv_accum = at::empty({batch, seqlen_k, heads, accum_hdim}, fp32);
+    } else {
+      dk_accum = at::zeros({batch, seqlen_k, heads_k, accum_hdim}, fp32);
+      dv_accum = at::zeros({batch, seqlen_k, heads_k, accum_hdim}, fp32);
+    }
   }
 
   BwdParams params;
@@ -508,6 +519,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   if (grouped) {
     params.dk_accum = dk_accum.data_ptr<float>();
     params.dv_accum = dv_accum.data_ptr<float>();
+    params.dkv_accum_heads = int(dkv_accum_heads);
   } else {
     FLASH_CHECK(dk.strides() == dv.strides(), "dk and dv must have the same strides");
     params.dk = dk.data_ptr();
@@ -533,13 +545,16 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
           : run_kernel<Direction::kBackward, KernelPath::kSm80>(params, shape.dtype, kernel.kernel_hdim, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass backward kernel launch failed: ", cudaGetErrorString(status));
   if (grouped) {
-    // Sum each group's query heads in a fixed order (deterministic either way).
+    // Per K/V head already, or each group's query heads summed in a fixed order.
     const int64_t group = heads / heads_k;
-    auto group_sum = [&](const at::Tensor& accum) {
-      return accum.view({batch, seqlen_k, heads_k, group, accum_hdim}).sum(3).narrow(3, 0, head_dim);
+    auto per_kv_head = [&](const at::Tensor& accum) {
+      const at::Tensor summed = per_query_head
+                                    ? accum.view({batch, seqlen_k, heads_k, group, accum_hdim}).sum(3)
+                                    : accum;
+      return summed.narrow(3, 0, head_dim);
     };
-    dk.copy_(group_sum(dk_accum).mul_(options.softmax_scale));
-    dv.copy_(group_sum(dv_accum));
+    dk.copy_(per_kv_head(dk_accum).mul_(options.softmax_scale));
+    dv.copy_(per_kv_head(dv_accum));
   }
 }
 

@@ -173,7 +173,8 @@ def test_backward_of_strided_slices_equals_contiguous(cuda_gen):
 def test_backward_inputs_off_a_16_byte_boundary_give_the_aligned_gradients(cuda_gen, kernel, which):
     # Contiguous, but with data one element past a 16-byte boundary: copied by the call, the
     # gradients are those of the aligned tensors (bitwise in the sm80 path's deterministic mode;
-    # the Hopper path's dQ adds in an order that may change between runs).
+    # the Hopper path's dQ adds in an order that may change between runs, and its dK/dV of the two
+    # query heads of each K/V head add onto zero: either order gives the same sum).
     head_dim = 64 if 64 in COMPILED_HEAD_DIMS else COMPILED_HEAD_DIMS[0]
     skip_unless_backward_runs(kernel, head_dim)
     dtype = COMPILED_DTYPES[-1]

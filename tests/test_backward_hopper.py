@@ -110,7 +110,8 @@ def test_hopper_backward_is_the_same_in_a_cuda_graph(cuda_gen, head_dim):
     graph.replay()
     torch.cuda.synchronize()
     for name, replayed, reference in zip(("dq", "dk", "dv"), captured, eager):
-        # dQ adds in an order that may change between runs: equal up to rounding, with the sign flipped.
+        # dQ (and with GQA dK, dV) adds in an order that may change between runs: equal up to
+        # rounding, with the sign flipped.
         torch.testing.assert_close(replayed.float(), -reference.float(), atol=2e-2, rtol=2e-2, msg=name)
 
 
@@ -207,3 +208,35 @@ def test_automatic_deterministic_backward_runs_on_the_hopper_kernel(cuda_gen, he
     hopper = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, kernel="sm90")
     for name, a, b in zip(("dq", "dk", "dv"), auto, hopper):
         assert torch.equal(a, b), f"{name} of kernel='auto' differs from kernel='sm90''s"
+
+
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_gqa_hopper_backward_accumulates_per_kv_head(cuda_gen, head_dim):
+    # 16 query heads on 2 K/V heads: the group's dK and dV are added per K/V head (fp32, 2 heads'
+    # worth), not kept per query head (16 heads' worth) and summed afterwards.
+    skip_unless_hopper_backward(head_dim)
+    batch, seqlen, heads, heads_k = 1, 2048, 16, 2
+    dtype = torch.bfloat16
+    q, dout = (torch.randn(batch, seqlen, heads, head_dim, generator=cuda_gen, device="cuda").to(dtype)
+               for _ in range(2))
+    k, v = (torch.randn(batch, seqlen, heads_k, head_dim, generator=cuda_gen, device="cuda").to(dtype)
+            for _ in range(2))
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no cached block larger than a request counts toward the peak
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    gradients = sum(g.numel() * g.element_size() for g in grads)
+    dq_accumulator = batch * seqlen * heads * head_dim * 4  # fp32; a compiled head dim: no padding
+    per_kv_head = 2 * batch * seqlen * heads_k * head_dim * 4
+    per_query_head = 2 * batch * seqlen * heads * head_dim * 4
+    # Halfway between the per-K/V-head and the per-query-head accumulators (D adds 128 KiB).
+    bound = gradients + dq_accumulator + (per_kv_head + per_query_head) // 2
+    assert per_kv_head + (4 << 20) < (per_kv_head + per_query_head) // 2
+    assert peak <= bound, f"backward allocated {peak} bytes at its peak, expected at most {bound}"
+    expected = oracle_gradients(q, k, v, dout, False, torch.float32)
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -124,10 +124,14 @@ struct BwdParams : FwdParams {
   void* dk = nullptr;  // dk and dv: written directly when heads == heads_k
   void* dv = nullptr;
   int64_t dkv_batch_stride = 0, dkv_row_stride = 0, dkv_head_stride = 0;
-  // With GQA (heads > heads_k): dK (unscaled) and dV per query head, fp32
-  // (batch, seqlen_k, heads, kernel head dim), contiguous; the caller sums each group.
+  // With GQA (heads > heads_k): dK (unscaled) and dV in fp32, (batch, seqlen_k, dkv_accum_heads,
+  // kernel head dim), contiguous. dkv_accum_heads = heads: one slice per query head, stored, which
+  // the caller sums over each group in a fixed order (deterministic calls, the sm80 kernel);
+  // = heads_k: one per K/V head, zeroed by the caller, which the query heads of its group add to
+  // with atomics (the Hopper kernels).
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
+  int dkv_accum_heads = 0;
   // dQ summed in a fixed order instead of with atomics: bitwise reproducible. The sm80 path runs a
   // second kernel; the Hopper path adds each query block's dQ in key-block order, the turn kept in
   // dq_turns: int32 (batch, heads, ceil(seqlen_q / 64)), zeroed, counting the key blocks that

@@ -81,11 +81,13 @@ __device__ __forceinline__ QueryRowBuffers query_row_buffers(BwdParams const& pa
 }
 
 // dK (times the softmax scale) and dV of a key block: straight into dk and dv in the inputs' dtype,
-// or, with GQA, per query head in fp32 for the caller to sum over each group. coords: each
+// or, with GQA, in fp32: per query head for the caller to sum over each group, or (kKvHeadAtomics:
+// the Hopper kernels; the sm80 kernel spilled in its loop with the branch) added with atomics to the
+// K/V head's (params.dkv_accum_heads). coords: each
 // accumulator element's (key, column) inside the block, or with kTransposed (accumulators of
 // dK^T and dV^T) its (column, key).
 template <class Element, int kHeadDim, int kBlockM, int kBlockN, MaskKind kMaskKind, bool kTransposed = false,
-          class Acc, class Coords>
+          bool kKvHeadAtomics = false, class Acc, class Coords>
 __device__ __forceinline__ void store_dk_dv(BwdParams const& params,
                                             KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work, int rows_left_k,
                                             Acc const& acc_dk, Acc const& acc_dv, Coords const& coords) {
@@ -104,11 +106,22 @@ __device__ __forceinline__ void store_dk_dv(BwdParams const& params,
     store(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale,
           params.head_dim);
     store(static_cast<Element*>(params.dv) + offset, params.dkv_row_stride, acc_dv, 1.f, params.head_dim);
-  } else {
+  } else if (!kKvHeadAtomics || params.dkv_accum_heads != params.heads_k) {
     const int64_t row_stride = int64_t(params.heads) * kHeadDim;
     const int64_t offset = (key_accum_row(params, sequence) + work.key_start) * row_stride + int64_t(head) * kHeadDim;
     store(params.dk_accum + offset, row_stride, acc_dk, 1.f, kHeadDim);
     store(params.dv_accum + offset, row_stride, acc_dv, 1.f, kHeadDim);
+  } else if constexpr (kKvHeadAtomics) {
+    const int64_t row_stride = int64_t(params.heads_k) * kHeadDim;
+    const int64_t offset = (key_accum_row(params, sequence) + work.key_start) * row_stride +
+                           int64_t(kv_head_of(head, params)) * kHeadDim;
+    if constexpr (kTransposed) {
+      atomic_add_rows_transposed(params.dk_accum + offset, row_stride, acc_dk, coords, rows_left_k);
+      atomic_add_rows_transposed(params.dv_accum + offset, row_stride, acc_dv, coords, rows_left_k);
+    } else {
+      atomic_add_rows(params.dk_accum + offset, row_stride, acc_dk, coords, rows_left_k);
+      atomic_add_rows(params.dv_accum + offset, row_stride, acc_dv, coords, rows_left_k);
+    }
   }
 }
 

@@ -148,7 +148,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   }
 
   Tensor tKVtc = thr_dkv.partition_C(make_identity_tensor(TileKVt{}));
-  store_dk_dv<Element, kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(
+  store_dk_dv<Element, kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true, true>(
       params, work, work.sequence.seqlen_k - work.key_start, acc_dkt, acc_dvt, tKVtc);
 }
 

@@ -7,7 +7,7 @@ Build options (environment variables; see README.md):
                             to compile (default: all).
   FLASH_CUTLASS_DTYPES      subset of fp16,bf16 to compile (default: both).
   FLASH_CUTLASS_SM90        1 (default when 90 is among the archs) builds the Hopper path (TMA +
-                            wgmma; forward head dims 64/96/128/192/256, backward 64/128/256) and
+                            wgmma; forward head dims 64/96/128/192/256, backward 64/128/192/256) and
                             targets sm_90a instead of sm_90; 0 leaves it out. It needs 90 in
                             FLASH_CUTLASS_CUDA_ARCHS.
   FLASH_CUTLASS_WINDOW      1 (default) builds the sliding-window kernels (window_size=); 0 leaves

@@ -83,22 +83,17 @@ __device__ __forceinline__ QueryRowBuffers query_row_buffers(BwdParams const& pa
 // dK (times the softmax scale) and dV of a key block: straight into dk and dv in the inputs' dtype,
 // or, with GQA, in fp32: per query head for the caller to sum over each group, or (kKvHeadAtomics:
 // the Hopper kernels; the sm80 kernel spilled in its loop with the branch) added with atomics to the
-// K/V head's (params.dkv_accum_heads). coords: each
-// accumulator element's (key, column) inside the block, or with kTransposed (accumulators of
-// dK^T and dV^T) its (column, key).
-template <class Element, int kHeadDim, int kBlockM, int kBlockN, MaskKind kMaskKind, bool kTransposed = false,
-          bool kKvHeadAtomics = false, class Acc, class Coords>
+// K/V head's (params.dkv_accum_heads). coords: each accumulator element's (key, column) inside the
+// block.
+template <class Element, int kHeadDim, int kBlockM, int kBlockN, MaskKind kMaskKind, bool kKvHeadAtomics = false,
+          class Acc, class Coords>
 __device__ __forceinline__ void store_dk_dv(BwdParams const& params,
                                             KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work, int rows_left_k,
                                             Acc const& acc_dk, Acc const& acc_dv, Coords const& coords) {
   const Sequence& sequence = work.sequence;
   const int head = work.tile.head;
   auto store = [&](auto* dst, int64_t row_stride, Acc const& acc, float scale, int cols) {
-    if constexpr (kTransposed) {
-      store_rows_transposed(dst, row_stride, acc, scale, coords, rows_left_k, cols);
-    } else {
-      store_rows(dst, row_stride, acc, scale, coords, rows_left_k, cols);
-    }
+    store_rows(dst, row_stride, acc, scale, coords, rows_left_k, cols);
   };
   if (params.dk != nullptr) {
     const int64_t offset = sequence.k_offset(params.dkv_batch_stride, params.dkv_row_stride) +
@@ -115,13 +110,8 @@ __device__ __forceinline__ void store_dk_dv(BwdParams const& params,
     const int64_t row_stride = int64_t(params.heads_k) * kHeadDim;
     const int64_t offset = (key_accum_row(params, sequence) + work.key_start) * row_stride +
                            int64_t(kv_head_of(head, params)) * kHeadDim;
-    if constexpr (kTransposed) {
-      atomic_add_rows_transposed(params.dk_accum + offset, row_stride, acc_dk, coords, rows_left_k);
-      atomic_add_rows_transposed(params.dv_accum + offset, row_stride, acc_dv, coords, rows_left_k);
-    } else {
-      atomic_add_rows(params.dk_accum + offset, row_stride, acc_dk, coords, rows_left_k);
-      atomic_add_rows(params.dv_accum + offset, row_stride, acc_dv, coords, rows_left_k);
-    }
+    atomic_add_rows(params.dk_accum + offset, row_stride, acc_dk, coords, rows_left_k);
+    atomic_add_rows(params.dv_accum + offset, row_stride, acc_dv, coords, rows_left_k);
   }
 }
 

@@ -80,19 +80,6 @@ __device__ __forceinline__ void atomic_add_rows(float* dst, int64_t row_stride, 
   }
 }
 
-// atomic_add_rows for an accumulator of the transposed block, (columns, rows): coords gives each
-// element's (column, row); element by element.
-template <class Acc, class Coords>
-__device__ __forceinline__ void atomic_add_rows_transposed(float* dst, int64_t row_stride, Acc const& acc,
-                                                           Coords const& coords, int rows_left) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) {
-    const int row = get<1>(coords(i));
-    if (row < rows_left) atomicAdd(dst + int64_t(row) * row_stride + get<0>(coords(i)), acc(i));
-  }
-}
-
 // Stores acc * scale (pairs of neighbouring columns, as above) as To into
 // dst[row * row_stride + col] for rows below rows_left and columns below cols.
 template <class To, class Acc, class Coords>
@@ -110,20 +97,6 @@ __device__ __forceinline__ void store_rows(To* dst, int64_t row_stride, Acc cons
       *reinterpret_cast<cutlass::Array<To, 2>*>(dst + int64_t(row) * row_stride + col) =
           cutlass::NumericArrayConverter<To, float, 2>{}(pair);
     }
-  }
-}
-
-// store_rows for an accumulator of the transposed block, (columns, rows): coords gives each
-// element's (column, row); element by element (a thread's neighbours are neighbouring rows).
-template <class To, class Acc, class Coords>
-__device__ __forceinline__ void store_rows_transposed(To* dst, int64_t row_stride, Acc const& acc, float scale,
-                                                      Coords const& coords, int rows_left, int cols) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) {
-    const int col = get<0>(coords(i));
-    const int row = get<1>(coords(i));
-    if (row < rows_left && col < cols) dst[int64_t(row) * row_stride + col] = To(acc(i) * scale);
   }
 }
 

@@ -2,12 +2,12 @@
 // warpgroups walk the query blocks that see their CTA's 64 keys. Per query block:
 //   S^T = K Q^T, then dP^T = V dO^T          (each warpgroup half of the queries)
 //   P^T, dS^T as in bwd_mainloop.h           (registers), then to shared memory in the inputs' dtype
-//   dV^T += dO^T P                           (each warpgroup half of the head dim, both operands
-//                                            in shared memory: P of both warpgroups; dO's stage is
-//                                            released once it is done)
+//   dV += P^T dO                             (each warpgroup half of the head dim, both operands
+//                                            in shared memory: P^T of both warpgroups; dO's stage
+//                                            is released once it is done)
 //   dQ = dS K                                (each warpgroup half of the head dim)
-//   dK^T += Q^T dS                           (as dV^T)
-// and each warpgroup stages its half of the block's dQ in shared memory while dK^T runs, warpgroup
+//   dK += dS^T Q                             (as dV)
+// and each warpgroup stages its half of the block's dQ in shared memory while dK runs, warpgroup
 // 0 first, for the dQ warp's TMA reduce-add (write_dq in bwd_producer.h).
 #pragma once
 
@@ -39,7 +39,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   constexpr int kHeadDim = Traits::kHeadDim;
   using Element = typename Traits::Element;
   using TileQ = typename Traits::TileQ;
-  using TileKVt = typename Traits::TileKVt;
+  using TileKV = typename Traits::TileKV;
   using TileSt = typename Traits::TileSt;
 
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
@@ -50,7 +50,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   Tensor sPt = make_tensor(make_smem_ptr(storage.pt.data()), typename Traits::SmemLayoutdSt{});
 
   typename Traits::TiledMmaSdP mma_sdp;
-  typename Traits::TiledMmadKVt mma_dkv;
+  typename Traits::TiledMmadKV mma_dkv;
   typename Traits::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(consumer_idx);
   auto thr_dkv = mma_dkv.get_thread_slice(consumer_idx);
@@ -59,10 +59,10 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, MMA_N, MMA_K, stage)
   Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
   Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
-  Tensor tdVrdOt = thr_dkv.partition_fragment_A(sdOt);  // (MMA, MMA_M, MMA_K, stage)
-  Tensor tdVrPt = thr_dkv.partition_fragment_B(sPt);    // (MMA, MMA_N, MMA_K, buffer)
-  Tensor tdKrQt = thr_dkv.partition_fragment_A(sQt);
-  Tensor tdKrdSt = thr_dkv.partition_fragment_B(sdSt);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);    // (MMA, MMA_M, MMA_K, buffer)
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, buffer)
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
   auto smem_tiled_copy_pt = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
@@ -70,10 +70,10 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   Tensor tPsPt = smem_thr_copy_pt.partition_D(sPt);     // (CPY, CPY_M, CPY_N, buffer)
   Tensor tdSsdSt = smem_thr_copy_pt.partition_D(sdSt);
 
-  Tensor acc_dkt = partition_fragment_C(mma_dkv, TileKVt{});
-  Tensor acc_dvt = partition_fragment_C(mma_dkv, TileKVt{});
-  clear(acc_dkt);
-  clear(acc_dvt);
+  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
+  clear(acc_dk);
+  clear(acc_dv);
   // (key, query) of every S^T accumulator element inside its tile; (query, column) of dQ's.
   Tensor tScS = as_rows_cols(thr_sdp.partition_C(make_identity_tensor(TileSt{})));
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
@@ -111,13 +111,13 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
 
-    // dV^T first (dO's stage then goes back to the loader), dQ, and dK^T, under which dQ is staged.
-    issue_gemm_wgmma<false>(mma_dkv, tdVrdOt(_, _, _, dout_stage), tdVrPt(_, _, _, buffer), acc_dvt);
+    // dV first (dO's stage then goes back to the loader), dQ, and dK, under which dQ is staged.
+    issue_gemm_wgmma<false>(mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, dout_stage), acc_dv);
     Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
     issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, acc_dq);
-    issue_gemm_wgmma<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, buffer), acc_dkt);
+    issue_gemm_wgmma<false>(mma_dkv, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, stage), acc_dk);
     warpgroup_wait<1>();
-    warpgroup_fence_operand(acc_dvt);
+    warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dq);
     storage.pipeline.dout_empty[dout_stage].arrive();
 
@@ -142,14 +142,14 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
       named_barrier_arrive<BwdBarrier::kDqFull, 2, kDqThreads>();
     }
     warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_dkt);
+    warpgroup_fence_operand(acc_dk);
     // This thread's GEMMs are done with the stage's Q.
     storage.pipeline.query_empty[stage].arrive();
   }
 
-  Tensor tKVtc = thr_dkv.partition_C(make_identity_tensor(TileKVt{}));
-  store_dk_dv<Element, kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true, true>(
-      params, work, work.sequence.seqlen_k - work.key_start, acc_dkt, acc_dvt, tKVtc);
+  Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
+  store_dk_dv<Element, kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(
+      params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);
 }
 
 }  // namespace flash_cutlass::sm90

@@ -364,7 +364,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
   }
 
   Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
-  store_dk_dv<Element, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, false, true>(
+  store_dk_dv<Element, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(
       params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);
 }
 

@@ -59,8 +59,11 @@ struct BwdCommonTraits {
       WarpgroupsAlongN{}));
 
   // 128-byte-swizzled rows of 64 elements, the head dim (or, for P^T and dS^T, the queries)
-  // contiguous: the layout TMA writes and wgmma reads.
-  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  // contiguous: the layout TMA writes and wgmma reads. At head dim 192, 64-byte-swizzled rows of 32:
+  // the head-split consumers' head-dim halves (96) are then whole atoms, as a wgmma operand whose
+  // head dim is its M or N needs.
+  using SmemAtom = std::conditional_t<kHeadDim % 128 == 0 || kHeadDim < 128, cute::GMMA::Layout_K_SW128_Atom<Element>,
+                                      cute::GMMA::Layout_K_SW64_Atom<Element>>;
   // Q and dO: one buffer a stage (of kStages and kStagesdO).
   template <int kBuffers>
   using SmemLayoutQueryRows = decltype(cute::tile_to_shape(
@@ -185,38 +188,39 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
 // to S and dP, so the consumers split the head dim instead of the keys. Per query block:
 //   S^T = K Q^T, dP^T = V dO^T: (64 keys, kBlockM queries), each warpgroup half of the queries;
 //   P^T and dS^T go to shared memory (keys, queries), where both warpgroups read all of them;
-//   dV^T += dO^T P and dK^T += Q^T dS: (head dim, 64 keys), each warpgroup half of the head dim,
-//   both operands from shared memory;
+//   dV += P^T dO and dK += dS^T Q: (64 keys, head dim), each warpgroup half of the head dim, both
+//   operands from shared memory;
 //   dQ = dS K: (queries, head dim), each warpgroup half of the head dim, staged in shared memory
 //   one warpgroup's half after the other for the dQ warp's TMA reduce-add (the consumers' own
 //   atomics had them wait on the memory pipeline: a third of their time).
 // The staging tile (64 x 128 fp32) takes the room of a second dO stage: dO has one, released after
-// dV^T, Q two.
+// dV, Q two.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class Element_>
 struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_, 1> {
   using Base = BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_, Element_, 1>;
   using typename Base::Element;
-  using typename Base::WarpgroupsAlongM;
   using typename Base::WarpgroupsAlongN;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages, Base::kConsumerWarpgroups;
   static constexpr bool kHeadSplit = true;
   static_assert(kBlockN == 64, "the keys are the M of S^T and dP^T: one 64-row wgmma");
   static_assert(kBlockM % (8 * kConsumerWarpgroups) == 0, "query halves of whole swizzle atoms");
-  static_assert(kHeadDim % (64 * kConsumerWarpgroups) == 0, "head-dim halves of 64-row wgmmas");
+  static_assert((kHeadDim / kConsumerWarpgroups) % 32 == 0,
+                "head-dim halves: wgmma N (a multiple of 8), and whole 32-column atoms of dQ's staging tile");
 
-  using TileKVt = cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>;
   // S^T and dP^T: (keys, queries, head dim), the warpgroups split the queries.
   using TileShapeSdPPerWarpgroup =
       cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM / kConsumerWarpgroups>, cute::Int<kHeadDim>>;
-  // dV^T and dK^T: (head dim, keys, queries), A (dO^T, Q^T) head-dim-major, the warpgroups split the
-  // head dim.
-  using TileShapedKVt = cute::Shape<cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>, cute::Int<kBlockM>>;
+  // dV and dK: (keys, head dim, queries), A (P^T, dS^T) query-major, B (dO, Q) head-dim-major, the
+  // warpgroups split the head dim (the N of the wgmmas: halves of 96 at head dim 192, which 64-row
+  // M tiles of the transposed form, dV^T, could not split; and a third less shared-memory traffic
+  // than dV^T's two 64-row tiles a warpgroup).
+  using TileShapedKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockM>>;
   using TiledMmaSdP = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float, TileShapeSdPPerWarpgroup>(), WarpgroupsAlongN{}));
-  using TiledMmadKVt = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, TileShapedKVt, cute::GMMA::Major::MN,
-                                 cute::GMMA::Major::K>(),
-      WarpgroupsAlongM{}));
+  using TiledMmadKV = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShapedKV, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      WarpgroupsAlongN{}));
 
   // One warpgroup's half of a query block's dQ, fp32, 128-byte swizzled (as BwdKernelTraits's).
   using TileDq = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>>;
@@ -228,7 +232,7 @@ struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_,
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdO>> dout;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> v;
-    // P^T and dS^T, two buffers each: the K-major B of dV^T and dK^T.
+    // P^T and dS^T, two buffers each: the K-major A of dV and dK.
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdSt>> pt;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdSt>> ds;
     // Half a query block's dQ, staged for the dQ warp (the warpgroups take turns).

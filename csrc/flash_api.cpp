@@ -411,9 +411,8 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
 // The forward into preallocated out (like q) and lse (fp32 (batch, heads, seqlen_q)). A call with
 // dropout and without options.rng_state draws its mask and writes the (seed, offset) it used into
 // drawn_rng_state (set_philox_state).
-void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-             const std::optional<at::Tensor>& drawn_rng_state, const pybind11::handle& options_object) {
-  const AttentionOptions options = options_from_python(options_object);
+void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                 const std::optional<at::Tensor>& drawn_rng_state, AttentionOptions const& options) {
   const AttentionShape shape = check_attention(q, k, v, out, lse, options);
   if (shape.batch == 0 || shape.seqlen_q == 0 || shape.heads == 0) {
     if (drawn_rng_state.has_value() && drawn_rng_state->defined()) drawn_rng_state->zero_();  // no mask to draw
@@ -442,6 +441,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
           ? run_kernel<Direction::kForward, KernelPath::kSm90>(params, shape.dtype, kernel.kernel_hdim, stream)
           : run_kernel<Direction::kForward, KernelPath::kSm80>(params, shape.dtype, kernel.kernel_hdim, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass forward kernel launch failed: ", cudaGetErrorString(status));
+}
+
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+             const std::optional<at::Tensor>& drawn_rng_state, const pybind11::handle& options_object) {
+  run_forward(q, k, v, out, lse, drawn_rng_state, options_from_python(options_object));
 }
 
 // The backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k and v, last
@@ -582,6 +586,59 @@ KVCacheDevice kvcache_device(int index) {
   const int smem = smem_limits.get(index, [&] { return attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); });
   if (smem < 0) C10_CUDA_CHECK(cudaError_t(-smem));
   return {index, sm_count, smem};
+}
+
+// Whether a KV-cache call runs as chunked prefill through the Hopper forward (select.h,
+// kvcache_prefill_may_gather): the shapes allow it, the Hopper forward runs the head dim on this
+// GPU without padding, and the build holds the forward kernels of the call's mask and score options
+// (set_mask_params and set_extended_params decide them as below).
+bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions const& options, const at::Tensor& q,
+                                  int64_t num_splits) {
+  const int64_t gather_bytes =
+      2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size();
+  if (!kvcache_prefill_may_gather(params.seqlen_q, params.capacity, gather_bytes, num_splits)) return false;
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+  const KernelSelection kernel = select_kernel<Direction::kForward>(params.head_dim, KernelChoice::kAuto, major, minor);
+  if (!kernel.error.empty() || kernel.path != KernelPath::kSm90) return false;
+  const bool alibi = options.alibi_slopes.has_value() && options.alibi_slopes->defined();
+  if ((options.softcap > 0 && !compiled::kSoftcap) || (alibi && !compiled::kAlibi)) return false;
+  const int64_t window_right = options.causal ? 0 : options.window_right;
+  const bool left_unbounded = options.window_left < 0 || options.window_left >= params.capacity - 1;
+  const bool right_unbounded = window_right < 0 || window_right >= params.seqlen_q - 1;
+  const bool window = options.softcap == 0 && !alibi && !(options.causal && left_unbounded) &&
+                      !(left_unbounded && right_unbounded);
+  return !window || compiled::kWindow;
+}
+
+// Chunked prefill through the Hopper forward, after the append: every sequence's cache gathered
+// into packed keys and values (flash_kvcache_gather_sm80: as many rows as batch x capacity, since
+// no length is read on the host), then the variable-length forward of q (queries_used: q, or its
+// rotated copy) over them; out and lse (batch, heads, seqlen_q) as the KV-cache kernel writes them.
+void kvcache_prefill_forward(KVCacheParams const& params, const at::Tensor& queries_used, at::Tensor& out,
+                             at::Tensor& lse, AttentionOptions options, DType dtype, cudaStream_t stream) {
+  const int64_t batch = params.batch, seqlen_q = params.seqlen_q, heads = params.heads;
+  const int64_t head_dim = params.head_dim;
+  at::Tensor packed_k = at::empty({1, batch * params.capacity, params.heads_k, head_dim}, queries_used.options());
+  at::Tensor packed_v = at::empty_like(packed_k);
+  at::Tensor cu_seqlens = at::empty({2, batch + 1}, queries_used.options().dtype(at::kInt));
+  const KVCachePacked packed{packed_k.data_ptr(), packed_v.data_ptr(), cu_seqlens.data_ptr<int>(),
+                             cu_seqlens.data_ptr<int>() + batch + 1};
+  const cudaError_t status = run_kvcache_gather_kernel(params, packed, dtype, stream);
+  FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache gather launch failed: ", cudaGetErrorString(status));
+  options.cu_seqlens_q = cu_seqlens[0];
+  options.cu_seqlens_k = cu_seqlens[1];
+  options.max_seqlen_q = seqlen_q;
+  options.max_seqlen_k = params.capacity;
+  options.kernel = KernelChoice::kSm90;
+  const at::Tensor packed_q = queries_used.reshape({1, batch * seqlen_q, heads, head_dim});
+  at::Tensor packed_out = out.is_contiguous() ? out.view({1, batch * seqlen_q, heads, head_dim})
+                                              : at::empty({1, batch * seqlen_q, heads, head_dim}, out.options());
+  at::Tensor packed_lse = at::empty({1, heads, batch * seqlen_q}, lse.options());
+  run_forward(packed_q, packed_k, packed_v, packed_out, packed_lse, std::nullopt, options);
+  if (!out.is_contiguous()) out.copy_(packed_out.view(out.sizes()));
+  lse.copy_(packed_lse.view({heads, batch, seqlen_q}).permute({1, 0, 2}));
 }
 
 // Attention over a KV cache (flash_cutlass/kvcache.py, which checked every argument with
@@ -738,6 +795,17 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                                                    : static_cast<int>(std::min<int64_t>(options.window_right, unbounded));
 
   const c10::cuda::CUDAGuard device_guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  auto append = [&] {
+    if (params.seqlen_new == 0 && params.rotary_cos == nullptr) return;
+    const cudaError_t status = run_kvcache_append_kernel(params, dtype, stream);
+    FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
+  };
+  if (kvcache_prefill_runs_forward(params, options, q, num_splits)) {
+    append();
+    kvcache_prefill_forward(params, q_rotated.defined() ? q_rotated : q, out, lse, options, dtype, stream);
+    return;
+  }
   const KVCacheDevice device = kvcache_device(q.get_device());
   const int smem_needed = kvcache_smem_bytes(kernel_hdim, device);
   FLASH_CHECK(smem_needed <= device.smem_per_block, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
@@ -762,11 +830,7 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     params.lse_accum = lse_accum.data_ptr<float>();
   }
 
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  if (params.seqlen_new > 0 || params.rotary_cos != nullptr) {
-    const cudaError_t status = run_kvcache_append_kernel(params, dtype, stream);
-    FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
-  }
+  append();
   if (seqlen_q == 0) return;
   const cudaError_t status = run_kvcache_kernel(params, dtype, kernel_hdim, device, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache kernel launch failed: ", cudaGetErrorString(status));

@@ -10,7 +10,7 @@ import torch
 
 import flash_cutlass
 from flash_cutlass import reference
-from helpers import COMPILED_DTYPES, fa2_check, has_kernels, requires_cuda
+from helpers import COMPILED_DTYPES, fa2_check, has_kernels, kernel_unavailable, options_left_out, requires_cuda
 from kvcache_cases import check_lse, cloned, make_call, reference_caches, reference_of, rotary_tables
 
 pytestmark = [requires_cuda, pytest.mark.skipif(not has_kernels(flash_cutlass.compiled_kvcache),
@@ -319,6 +319,144 @@ def test_split_count_does_not_change_the_result_beyond_rounding(cuda_gen):
         # the splits change only fp32 sums and which running maximum P is rounded under, a few ulps.
         torch.testing.assert_close(out.float(), results[0][0].float(), atol=2e-3, rtol=0)
         torch.testing.assert_close(lse, results[0][1], atol=1e-4, rtol=1e-4)
+
+
+# Chunked prefill: a call of at least PREFILL_SEQLEN_Q queries that leaves the split to us runs, on
+# the Hopper path's GPUs and options, the forward over its caches gathered into packed sequences
+# (include/flash_cutlass/select.h, kKVCachePrefillMinSeqlenQ); elsewhere the KV-cache kernel.
+PREFILL_SEQLEN_Q = 128
+PREFILL_HEAD_DIM = 128 if 128 in KVCACHE_HEAD_DIMS else KVCACHE_HEAD_DIMS[-1]
+
+
+def prefill_call(gen, page_size, seqlen_new, seqlens=(0, 5, 300, 700), heads=8, heads_k=2, **extra):
+    return make_call(gen, batch=len(seqlens), seqlen_q=PREFILL_SEQLEN_Q, heads=heads, heads_k=heads_k,
+                     head_dim=PREFILL_HEAD_DIM, seqlens=seqlens, seqlen_new=seqlen_new, page_size=page_size,
+                     capacity=1024, device="cuda", **extra)
+
+
+def requires_prefill_forward(**options):
+    """Skips where this GPU and build run a chunked prefill in the KV-cache kernel."""
+    reason = kernel_unavailable("sm90", PREFILL_HEAD_DIM, "forward") or options_left_out(**options)
+    if reason:
+        pytest.skip(f"chunked prefill runs the KV-cache kernel here: {reason}")
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16, 256], ids=["contiguous", "p1", "p16", "p256"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("seqlen_new", [0, PREFILL_SEQLEN_Q])
+def test_chunked_prefill_matches_reference(cuda_gen, page_size, option, seqlen_new):
+    """Lengths 0 and 5 (below seqlen_q: rows without keys under causal masks), 300, 700; with and
+    without the append of seqlen_q new tokens."""
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    dtype = COMPILED_DTYPES[-1]
+    call = prefill_call(gen, page_size, seqlen_new, dtype=dtype)
+    options = OPTIONS[option]
+    if options == "alibi":
+        options = {"alibi_slopes": torch.rand(4, 8, generator=gen).cuda(), "causal": True}
+    check_against_reference(call, dtype, **options)
+
+
+@pytest.mark.parametrize("heads,heads_k", [(8, 8), (8, 1), (12, 3)])
+def test_chunked_prefill_gqa_ratios(cuda_gen, heads, heads_k):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = prefill_call(gen, 16, PREFILL_SEQLEN_Q, heads=heads, heads_k=heads_k)
+    check_against_reference(call, COMPILED_DTYPES[-1], causal=True)
+
+
+def packed_for_forward(call, seqlen_new):
+    """The call's caches after its append (run before), gathered on the host into the packed keys
+    and values of flash_forward_varlen, with the cumulative lengths."""
+    lengths = [int(length) + seqlen_new for length in call["cache_seqlens"].tolist()]
+    keys, values = [], []
+    for b, length in enumerate(lengths):
+        if "block_table" in call:
+            pages = call["block_table"][b].long()
+            k_rows = call["k_cache"][pages].flatten(0, 1)
+            v_rows = call["v_cache"][pages].flatten(0, 1)
+        else:
+            row = int(call["cache_batch_idx"][b]) if "cache_batch_idx" in call else b
+            k_rows, v_rows = call["k_cache"][row], call["v_cache"][row]
+        keys.append(k_rows[:length])
+        values.append(v_rows[:length])
+    cu_seqlens_k = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    return torch.cat(keys), torch.cat(values), cu_seqlens_k
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 256], ids=["contiguous", "p16", "p256"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, causal):
+    """On the Hopper path the call is flash_forward_varlen over the gathered caches, to the bit
+    (the KV-cache kernel's other tiles round differently): the route is the one taken. With the
+    append and (contiguous) cache_batch_idx."""
+    requires_prefill_forward()
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = prefill_call(gen, page_size, PREFILL_SEQLEN_Q, cache_batch_idx=page_size is None)
+    out, lse = run(call, causal=causal)
+    k, v, cu_seqlens_k = packed_for_forward(call, PREFILL_SEQLEN_Q)
+    batch, seqlen_q, heads, head_dim = call["q"].shape
+    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device="cuda")
+    expected_out, expected_lse = flash_cutlass.flash_forward_varlen(
+        call["q"].reshape(batch * seqlen_q, heads, head_dim), k, v, cu_seqlens_q, cu_seqlens_k, seqlen_q, 1024,
+        causal=causal, kernel="sm90")
+    assert torch.equal(out, expected_out.view(out.shape))
+    assert torch.equal(lse, expected_lse.view(heads, batch, seqlen_q).transpose(0, 1))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_chunked_prefill_rotary_matches_reference(cuda_gen, interleaved):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = prefill_call(gen, 16, PREFILL_SEQLEN_Q)
+    cos, sin = rotary_tables(gen, 1024, PREFILL_HEAD_DIM // 2, call["q"].dtype, "cuda")
+    check_against_reference(call, call["q"].dtype, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+                            causal=True)
+
+
+def test_chunked_prefill_nan_past_each_length_does_not_reach_the_output(cuda_gen):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    seqlens = (5, 400, 770)
+    call = prefill_call(gen, None, PREFILL_SEQLEN_Q, seqlens=seqlens)
+    poisoned = cloned(call)
+    for b, length in enumerate(seqlens):
+        poisoned["k_cache"][b, length + PREFILL_SEQLEN_Q:] = float("nan")
+        poisoned["v_cache"][b, length + PREFILL_SEQLEN_Q:] = float("nan")
+    out, lse = run(call, causal=True)
+    out_poisoned, lse_poisoned = run(poisoned, causal=True)
+    assert not out_poisoned.isnan().any() and not lse_poisoned.isnan().any()
+    assert torch.equal(out_poisoned, out) and torch.equal(lse_poisoned, lse)
+
+
+def test_chunked_prefill_paged_is_bitwise_contiguous(cuda_gen):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    paged = prefill_call(gen, 16, PREFILL_SEQLEN_Q)
+    contiguous = cloned(paged)
+    del contiguous["block_table"]
+    rows = paged["block_table"].long()
+    contiguous["k_cache"] = paged["k_cache"][rows].flatten(1, 2)
+    contiguous["v_cache"] = paged["v_cache"][rows].flatten(1, 2)
+    out_paged, lse_paged = run(paged, causal=True)
+    out_contiguous, lse_contiguous = run(contiguous, causal=True)
+    assert torch.equal(out_paged, out_contiguous) and torch.equal(lse_paged, lse_contiguous)
+
+
+def test_chunked_prefill_cuda_graph_replay_matches_eager(cuda_gen):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = prefill_call(gen, 16, PREFILL_SEQLEN_Q, seqlens=(10, 300, 1, 700))
+    eager = cloned(call)
+    out_eager, lse_eager = run(eager, causal=True)
+    captured = cloned(call)
+    run(cloned(captured), causal=True)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph, lse_graph = run(captured, causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_graph, out_eager) and torch.equal(lse_graph, lse_eager)
+    captured["cache_seqlens"].copy_(torch.tensor([3, 500, 8, 13], dtype=torch.int32))
+    captured["q"].copy_(torch.randn(captured["q"].shape, generator=gen).to(captured["q"]))
+    fresh = cloned(captured)
+    graph.replay()
+    out_fresh, lse_fresh = run(fresh, causal=True)
+    assert torch.equal(out_graph, out_fresh) and torch.equal(lse_graph, lse_fresh)
 
 
 def test_kernel_errors_name_the_argument(cuda_gen):

@@ -157,6 +157,14 @@ inline cudaError_t run_kvcache_append_kernel(KVCacheParams const& params, DType 
   });
 }
 
+inline cudaError_t run_kvcache_gather_kernel(KVCacheParams const& params, KVCachePacked const& packed, DType dtype,
+                                             cudaStream_t stream) {
+  if constexpr (!compiled::kKVCache) return cudaErrorNotSupported;
+  return detail::with_value(compiled::DTypes{}, dtype, [&](auto type) {
+    return sm80::run_kvcache_gather<decltype(type)::value>(params, packed, stream);
+  });
+}
+
 inline int kvcache_ctas_per_sm(DType dtype, int kernel_hdim, KVCacheDevice const& device) {
   int ctas = 0;
   detail::with_value(compiled::KVCacheHeadDims{}, kernel_hdim, [&](auto hdim) {

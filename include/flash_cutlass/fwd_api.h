@@ -48,11 +48,13 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream);
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream);
 
-// The KV-cache kernels (sm80/kvcache_launch.h): the append of new tokens (one instantiation per
-// dtype), the attention over the cache with its split merge, and what the host asks of the latter
-// before a launch.
+// The KV-cache kernels (sm80/kvcache_launch.h): the append of new tokens and the gather of the
+// caches for the Hopper forward (one instantiation per dtype each), the attention over the cache
+// with its split merge, and what the host asks of the latter before a launch.
 template <DType kDType>
 cudaError_t run_kvcache_append(KVCacheParams const& params, cudaStream_t stream);
+template <DType kDType>
+cudaError_t run_kvcache_gather(KVCacheParams const& params, KVCachePacked const& packed, cudaStream_t stream);
 template <int kHeadDim, DType kDType>
 cudaError_t run_kvcache(KVCacheParams const& params, KVCacheDevice const& device, cudaStream_t stream);
 template <int kHeadDim, DType kDType>

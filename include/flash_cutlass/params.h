@@ -198,6 +198,21 @@ struct KVCacheParams : FwdParams {
   void* q_rotated = nullptr;
 };
 
+// Where the KV-cache gather (sm80/kvcache_kernel.h, flash_kvcache_gather_sm80) packs each
+// sequence's cache for the Hopper forward's variable-length call: keys and values as contiguous
+// (rows, heads_k, head_dim) tensors of at least batch * capacity rows, the sequences one after the
+// other, and int32 cumulative lengths (batch + 1 entries each) of the queries (b * seqlen_q) and
+// the keys (the running sum of the sequences' lengths after the append).
+struct KVCachePacked {
+  void* k = nullptr;
+  void* v = nullptr;
+  int* cu_seqlens_q = nullptr;
+  int* cu_seqlens_k = nullptr;
+};
+
+// Cache positions one CTA of the KV-cache gather copies (per sequence and kv head).
+inline constexpr int kKVCacheGatherRows = 64;
+
 // Packed query rows one CTA of the KV-cache attention takes: one MMA tile high.
 inline constexpr int kKVCacheTileRows = 16;
 

@@ -116,4 +116,20 @@ constexpr int kvcache_num_splits(int64_t tiles, int64_t max_keys, int64_t slots)
   return splits < 1 ? 1 : int(splits);
 }
 
+// Chunked prefill: a KV-cache call of at least kKVCachePrefillMinSeqlenQ queries that leaves the
+// split to us runs the Hopper forward over its caches gathered into packed sequences
+// (csrc/flash_api.cpp, kvcache_forward), where the GPU, the head dim and the build's options allow
+// and the gathered keys and values take at most kKVCachePrefillMaxGatherBytes (batch x capacity
+// positions: the lengths are not read on the host). The KV-cache kernel's CTAs take 16 packed
+// query rows and each reads its kv head's whole cache: at 512 queries on a 16k cache (H200, head
+// dim 128, 32/8 heads) it ran 70-79 TFLOPS, the forward on the same shapes 395-598.
+inline constexpr int kKVCachePrefillMinSeqlenQ = 128;
+inline constexpr int64_t kKVCachePrefillMaxGatherBytes = int64_t(2) << 30;
+
+constexpr bool kvcache_prefill_may_gather(int64_t seqlen_q, int64_t capacity, int64_t gather_bytes,
+                                          int64_t num_splits) {
+  return num_splits == 0 && seqlen_q >= kKVCachePrefillMinSeqlenQ && capacity > 0 &&
+         gather_bytes <= kKVCachePrefillMaxGatherBytes;
+}
+
 }  // namespace flash_cutlass

@@ -585,4 +585,55 @@ __global__ void __launch_bounds__(128) flash_kvcache_append_sm80(__grid_constant
   rotate_and_store(params, src, dst, col, position);
 }
 
+// The gather for the Hopper forward (chunked prefill, flash_api.cpp): each sequence's positions
+// [0, length) of the cache, after the append, copied into packed (params.h, KVCachePacked) from its
+// pages, the sequences one after the other, with the cumulative lengths. One CTA per
+// (kKVCacheGatherRows positions, sequence, kv head), one thread per 8 columns of a row; reads the
+// same clamped lengths and pages as the attention kernel (common/kvcache.h), so both see the same
+// keys whatever the device holds.
+template <class Element>
+__global__ void __launch_bounds__(128) flash_kvcache_gather_sm80(__grid_constant__ const KVCacheParams params,
+                                                                 const KVCachePacked packed) {
+  const int batch = blockIdx.y;
+  const int head = blockIdx.z;
+  const int first = blockIdx.x * kKVCacheGatherRows;
+  const int length = cached_sequence(params, batch).length;
+  const bool writes_lengths = blockIdx.x == 0 && head == 0;
+  if (first >= length && !writes_lengths) return;
+  // Where this sequence starts in packed: the lengths of the sequences before it.
+  __shared__ int warp_sums[4];
+  int start = 0;
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) start += cached_sequence(params, b).length;
+  CUTE_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) start += __shfl_xor_sync(0xffffffff, start, offset);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = start;
+  __syncthreads();
+  start = warp_sums[0] + warp_sums[1] + warp_sums[2] + warp_sums[3];
+  if (writes_lengths && threadIdx.x == 0) {
+    packed.cu_seqlens_k[batch + 1] = start + length;
+    packed.cu_seqlens_q[batch + 1] = (batch + 1) * params.seqlen_q;
+    if (batch == 0) packed.cu_seqlens_k[0] = packed.cu_seqlens_q[0] = 0;
+  }
+  const SequencePages pages = sequence_pages(params, batch);
+  const int chunks_per_row = params.head_dim / 8;
+  const int rows = min(kKVCacheGatherRows, length - first);
+  for (int index = threadIdx.x; index < rows * chunks_per_row; index += blockDim.x) {
+    const int position = first + index / chunks_per_row;
+    const int col = (index % chunks_per_row) * 8;
+    int row_in_page;
+    const int page = pages.page_of(position, row_in_page);
+    const Element* k_src = static_cast<const Element*>(params.k) +
+                           pages.offset_of(page, row_in_page, params.k_batch_stride, params.k_row_stride,
+                                           int64_t(head) * params.k_head_stride);
+    const Element* v_src = static_cast<const Element*>(params.v) +
+                           pages.offset_of(page, row_in_page, params.v_batch_stride, params.v_row_stride,
+                                           int64_t(head) * params.v_head_stride);
+    const int64_t dst = (int64_t(start + position) * params.heads_k + head) * params.head_dim + col;
+    *reinterpret_cast<cutlass::uint128_t*>(static_cast<Element*>(packed.k) + dst) =
+        *reinterpret_cast<const cutlass::uint128_t*>(k_src + col);
+    *reinterpret_cast<cutlass::uint128_t*>(static_cast<Element*>(packed.v) + dst) =
+        *reinterpret_cast<const cutlass::uint128_t*>(v_src + col);
+  }
+}
+
 }  // namespace flash_cutlass::sm80

@@ -120,4 +120,16 @@ cudaError_t run_kvcache_append(KVCacheParams const& params, cudaStream_t stream)
   return cudaGetLastError();
 }
 
+// The gather of every sequence's cache into packed, after the append (flash_kvcache_gather_sm80).
+template <DType kDType>
+cudaError_t run_kvcache_gather(KVCacheParams const& params, KVCachePacked const& packed, cudaStream_t stream) {
+  using Element = typename ElementOf<kDType>::type;
+  const int64_t row_blocks =
+      std::max<int64_t>((int64_t(params.capacity) + kKVCacheGatherRows - 1) / kKVCacheGatherRows, 1);
+  if (row_blocks > 0x7fffffff || params.batch > 65535 || params.heads_k > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid(unsigned(row_blocks), unsigned(params.batch), unsigned(params.heads_k));
+  flash_kvcache_gather_sm80<Element><<<grid, 128, 0, stream>>>(params, packed);
+  return cudaGetLastError();
+}
+
 }  // namespace flash_cutlass::sm80

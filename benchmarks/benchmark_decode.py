@@ -16,6 +16,10 @@ mask).
     python3 benchmarks/benchmark_decode.py --batch 1 --context 16384 --seqlen-q 512 \
         --impls flash_cutlass,flash_cutlass_prefill
 
+From 128 queries flash_cutlass gathers the caches and runs the prefill forward over them
+(include/flash_cutlass/select.h); --num-splits 1 keeps such calls on the KV-cache kernel, to
+compare the two.
+
 Timings: after warm-up, --calls back-to-back calls between one pair of CUDA events (--timing loop,
 the default: the host enqueues the next call while the GPU runs the last, so only host overhead
 longer than a call shows), or one replay of a CUDA graph capturing them (--timing graph: no host
@@ -85,7 +89,7 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dtype, seqlen_q=1):
+def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dtype, seqlen_q=1, num_splits=0):
     import flash_cutlass
 
     q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
@@ -96,12 +100,13 @@ def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dt
         v_cache = torch.randn_like(k_cache)
         table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
         return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                                  block_table=table, causal=True)
+                                                                  block_table=table, causal=True,
+                                                                  num_splits=num_splits)
     if impl == "flash_cutlass_contiguous":
         k_cache = torch.randn(batch, context, heads_k, head_dim, device="cuda", dtype=dtype)
         v_cache = torch.randn_like(k_cache)
         return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                                  causal=True)
+                                                                  causal=True, num_splits=num_splits)
     if impl == "flash_cutlass_prefill":
         k = torch.randn(batch, context, heads_k, head_dim, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
@@ -142,6 +147,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument("--seqlen-q", type=int, default=1,
                         help="query tokens per sequence, the context's last (default: %(default)s: decoding)")
+    parser.add_argument("--num-splits", type=int, default=0,
+                        help="flash_cutlass's num_splits (default: %(default)s: chosen from the shapes; 1 keeps "
+                             "chunked prefill on the KV-cache kernel)")
     parser.add_argument("--page-size", type=int, default=16, help="page size of the paged cache (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS))
@@ -162,6 +170,8 @@ def main(argv=None) -> int:
         parser.error(f"unknown --impls {unknown}; choose from {', '.join(IMPLS)}")
     if args.calls < 1 or args.repeats < 1:
         parser.error("--calls and --repeats must be >= 1")
+    if args.num_splits < 0:
+        parser.error("--num-splits must be >= 0")
     if args.seqlen_q < 1 or args.seqlen_q > min(args.context):
         parser.error("--seqlen-q must be in [1, the smallest --context]")
     if not torch.cuda.is_available():
@@ -187,7 +197,7 @@ def main(argv=None) -> int:
             for impl in impls:
                 try:
                     fn = make_callables(impl, batch, context, args.heads, args.heads_k, args.head_dim,
-                                        args.page_size, dtype, args.seqlen_q)
+                                        args.page_size, dtype, args.seqlen_q, args.num_splits)
                     ms = time_ms(fn, args.calls, args.repeats, graph=args.timing == "graph")
                 except (RuntimeError, torch.OutOfMemoryError) as error:
                     print(f"{batch:>6} {context:>8} {impl:>26}  unavailable: {str(error).splitlines()[0][:80]}")

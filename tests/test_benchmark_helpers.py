@@ -377,3 +377,10 @@ def test_decode_benchmark_rejects_a_chunk_longer_than_the_context(argv, capsys):
         decode.main(argv)
     assert excinfo.value.code == 2
     assert "--seqlen-q" in capsys.readouterr().err
+
+
+def test_decode_benchmark_rejects_a_negative_split_count(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        decode.main(["--num-splits", "-1"])
+    assert excinfo.value.code == 2
+    assert "--num-splits" in capsys.readouterr().err

@@ -58,10 +58,10 @@ std::string sm90_unavailable_reason(int head_dim, int major, int minor) {
 
 // Head dims the Hopper backward runs padded in its next compiled one, faster than the sm80 backward
 // in the call's own: on the H200 (bf16, seqlen 1k-16k, causal and not) 96 in 128 ran 1.34-1.52x
-// the sm80 path's 96, and 192 in 256 1.10-1.20x its 192 (docs/PERFORMANCE.md). Other pairs (32 in
+// the sm80 path's 96 (docs/PERFORMANCE.md; 192 has its own Hopper backward). Other pairs (32 in
 // 64, say) were not measured and keep the sm80 path.
 constexpr bool sm90_backward_pads_faster(int sm80_hdim, int sm90_hdim) {
-  return (sm80_hdim == 96 && sm90_hdim == 128) || (sm80_hdim == 192 && sm90_hdim == 256);
+  return sm80_hdim == 96 && sm90_hdim == 128;
 }
 
 // The kernel of a call: `head_dim` is the call's, rounded up to a multiple of 8. kAuto runs the

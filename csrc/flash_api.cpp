@@ -175,38 +175,43 @@ AttentionShape check_attention(const at::Tensor& q, const at::Tensor& k, const a
   return shape;
 }
 
-// The mask of a call into params: causal and window_size = (window_left, window_right) as the
-// Python API takes them (-1: unbounded; causal bounds the right side at 0). A side that reaches
-// every key of every row counts as unbounded (stored as max(seqlen_q, seqlen_k)): causal calls
-// without a real left bound run the causal kernels, calls without any bound the unmasked ones,
-// and the rest the sliding-window kernels. The extended kernels (uses_extension: the options are
-// set before) take every mask in the window's form.
-void set_mask_params(FwdParams& params, AttentionOptions const& options) {
-  int64_t window_left = options.window_left, window_right = options.window_right;
-  const bool causal = options.causal;
-  FLASH_CHECK(window_left >= -1 && window_right >= -1, "window_size entries must be >= -1, got (", window_left, ", ",
-               window_right, ")");
-  if (causal) window_right = 0;
-  const int unbounded = std::max(params.seqlen_q, params.seqlen_k);
-  // Row i sees keys from i + d - left to i + d + right (d = seqlen_k - seqlen_q): the left side
-  // reaches key 0 for every row when left >= seqlen_k - 1, the right side the last key when
-  // right >= seqlen_q - 1.
-  const bool left_unbounded = window_left < 0 || window_left >= params.seqlen_k - 1;
-  const bool right_unbounded = window_right < 0 || window_right >= params.seqlen_q - 1;
-  params.window_left = left_unbounded ? unbounded : static_cast<int>(window_left);
-  params.window_right = right_unbounded ? unbounded : static_cast<int>(window_right);
-  if (uses_extension(params)) {
-    params.mask = MaskKind::kLocal;
-  } else if (causal && left_unbounded) {
-    params.mask = MaskKind::kCausal;
-  } else if (left_unbounded && right_unbounded) {
-    params.mask = MaskKind::kNone;
-  } else {
-    FLASH_CHECK(compiled::kWindow, "window_size ", "(", window_left, ", ", window_right,
-                 ") needs the sliding-window kernels, which this build left out (FLASH_CUTLASS_WINDOW=0); "
-                 "rebuild with FLASH_CUTLASS_WINDOW=1");
-    params.mask = MaskKind::kLocal;
+// A call's window as the kernels see it: causal and window_size = (window_left, window_right) as
+// the Python API takes them (-1: unbounded; causal bounds the right side at 0). Row i sees keys
+// from i + d - left to i + d + right (d = seqlen_k - seqlen_q): a side that reaches every key of
+// every row (the left one key 0 when left >= seqlen_k - 1, the right one the last key when right
+// >= seqlen_q - 1) counts as unbounded. Causal calls without a real left bound run the causal
+// kernels, calls without any bound the unmasked ones, the rest the sliding-window kernels.
+struct WindowReach {
+  int64_t left, right;
+  bool left_unbounded, right_unbounded;
+
+  WindowReach(AttentionOptions const& options, int64_t seqlen_q, int64_t seqlen_k)
+      : left(options.window_left),
+        right(options.causal ? 0 : options.window_right),
+        left_unbounded(left < 0 || left >= seqlen_k - 1),
+        right_unbounded(right < 0 || right >= seqlen_q - 1) {}
+
+  MaskKind mask_kind(bool causal) const {
+    if (causal && left_unbounded) return MaskKind::kCausal;
+    if (left_unbounded && right_unbounded) return MaskKind::kNone;
+    return MaskKind::kLocal;
   }
+};
+
+// The mask of a call into params (WindowReach); an unbounded side is stored as max(seqlen_q,
+// seqlen_k). The extended kernels (uses_extension: the options are set before) take every mask in
+// the window's form.
+void set_mask_params(FwdParams& params, AttentionOptions const& options) {
+  FLASH_CHECK(options.window_left >= -1 && options.window_right >= -1, "window_size entries must be >= -1, got (",
+               options.window_left, ", ", options.window_right, ")");
+  const WindowReach reach(options, params.seqlen_q, params.seqlen_k);
+  const int unbounded = std::max(params.seqlen_q, params.seqlen_k);
+  params.window_left = reach.left_unbounded ? unbounded : static_cast<int>(reach.left);
+  params.window_right = reach.right_unbounded ? unbounded : static_cast<int>(reach.right);
+  params.mask = uses_extension(params) ? MaskKind::kLocal : reach.mask_kind(options.causal);
+  FLASH_CHECK(uses_extension(params) || params.mask != MaskKind::kLocal || compiled::kWindow, "window_size ", "(",
+               options.window_left, ", ", reach.right, ") needs the sliding-window kernels, which this build left "
+               "out (FLASH_CUTLASS_WINDOW=0); rebuild with FLASH_CUTLASS_WINDOW=1");
 }
 
 // The extended kernels' options (include/flash_cutlass/common/score_mods.h, dropout.h) into
@@ -603,13 +608,9 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
   const KernelSelection kernel = select_kernel<Direction::kForward>(params.head_dim, KernelChoice::kAuto, major, minor);
   if (!kernel.error.empty() || kernel.path != KernelPath::kSm90) return false;
   const bool alibi = options.alibi_slopes.has_value() && options.alibi_slopes->defined();
-  if ((options.softcap > 0 && !compiled::kSoftcap) || (alibi && !compiled::kAlibi)) return false;
-  const int64_t window_right = options.causal ? 0 : options.window_right;
-  const bool left_unbounded = options.window_left < 0 || options.window_left >= params.capacity - 1;
-  const bool right_unbounded = window_right < 0 || window_right >= params.seqlen_q - 1;
-  const bool window = options.softcap == 0 && !alibi && !(options.causal && left_unbounded) &&
-                      !(left_unbounded && right_unbounded);
-  return !window || compiled::kWindow;
+  if (options.softcap > 0 || alibi) return (options.softcap == 0 || compiled::kSoftcap) && (!alibi || compiled::kAlibi);
+  return compiled::kWindow ||
+         WindowReach(options, params.seqlen_q, params.capacity).mask_kind(options.causal) != MaskKind::kLocal;
 }
 
 // Chunked prefill through the Hopper forward, after the append: every sequence's cache gathered

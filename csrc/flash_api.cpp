@@ -602,6 +602,7 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
   const int64_t gather_bytes =
       2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size();
   if (!kvcache_prefill_may_gather(params.seqlen_q, params.capacity, gather_bytes, num_splits)) return false;
+  if (params.batch > 65535 || params.heads_k > 65535) return false;  // the gather's grid
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));

@@ -614,18 +614,38 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
          WindowReach(options, params.seqlen_q, params.capacity).mask_kind(options.causal) != MaskKind::kLocal;
 }
 
+// Where chunked prefill gathers the caches (flash_kvcache_gather_sm80): packed keys and values of
+// batch x capacity rows (no length is read on the host) and the cumulative lengths, (2, batch + 1).
+struct PrefillGather {
+  at::Tensor k, v, cu_seqlens;
+};
+
+// The gather's buffers, or none where the GPU's memory cannot hold them: the KV-cache kernel then
+// runs the call, as it did before the route (a server that filled the memory with its caches keeps
+// working).
+std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, const at::Tensor& q) {
+  try {
+    PrefillGather gather;
+    gather.k = at::empty({1, int64_t(params.batch) * params.capacity, params.heads_k, params.head_dim}, q.options());
+    gather.v = at::empty_like(gather.k);
+    gather.cu_seqlens = at::empty({2, int64_t(params.batch) + 1}, q.options().dtype(at::kInt));
+    return gather;
+  } catch (const c10::OutOfMemoryError&) {
+    return std::nullopt;
+  }
+}
+
 // Chunked prefill through the Hopper forward, after the append: every sequence's cache gathered
-// into packed keys and values (flash_kvcache_gather_sm80: as many rows as batch x capacity, since
-// no length is read on the host), then the variable-length forward of q (queries_used: q, or its
-// rotated copy) over them; out and lse (batch, heads, seqlen_q) as the KV-cache kernel writes them.
-void kvcache_prefill_forward(KVCacheParams const& params, const at::Tensor& queries_used, at::Tensor& out,
-                             at::Tensor& lse, AttentionOptions options, DType dtype, cudaStream_t stream) {
+// into gather's packed keys and values, then the variable-length forward of q (queries_used: q, or
+// its rotated copy) over them; out and lse (batch, heads, seqlen_q) as the KV-cache kernel writes
+// them.
+void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& gather, const at::Tensor& queries_used,
+                             at::Tensor& out, at::Tensor& lse, AttentionOptions options, DType dtype,
+                             cudaStream_t stream) {
   const int64_t batch = params.batch, seqlen_q = params.seqlen_q, heads = params.heads;
   const int64_t head_dim = params.head_dim;
-  at::Tensor packed_k = at::empty({1, batch * params.capacity, params.heads_k, head_dim}, queries_used.options());
-  at::Tensor packed_v = at::empty_like(packed_k);
-  at::Tensor cu_seqlens = at::empty({2, batch + 1}, queries_used.options().dtype(at::kInt));
-  const KVCachePacked packed{packed_k.data_ptr(), packed_v.data_ptr(), cu_seqlens.data_ptr<int>(),
+  const at::Tensor& cu_seqlens = gather.cu_seqlens;
+  const KVCachePacked packed{gather.k.data_ptr(), gather.v.data_ptr(), cu_seqlens.data_ptr<int>(),
                              cu_seqlens.data_ptr<int>() + batch + 1};
   const cudaError_t status = run_kvcache_gather_kernel(params, packed, dtype, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache gather launch failed: ", cudaGetErrorString(status));
@@ -638,7 +658,7 @@ void kvcache_prefill_forward(KVCacheParams const& params, const at::Tensor& quer
   at::Tensor packed_out = out.is_contiguous() ? out.view({1, batch * seqlen_q, heads, head_dim})
                                               : at::empty({1, batch * seqlen_q, heads, head_dim}, out.options());
   at::Tensor packed_lse = at::empty({1, heads, batch * seqlen_q}, lse.options());
-  run_forward(packed_q, packed_k, packed_v, packed_out, packed_lse, std::nullopt, options);
+  run_forward(packed_q, gather.k, gather.v, packed_out, packed_lse, std::nullopt, options);
   if (!out.is_contiguous()) out.copy_(packed_out.view(out.sizes()));
   lse.copy_(packed_lse.view({heads, batch, seqlen_q}).permute({1, 0, 2}));
 }
@@ -803,9 +823,11 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const cudaError_t status = run_kvcache_append_kernel(params, dtype, stream);
     FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
   };
-  if (kvcache_prefill_runs_forward(params, options, q, num_splits)) {
+  const std::optional<PrefillGather> gather =
+      kvcache_prefill_runs_forward(params, options, q, num_splits) ? prefill_gather_buffers(params, q) : std::nullopt;
+  if (gather.has_value()) {
     append();
-    kvcache_prefill_forward(params, q_rotated.defined() ? q_rotated : q, out, lse, options, dtype, stream);
+    kvcache_prefill_forward(params, *gather, q_rotated.defined() ? q_rotated : q, out, lse, options, dtype, stream);
     return;
   }
   const KVCacheDevice device = kvcache_device(q.get_device());

@@ -459,6 +459,32 @@ def test_chunked_prefill_cuda_graph_replay_matches_eager(cuda_gen):
     assert torch.equal(out_graph, out_fresh) and torch.equal(lse_graph, lse_fresh)
 
 
+def test_chunked_prefill_without_memory_for_the_gather_runs_the_kvcache_kernel(cuda_gen):
+    """Where the gathered copy does not fit in the memory left (a server whose caches fill the GPU),
+    the call runs the KV-cache kernel instead of raising."""
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=1, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=8, head_dim=PREFILL_HEAD_DIM,
+                     seqlens=(30000,), seqlen_new=0, page_size=None, capacity=32768, device="cuda")
+    expected = run(cloned(call), causal=True)
+    limited = cloned(call)
+    cache_bytes = call["k_cache"].numel() * call["k_cache"].element_size()  # 64 MiB
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(call["q"].device).total_memory
+    # Room for the KV-cache kernel's small buffers, not for the two gathered copies of the cache.
+    allowed = torch.cuda.memory_reserved() + 3 * cache_bytes // 4
+    torch.cuda.set_per_process_memory_fraction(allowed / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * cache_bytes, dtype=torch.uint8, device="cuda")
+        out, lse = run(limited, causal=True)
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.testing.assert_close(out.float(), expected[0].float(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, expected[1], atol=1e-4, rtol=1e-4)
+
+
 def test_kernel_errors_name_the_argument(cuda_gen):
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = make_call(gen, device="cuda", head_dim=64)

@@ -462,6 +462,7 @@ def test_chunked_prefill_cuda_graph_replay_matches_eager(cuda_gen):
 def test_chunked_prefill_without_memory_for_the_gather_runs_the_kvcache_kernel(cuda_gen):
     """Where the gathered copy does not fit in the memory left (a server whose caches fill the GPU),
     the call runs the KV-cache kernel instead of raising."""
+    requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = make_call(gen, batch=1, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=8, head_dim=PREFILL_HEAD_DIM,
                      seqlens=(30000,), seqlen_new=0, page_size=None, capacity=32768, device="cuda")

@@ -90,7 +90,8 @@ __host__ inline int64_t persistent_items(FwdParams const& params) {
   return int64_t(kInPairs ? (blocks + 1) / 2 : blocks) * params.batch * params.heads;
 }
 
-// The work of a persistent grid of `grid` CTAs (at most persistent_items).
+// The work of a persistent grid of `grid` CTAs: at most persistent_items, or, with pairs, more when
+// there are fewer pairs than SMs (then every tile is in the causal tail: one a CTA, longest first).
 template <int kBlockM, bool kInPairs>
 __host__ inline PersistentWork persistent_work_of(FwdParams const& params, int64_t grid) {
   const int blocks = num_query_blocks<kBlockM>(params);
@@ -100,7 +101,8 @@ __host__ inline PersistentWork persistent_work_of(FwdParams const& params, int64
                       cutlass::FastDivmod(params.heads),
                       {0x7fffffff, 0, 0, 0, 0, cutlass::FastDivmod(1), cutlass::FastDivmod(1)}};
   if (!kInPairs || grid < 1 || work.items % grid == 0) return work;
-  const int64_t full_waves = work.items / grid - 1;  // before the tail: the tail holds grid .. 2 grid - 1 pairs
+  // Before the tail: the tail holds grid .. 2 grid - 1 pairs, or all of them when there are fewer than grid.
+  const int64_t full_waves = work.items < grid ? 0 : work.items / grid - 1;
   const int64_t first_item = full_waves * grid;
   CausalTail& tail = work.tail;
   tail.first_step = int(2 * full_waves);

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "flash_cutlass/common/launch.h"
@@ -56,7 +57,10 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   // whose costs add up to about the same and the pairs' last waves as single tiles (block_info.h:
   // the causal tail), one CTA per SM, each CTA's producer loading its next tile while the consumers
   // finish the current one. In a variable-length call the tiles' costs differ with their
-  // sequences: one CTA per pair (or tile), balanced by the hardware. Otherwise one CTA per tile.
+  // sequences: one CTA per pair (or tile), balanced by the hardware. Fewer pairs than SMs (a small
+  // batch, or chunked prefill's few query blocks over a long cache, where the tiles cost about the
+  // same): every tile single, up to one CTA an SM, so that the pairs leave no SM idle. Otherwise
+  // one CTA per tile.
   int64_t num_ctas = num_query_tiles<Traits::kBlockM>(params);
   if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
   if constexpr (Traits::kPersistent) {
@@ -65,7 +69,11 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
     int sms = 0;
     const cudaError_t status = multiprocessor_count(&sms);
     if (status != cudaSuccess) return status;
-    if (params.cu_seqlens_q == nullptr && num_ctas > sms) num_ctas = sms;
+    if (kInPairs && num_ctas < sms) {
+      num_ctas = std::min<int64_t>(num_query_tiles<Traits::kBlockM>(params), sms);
+    } else if (params.cu_seqlens_q == nullptr && num_ctas > sms) {
+      num_ctas = sms;
+    }
     kernel_params.persistent_work = persistent_work_of<Traits::kBlockM, kInPairs>(params, num_ctas);
   }
   if (params.cu_seqlens_k != nullptr) {

@@ -614,21 +614,41 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
          WindowReach(options, params.seqlen_q, params.capacity).mask_kind(options.causal) != MaskKind::kLocal;
 }
 
-// Where chunked prefill gathers the caches (flash_kvcache_gather_sm80): packed keys and values of
-// batch x capacity rows (no length is read on the host) and the cumulative lengths, (2, batch + 1).
+// What chunked prefill's forward reads: keys and values as (1, rows, heads_k, head_dim) and the
+// cumulative lengths, (2, sequences + 1). A contiguous cache whose rows are the sequences (no
+// cache_batch_idx, rows capacity positions apart) in place, each sequence followed by a sequence of
+// no queries holding the rest of its row (flash_kvcache_sequences_sm80; ALiBi slopes per sequence
+// would then be indexed by that numbering, so they take the copy); other caches gathered into
+// packed keys and values of batch x capacity rows (flash_kvcache_gather_sm80; no length is read on
+// the host).
 struct PrefillGather {
   at::Tensor k, v, cu_seqlens;
+  bool in_place = false;
 };
 
-// The gather's buffers, or none where the GPU's memory cannot hold them: the KV-cache kernel then
-// runs the call, as it did before the route (a server that filled the memory with its caches keeps
-// working).
-std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, const at::Tensor& q) {
+// The forward's operands, or none where the GPU's memory cannot hold the gather's copy: the
+// KV-cache kernel then runs the call, as it did before the route (a server that filled the memory
+// with its caches keeps working).
+std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, AttentionOptions const& options,
+                                                    const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                    const at::Tensor& q) {
+  const int64_t rows = int64_t(params.batch) * params.capacity;
+  const bool alibi_per_sequence =
+      options.alibi_slopes.has_value() && options.alibi_slopes->defined() && options.alibi_slopes->dim() == 2;
+  PrefillGather gather;
+  gather.in_place = params.block_table == nullptr && params.cache_batch_idx == nullptr && !alibi_per_sequence &&
+                    k_cache.stride(0) == params.capacity * k_cache.stride(1) &&
+                    v_cache.stride(0) == params.capacity * v_cache.stride(1);
   try {
-    PrefillGather gather;
-    gather.k = at::empty({1, int64_t(params.batch) * params.capacity, params.heads_k, params.head_dim}, q.options());
-    gather.v = at::empty_like(gather.k);
-    gather.cu_seqlens = at::empty({2, int64_t(params.batch) + 1}, q.options().dtype(at::kInt));
+    if (gather.in_place) {
+      gather.k = k_cache.view({1, rows, params.heads_k, params.head_dim});
+      gather.v = v_cache.view({1, rows, params.heads_k, params.head_dim});
+    } else {
+      gather.k = at::empty({1, rows, params.heads_k, params.head_dim}, q.options());
+      gather.v = at::empty_like(gather.k);
+    }
+    const int64_t sequences = gather.in_place ? 2 * int64_t(params.batch) : params.batch;
+    gather.cu_seqlens = at::empty({2, sequences + 1}, q.options().dtype(at::kInt));
     return gather;
   } catch (const c10::OutOfMemoryError&) {
     return std::nullopt;
@@ -636,17 +656,18 @@ std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params,
 }
 
 // Chunked prefill through the Hopper forward, after the append: every sequence's cache gathered
-// into gather's packed keys and values, then the variable-length forward of q (queries_used: q, or
-// its rotated copy) over them; out and lse (batch, heads, seqlen_q) as the KV-cache kernel writes
-// them.
+// into gather's packed keys and values (or its lengths alone, in place), then the variable-length
+// forward of q (queries_used: q, or its rotated copy) over them; out and lse (batch, heads,
+// seqlen_q) as the KV-cache kernel writes them.
 void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& gather, const at::Tensor& queries_used,
                              at::Tensor& out, at::Tensor& lse, AttentionOptions options, DType dtype,
                              cudaStream_t stream) {
   const int64_t batch = params.batch, seqlen_q = params.seqlen_q, heads = params.heads;
   const int64_t head_dim = params.head_dim;
   const at::Tensor& cu_seqlens = gather.cu_seqlens;
-  const KVCachePacked packed{gather.k.data_ptr(), gather.v.data_ptr(), cu_seqlens.data_ptr<int>(),
-                             cu_seqlens.data_ptr<int>() + batch + 1};
+  const KVCachePacked packed{gather.in_place ? nullptr : gather.k.data_ptr(),
+                             gather.in_place ? nullptr : gather.v.data_ptr(), cu_seqlens.data_ptr<int>(),
+                             cu_seqlens.data_ptr<int>() + cu_seqlens.size(1)};
   const cudaError_t status = run_kvcache_gather_kernel(params, packed, dtype, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache gather launch failed: ", cudaGetErrorString(status));
   options.cu_seqlens_q = cu_seqlens[0];
@@ -824,7 +845,9 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
   };
   const std::optional<PrefillGather> gather =
-      kvcache_prefill_runs_forward(params, options, q, num_splits) ? prefill_gather_buffers(params, q) : std::nullopt;
+      kvcache_prefill_runs_forward(params, options, q, num_splits)
+          ? prefill_gather_buffers(params, options, k_cache, v_cache, q)
+          : std::nullopt;
   if (gather.has_value()) {
     append();
     kvcache_prefill_forward(params, *gather, q_rotated.defined() ? q_rotated : q, out, lse, options, dtype, stream);

@@ -382,15 +382,16 @@ def packed_for_forward(call, seqlen_new):
     return torch.cat(keys), torch.cat(values), cu_seqlens_k
 
 
-@pytest.mark.parametrize("page_size", [None, 16, 256], ids=["contiguous", "p16", "p256"])
+@pytest.mark.parametrize("page_size,cache_batch_idx", [(None, False), (None, True), (16, False), (256, False)],
+                         ids=["contiguous_in_place", "contiguous_batch_idx", "p16", "p256"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, causal):
+def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cache_batch_idx, causal):
     """On the Hopper path the call is flash_forward_varlen over the gathered caches, to the bit
-    (the KV-cache kernel's other tiles round differently): the route is the one taken. With the
-    append and (contiguous) cache_batch_idx."""
+    (the KV-cache kernel's other tiles round differently): the route is the one taken, whether it
+    reads a contiguous cache in place or gathers it (cache_batch_idx, pages). With the append."""
     requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
-    call = prefill_call(gen, page_size, PREFILL_SEQLEN_Q, cache_batch_idx=page_size is None)
+    call = prefill_call(gen, page_size, PREFILL_SEQLEN_Q, cache_batch_idx=cache_batch_idx)
     out, lse = run(call, causal=causal)
     k, v, cu_seqlens_k = packed_for_forward(call, PREFILL_SEQLEN_Q)
     batch, seqlen_q, heads, head_dim = call["q"].shape

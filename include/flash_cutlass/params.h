@@ -202,7 +202,8 @@ struct KVCacheParams : FwdParams {
 // sequence's cache for the Hopper forward's variable-length call: keys and values as contiguous
 // (rows, heads_k, head_dim) tensors of at least batch * capacity rows, the sequences one after the
 // other, and int32 cumulative lengths (batch + 1 entries each) of the queries (b * seqlen_q) and
-// the keys (the running sum of the sequences' lengths after the append).
+// the keys (the running sum of the sequences' lengths after the append). With k and v null, the
+// in-place form's 2 batch + 1 entries each (flash_kvcache_sequences_sm80).
 struct KVCachePacked {
   void* k = nullptr;
   void* v = nullptr;

@@ -636,4 +636,24 @@ __global__ void __launch_bounds__(128) flash_kvcache_gather_sm80(__grid_constant
   }
 }
 
+// The gather's in-place form (packed.k null: a contiguous cache whose sequence b is cache row b,
+// rows capacity positions apart): no copy, only the variable-length forward's cumulative lengths
+// over the cache viewed as batch x capacity rows, each sequence followed by a sequence of no queries
+// holding the rest of its row, so that every sequence starts where its row does: sequence 2 b has
+// queries [b seqlen_q, (b + 1) seqlen_q) and keys [b capacity, b capacity + length), sequence 2 b + 1
+// no query and keys up to (b + 1) capacity. One thread per sequence.
+template <class Element>
+__global__ void __launch_bounds__(128) flash_kvcache_sequences_sm80(__grid_constant__ const KVCacheParams params,
+                                                                    const KVCachePacked packed) {
+  const int batch = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (batch >= params.batch) return;
+  const int row_start = batch * params.capacity;  // below 2^31: the host's bound on the cache's rows
+  const int queries_end = (batch + 1) * params.seqlen_q;
+  packed.cu_seqlens_q[2 * batch + 1] = queries_end;
+  packed.cu_seqlens_q[2 * batch + 2] = queries_end;
+  packed.cu_seqlens_k[2 * batch + 1] = row_start + cached_sequence(params, batch).length;
+  packed.cu_seqlens_k[2 * batch + 2] = row_start + params.capacity;
+  if (batch == 0) packed.cu_seqlens_q[0] = packed.cu_seqlens_k[0] = 0;
+}
+
 }  // namespace flash_cutlass::sm80

@@ -120,10 +120,15 @@ cudaError_t run_kvcache_append(KVCacheParams const& params, cudaStream_t stream)
   return cudaGetLastError();
 }
 
-// The gather of every sequence's cache into packed, after the append (flash_kvcache_gather_sm80).
+// The gather of every sequence's cache into packed, after the append (flash_kvcache_gather_sm80),
+// or with packed.k null its in-place form (flash_kvcache_sequences_sm80).
 template <DType kDType>
 cudaError_t run_kvcache_gather(KVCacheParams const& params, KVCachePacked const& packed, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
+  if (packed.k == nullptr) {
+    flash_kvcache_sequences_sm80<Element><<<unsigned((params.batch + 127) / 128), 128, 0, stream>>>(params, packed);
+    return cudaGetLastError();
+  }
   const int64_t row_blocks =
       std::max<int64_t>((int64_t(params.capacity) + kKVCacheGatherRows - 1) / kKVCacheGatherRows, 1);
   if (row_blocks > 0x7fffffff || params.batch > 65535 || params.heads_k > 65535) return cudaErrorInvalidConfiguration;

@@ -100,16 +100,19 @@ KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int 
 // (num_splits=0): a pure function of the shapes and the GPU, so that a captured CUDA graph replays
 // the same launch and the scratch is sized without reading any length. `tiles` CTAs without
 // splitting ((batch, kv head, packed-row block) triples) fill `slots` = SMs x CTAs per SM; a call
-// that fills at least kKVCacheFullWave of them runs unsplit. Otherwise the keys are split until
-// the CTAs fill the slots once, with at least kKVCacheMinKeysPerSplit keys each (fewer would
-// cost more in the merge and the per-CTA prologue than they gain), and at most kKVCacheMaxSplits.
+// that fills at least kKVCacheFullWave of them runs unsplit. Otherwise the keys are split into as
+// many parts as keep the CTAs within one wave of the slots, with at least kKVCacheMinKeysPerSplit
+// keys each (fewer would cost more in the merge and the per-CTA prologue than they gain), and at
+// most kKVCacheMaxSplits. (Splitting until the CTAs filled the slots left a partial second wave:
+// at 64 tiles on 264 slots, 5 splits ran 320 CTAs, 56 of them in a second wave, where 4 run 256 in
+// one.)
 inline constexpr double kKVCacheFullWave = 0.8;
 inline constexpr int kKVCacheMinKeysPerSplit = 512;
 inline constexpr int kKVCacheMaxSplits = 128;
 
 constexpr int kvcache_num_splits(int64_t tiles, int64_t max_keys, int64_t slots) {
   if (tiles <= 0 || slots <= 0 || double(tiles) >= kKVCacheFullWave * double(slots)) return 1;
-  int64_t splits = (slots + tiles - 1) / tiles;
+  int64_t splits = slots / tiles;
   const int64_t by_keys = max_keys / kKVCacheMinKeysPerSplit;
   if (splits > by_keys) splits = by_keys;
   if (splits > kKVCacheMaxSplits) splits = kKVCacheMaxSplits;

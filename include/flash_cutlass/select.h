@@ -118,6 +118,10 @@ constexpr int kvcache_num_splits(int64_t tiles, int64_t max_keys, int64_t slots)
   if (splits > kKVCacheMaxSplits) splits = kKVCacheMaxSplits;
   return splits < 1 ? 1 : int(splits);
 }
+// 132 SMs x 2 CTAs: batch 8 x 8 kv heads at 32k keys splits in 4 (256 CTAs, one wave; 5 left a
+// second wave of 56), batch 1 at 8k in 16 (by the keys), batch 32 not at all.
+static_assert(kvcache_num_splits(64, 32768, 264) == 4 && kvcache_num_splits(8, 8192, 264) == 16 &&
+              kvcache_num_splits(256, 32768, 264) == 1);
 
 // Chunked prefill: a KV-cache call of at least kKVCachePrefillMinSeqlenQ queries that leaves the
 // split to us runs the Hopper forward over its caches gathered into packed sequences

@@ -49,13 +49,13 @@ def random_inputs(gen, batch, seqlen_q, seqlen_k, heads_k, head_dim):
             rand(batch, seqlen_k, heads_k, head_dim), rand(batch, seqlen_q, HEADS, head_dim))
 
 
-def check_hopper_backward(gen, head_dim, causal, seqlen_q, seqlen_k, heads_k):
+def check_hopper_backward(gen, head_dim, causal, seqlen_q, seqlen_k, heads_k, batch=2, **options):
     """kernel="sm90"'s gradients of random inputs against the fp32 oracle, FlashAttention-2's rule."""
-    q, k, v, dout = random_inputs(gen, 2, seqlen_q, seqlen_k, heads_k, head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm90")
-    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32)
-    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16)
+    q, k, v, dout = random_inputs(gen, batch, seqlen_q, seqlen_k, heads_k, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm90", **options)
+    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32, **options)
+    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16, **options)
     for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, oracle, same_dtype):
         fa2_check(grad, ref, base,
                   f"sm90 backward {name} (head dim {head_dim}, {seqlen_q}, {seqlen_k}, heads_k {heads_k})")
@@ -68,6 +68,27 @@ def check_hopper_backward(gen, head_dim, causal, seqlen_q, seqlen_k, heads_k):
 def test_hopper_backward_tails_and_gqa_ratios(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, heads_k):
     skip_unless_hopper_backward(head_dim)
     check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, heads_k)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_hopper_backward_walks_several_key_tiles_a_cta(cuda_gen, head_dim, mask):
+    """The grid is persistent (one CTA an SM) where the key tiles cost the same: with more than
+    twice as many tiles as SMs each CTA walks several, loading a tile's K and V while its consumers
+    still store the last one's dK and dV, its stages and barrier phases running on across tiles.
+    Causal tiles go in pairs of key blocks i and n - 1 - i: 1050 keys make an odd count (9 blocks
+    of 128, 17 of 64 past head dim 128), whose middle block walks alone."""
+    skip_unless_hopper_backward(head_dim)
+    options = {"window_size": (300, 0)} if mask == "window" else {}
+    reason = options_left_out(**options)
+    if reason:
+        pytest.skip(reason)
+    seqlen = 1050
+    block_n = 128 if head_dim <= 128 else 64
+    pairs_per_head = (math.ceil(seqlen / block_n) + 1) // 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = 2 * sms // (HEADS * pairs_per_head) + 1
+    check_hopper_backward(cuda_gen, head_dim, mask == "causal", seqlen, seqlen, 2, batch=batch, **options)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -2,6 +2,9 @@
 // dQ accumulator from the call's pointers and strides; included only by the instantiation files.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include <cuda_runtime_api.h>
 
 #include "flash_cutlass/common/bwd_stages.h"
@@ -48,14 +51,28 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads, extents.batch,
                                             int64_t(kHeadDim), dq_head_stride,
                                             varlen ? int64_t(0) : dq_head_stride * params.heads);
+  // The grid's walk (tile_scheduler.h): persistent, one CTA an SM, where the tiles cost the same
+  // (causal ones in pairs); one CTA per tile in variable-length and deterministic calls.
+  const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const int64_t batch_heads = int64_t(params.batch) * params.heads;
+  const bool persistent = !varlen && !params.deterministic;
+  const bool pairs = persistent && kMaskKind == MaskKind::kCausal;
+  const int64_t items = pairs ? batch_heads * ((num_n_blocks + 1) / 2) : batch_heads * num_n_blocks;
+  if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;  // items are numbered in 32 bits
+  int64_t num_ctas = items;
+  if (persistent) {
+    int sms = 0;
+    const cudaError_t status = multiprocessor_count(&sms);
+    if (status != cudaSuccess) return status;
+    num_ctas = std::min<int64_t>(items, sms);
+  }
   const BwdKernelParams<Traits> kernel_params{
       params, tma_q, tma_dout, tma_k, tma_v,
-      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{})};
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{}),
+      KeyTileWalk{int(items), pairs ? 1 : 0}};
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
-    const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension>,
-                         num_n_blocks * int64_t(params.batch) * params.heads, Traits::kThreads, Traits::kSmemBytes,
-                         kernel_params, stream);
+    return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads,
+                         Traits::kSmemBytes, kernel_params, stream);
   });
 }
 

@@ -44,7 +44,7 @@ __device__ __forceinline__ void pass_turn_after_reductions(int* turn) {
 
 // A deterministic call's turn counters of this CTA's sequence and head, one per query block of
 // kBlockM rows (params.dq_turns; null in other calls), and the place of the CTA's key block in
-// each: the key blocks take turns last first, as they are launched (key_block_work_of_this_cta).
+// each: the key blocks take turns last first, as they are walked (key_tile_at, sm90/tile_scheduler.h).
 template <int kBlockM, int kBlockN, MaskKind kMaskKind>
 struct DqTurns {
   int* counters = nullptr;

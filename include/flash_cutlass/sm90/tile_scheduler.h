@@ -1,5 +1,5 @@
-// The Hopper-path forward's tile walk: which query tiles a CTA takes, in which order, and what the
-// producer and the consumers both derive from a tile. The tile numbering and the persistent and
+// The Hopper-path tile walks: which query tiles a forward CTA takes and which key tiles a backward
+// CTA takes, in which order, and what the producer and the consumers both derive from a tile. The tile numbering and the persistent and
 // longest-first orders themselves live in common/block_info.h (the sm80 path and the launchers use
 // them too).
 #pragma once
@@ -48,6 +48,63 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
     work(longest_first_query_tile_of_this_cta<kBlockM>(params));
   } else {
     work(query_tile_of_this_cta<kBlockM>(params));
+  }
+}
+
+// The backward's walk over key tiles (key_tile_at). A persistent grid (the launcher sizes it to the
+// SMs) takes items blockIdx.x, blockIdx.x + gridDim.x, ...: a CTA's next K and V load while its
+// consumers write the last tile's dK and dV. Under a causal mask an item is a pair of key blocks
+// of one head, i and n - 1 - i, whose query blocks add up to about the same, so that a static
+// walk stays balanced; otherwise one tile. A grid of one CTA per item (variable-length calls,
+// whose tiles differ in cost, and deterministic ones, whose turns follow the launch order) walks
+// one item each.
+struct KeyTileWalk {
+  int items;
+  int pairs;  // 1: an item is a pair of key blocks
+};
+
+// Where a backward CTA's walk stands in its pipelines: the query blocks (stages, phases) and the
+// key tiles that saw any (K/V's barriers) of the tiles walked before. Each role counts them alike.
+struct KeyWalkPosition {
+  int steps = 0;
+  int key_tiles = 0;
+
+  template <class Work>
+  __device__ __forceinline__ void advance(Work const& work) {
+    const int blocks = work.m_block_end - work.m_block_begin;
+    if (blocks > 0) {
+      steps += blocks;
+      ++key_tiles;
+    }
+  }
+};
+
+// Calls work(key_block_work, position) for every key tile of this CTA that lies in its sequence,
+// from one call site (the roles' bodies are inlined once).
+template <int kBlockM, int kBlockN, MaskKind kMaskKind, class Work>
+__device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& params, KeyTileWalk walk, Work&& work) {
+  KeyWalkPosition position;
+  // cursor = item * 2 + (second tile of a pair); one register across the walk.
+  for (int cursor = 2 * int(blockIdx.x); cursor < 2 * walk.items;) {
+    const int item = cursor >> 1;
+    const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
+    KeyTile tile;
+    bool last_of_item = true;
+    if (walk.pairs) {
+      const int pair_items = (num_n_blocks + 1) / 2;
+      const int batch_head = item / pair_items;
+      const int first = item % pair_items;
+      const bool second = cursor & 1;
+      last_of_item = second || num_n_blocks - 1 - first == first;
+      tile = {second ? num_n_blocks - 1 - first : first, batch_head % params.heads, batch_head / params.heads};
+    } else {
+      tile = key_tile_at<kBlockN>(params, item, params.deterministic);
+    }
+    cursor = last_of_item ? 2 * (item + int(gridDim.x)) : cursor + 1;
+    const auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, tile);
+    if (!key_block.in_sequence()) continue;
+    work(key_block, position);
+    position.advance(key_block);
   }
 }
 

@@ -364,8 +364,18 @@ struct KeyBlockWork {
   int key_start;
   int m_block_begin;
   int m_block_end;
+  // The walk visits [m_block_begin, m_block_end) starting m_rotation blocks in, wrapping around
+  // (the deterministic Hopper backward's rotated walks: sm90/tile_scheduler.h); 0: in order.
+  int m_rotation = 0;
 
   __device__ bool in_sequence() const { return key_start < sequence.seqlen_k; }
+  __device__ int num_m_blocks() const { return max(0, m_block_end - m_block_begin); }
+  // The query block of the walk's step i (0 <= i < num_m_blocks()).
+  __device__ __forceinline__ int m_block_at(int i) const {
+    int offset = i + m_rotation;
+    if (offset >= m_block_end - m_block_begin) offset -= m_block_end - m_block_begin;
+    return m_block_begin + offset;
+  }
 };
 
 template <int kBlockM, int kBlockN, MaskKind kKind>

@@ -89,8 +89,9 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   constexpr int kDqThreads = 128 + 32;  // a warpgroup and the dQ warp
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
-  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
-    const int step = position.steps + m_block - work.m_block_begin;  // of the CTA's walk
+  for (int i = 0; i < work.num_m_blocks(); ++i) {
+    const int m_block = work.m_block_at(i);
+    const int step = position.steps + i;  // of the CTA's walk
     const int stage = step % Traits::kStages;
     const int dout_stage = step % Traits::kStagesdO;
     const int buffer = step & 1;

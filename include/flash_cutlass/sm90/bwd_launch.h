@@ -52,24 +52,28 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
                                             int64_t(kHeadDim), dq_head_stride,
                                             varlen ? int64_t(0) : dq_head_stride * params.heads);
   // The grid's walk (tile_scheduler.h): persistent, one CTA an SM, where the tiles cost the same
-  // (causal ones in pairs); one CTA per tile in variable-length and deterministic calls.
+  // (causal ones in pairs); rotated walks of whole heads for deterministic calls without a mask
+  // whose key blocks fit on the SMs; one CTA per tile in other variable-length and deterministic
+  // calls.
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t batch_heads = int64_t(params.batch) * params.heads;
+  int sms = 0;
+  const cudaError_t sm_status = multiprocessor_count(&sms);
+  if (sm_status != cudaSuccess) return sm_status;
+  const bool rotated = params.deterministic && !varlen && kMaskKind == MaskKind::kNone &&
+                       num_n_blocks <= num_m_blocks && num_n_blocks <= sms;
   const bool persistent = !varlen && !params.deterministic;
   const bool pairs = persistent && kMaskKind == MaskKind::kCausal;
   const int64_t items = pairs ? batch_heads * ((num_n_blocks + 1) / 2) : batch_heads * num_n_blocks;
   if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;  // items are numbered in 32 bits
   int64_t num_ctas = items;
-  if (persistent) {
-    int sms = 0;
-    const cudaError_t status = multiprocessor_count(&sms);
-    if (status != cudaSuccess) return status;
-    num_ctas = std::min<int64_t>(items, sms);
-  }
+  if (persistent) num_ctas = std::min<int64_t>(items, sms);
+  if (rotated) num_ctas = std::min<int64_t>(items, sms / num_n_blocks * num_n_blocks);  // whole heads
   const BwdKernelParams<Traits> kernel_params{
       params, tma_q, tma_dout, tma_k, tma_v,
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{}),
-      KeyTileWalk{int(items), pairs ? 1 : 0}};
+      KeyTileWalk{int(items), pairs ? 1 : 0, rotated ? 1 : 0}};
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
     return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads,
                          Traits::kSmemBytes, kernel_params, stream);

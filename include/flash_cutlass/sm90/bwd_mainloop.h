@@ -301,8 +301,9 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
   float* sdq = storage.dq.data();
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
-  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
-    const int step = position.steps + m_block - work.m_block_begin;  // of the CTA's walk
+  for (int i = 0; i < work.num_m_blocks(); ++i) {
+    const int m_block = work.m_block_at(i);
+    const int step = position.steps + i;  // of the CTA's walk
     const int stage = step % Traits::kStages;
     const int ds_buffer = step & 1;
     const int row_start = m_block * Traits::kBlockM;

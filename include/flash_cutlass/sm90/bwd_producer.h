@@ -103,8 +103,9 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
     __syncwarp();
     if (lane == 0) storage.pipeline.kv_full.arrive();
   }
-  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
-    const int step = position.steps + m_block - work.m_block_begin;
+  for (int i = 0; i < work.num_m_blocks(); ++i) {
+    const int m_block = work.m_block_at(i);
+    const int step = position.steps + i;
     const int stage = step % kStages;
     const int dout_stage = step % Traits::kStagesdO;
     // The stage's previous block is done (the first kStages steps find it free).
@@ -165,8 +166,9 @@ __device__ __forceinline__ void stage_query_statistics(
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kStages = Traits::kStages;
   const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, work.tile.head);
-  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
-    const int step = position.steps + m_block - work.m_block_begin;
+  for (int i = 0; i < work.num_m_blocks(); ++i) {
+    const int m_block = work.m_block_at(i);
+    const int step = position.steps + i;
     const int stage = step % kStages;
     storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
     bool exact_rows = false;
@@ -218,11 +220,12 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   auto [tdQgdQ, tdQsdQ] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                         group_modes<0, 2>(gdQ));
   const bool varlen = params.cu_seqlens_q != nullptr;
-  const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work);
-  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
+  const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work, kernel_params.walk.rotated);
+  for (int i = 0; i < work.num_m_blocks(); ++i) {
+    const int m_block = work.m_block_at(i);
     // The block before's dQ (this tile's or the tile before's) has been read: the consumers (the
     // first part's) refill storage.dq.
-    if (position.steps + m_block > work.m_block_begin) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+    if (position.steps + i > 0) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
     // Counted while the consumers still compute this block's dQ.
     const int place = turns ? turns.place(work, m_block, lane) : 0;
     const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;

@@ -58,9 +58,16 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
 // walk stays balanced; otherwise one tile. A grid of one CTA per item (variable-length calls,
 // whose tiles differ in cost, and deterministic ones, whose turns follow the launch order) walks
 // one item each.
+//
+// Deterministic calls without a mask whose key blocks fit on the SMs (and are no more than the
+// query blocks) walk rotated instead: a persistent grid of whole heads (a multiple of the key
+// blocks, all resident at once), key block n starting at query block n * m_blocks / n_blocks, so
+// that the adders of a query block arrive one after the other in the order of their turns
+// (ordered_reduce.h) rather than all starting at block 0 and queueing behind the last one.
 struct KeyTileWalk {
   int items;
-  int pairs;  // 1: an item is a pair of key blocks
+  int pairs;    // 1: an item is a pair of key blocks
+  int rotated;  // 1: rotated walks (deterministic, no mask)
 };
 
 // Where a backward CTA's walk stands in its pipelines: the query blocks (stages, phases) and the
@@ -71,7 +78,7 @@ struct KeyWalkPosition {
 
   template <class Work>
   __device__ __forceinline__ void advance(Work const& work) {
-    const int blocks = work.m_block_end - work.m_block_begin;
+    const int blocks = work.num_m_blocks();
     if (blocks > 0) {
       steps += blocks;
       ++key_tiles;
@@ -98,11 +105,12 @@ __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& p
       last_of_item = second || num_n_blocks - 1 - first == first;
       tile = {second ? num_n_blocks - 1 - first : first, batch_head % params.heads, batch_head / params.heads};
     } else {
-      tile = key_tile_at<kBlockN>(params, item, params.deterministic);
+      tile = key_tile_at<kBlockN>(params, item, params.deterministic && !walk.rotated);
     }
     cursor = last_of_item ? 2 * (item + int(gridDim.x)) : cursor + 1;
-    const auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, tile);
+    auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, tile);
     if (!key_block.in_sequence()) continue;
+    if (walk.rotated) key_block.m_rotation = tile.n_block * key_block.num_m_blocks() / num_n_blocks;
     work(key_block, position);
     position.advance(key_block);
   }

@@ -70,27 +70,6 @@ def test_hopper_backward_tails_and_gqa_ratios(cuda_gen, head_dim, causal, seqlen
     check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, heads_k)
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "window"])
-@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
-def test_hopper_backward_walks_several_key_tiles_a_cta(cuda_gen, head_dim, mask):
-    """The grid is persistent (one CTA an SM) where the key tiles cost the same: with more than
-    twice as many tiles as SMs each CTA walks several, loading a tile's K and V while its consumers
-    still store the last one's dK and dV, its stages and barrier phases running on across tiles.
-    Causal tiles go in pairs of key blocks i and n - 1 - i: 1050 keys make an odd count (9 blocks
-    of 128, 17 of 64 past head dim 128), whose middle block walks alone."""
-    skip_unless_hopper_backward(head_dim)
-    options = {"window_size": (300, 0)} if mask == "window" else {}
-    reason = options_left_out(**options)
-    if reason:
-        pytest.skip(reason)
-    seqlen = 1050
-    block_n = 128 if head_dim <= 128 else 64
-    pairs_per_head = (math.ceil(seqlen / block_n) + 1) // 2
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batch = 2 * sms // (HEADS * pairs_per_head) + 1
-    check_hopper_backward(cuda_gen, head_dim, mask == "causal", seqlen, seqlen, 2, batch=batch, **options)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [d for d in (96, 160, 192) if d not in COMPILED_SM90_BACKWARD_HEAD_DIMS
                                       and d < max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)])

@@ -161,6 +161,32 @@ def test_deterministic_rotated_walks_over_several_heads_a_cta(cuda_gen, head_dim
                              batch=3)
 
 
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_deterministic_rotated_walks_in_a_cuda_graph(cuda_gen, head_dim):
+    """The rotated walks launch cooperatively (all CTAs resident at once); a captured graph replays
+    them to the eager gradients, bitwise."""
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 3, 700, 650, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+
+    def backward():
+        return flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")
+
+    eager = backward()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, replayed, reference in zip(("dq", "dk", "dv"), captured, eager):
+        assert torch.equal(replayed, reference), name
+
+
 @pytest.mark.parametrize("case", ["window_of_long_keys", "softcap_alibi"])
 @pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
 def test_deterministic_hopper_backward_edges(cuda_gen, head_dim, case):

@@ -70,13 +70,23 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   int64_t num_ctas = items;
   if (persistent) num_ctas = std::min<int64_t>(items, sms);
   if (rotated) num_ctas = std::min<int64_t>(items, sms / num_n_blocks * num_n_blocks);  // whole heads
-  const BwdKernelParams<Traits> kernel_params{
+  BwdKernelParams<Traits> kernel_params{
       params, tma_q, tma_dout, tma_k, tma_v,
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{}),
       KeyTileWalk{int(items), pairs ? 1 : 0, rotated ? 1 : 0}};
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
-    return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads,
-                         Traits::kSmemBytes, kernel_params, stream);
+    const auto kernel = &flash_bwd_sm90<Traits, kMaskKind, kExtension>;
+    if (rotated) {
+      // A rotated walk's CTAs wait on each other: launched together or not at all (SMs taken by
+      // other work, MPS); then in the launch order, one CTA per tile.
+      const cudaError_t status = launch_cooperative_kernel(kernel, int(num_ctas), Traits::kThreads,
+                                                           Traits::kSmemBytes, kernel_params, stream);
+      if (status != cudaErrorCooperativeLaunchTooLarge) return status;
+      (void)cudaGetLastError();
+      kernel_params.walk = KeyTileWalk{int(items), 0, 0};
+      num_ctas = items;
+    }
+    return launch_kernel(kernel, num_ctas, Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
   });
 }
 

@@ -1,5 +1,5 @@
-// The Hopper-path backward kernel (sm_90a): a CTA takes key tiles (key block, head, batch) in turn
-// (tile_scheduler.h: a persistent grid, or one CTA per tile), keeps a tile's K and V in shared
+// The Hopper-path backward kernel (sm_90a): one CTA per key tile (key block, head, batch), or with
+// kRotatedWalk a persistent grid walking them (tile_scheduler.h), keeps a tile's K and V in shared
 // memory and walks the query blocks that see them, accumulating dK and dV in registers and adding
 // each query block's dQ to an fp32 accumulator in global memory.
 // Warpgroup 0 produces (bwd_producer.h): warp 0 loads K, V, Q and dO by TMA and warp 2 the LSE and
@@ -24,7 +24,7 @@
 
 namespace flash_cutlass::sm90 {
 
-template <class Traits, MaskKind kMaskKind, Extension kExtension>
+template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kRotatedWalk>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90(__grid_constant__ const BwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -66,18 +66,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int lane = int(threadIdx.x) % 32;
     if (warp == 0) {
       TailLandings landings;
-      for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind>(
+      for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
           params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
             load_key_block<Traits, kMaskKind>(kernel_params, work, position, landings, storage, lane);
           });
     } else if (warp == 1) {
-      for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind>(
+      for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
           params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
             write_dq<Traits, kMaskKind>(kernel_params, work, position, storage, lane);
           });
     } else if (warp == 2) {
       const float score_unit = lse_score_unit<carries_score_mods(kExtension)>(params);
-      for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind>(
+      for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
           params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
             stage_query_statistics<Traits, kMaskKind>(params, work, position, storage, lane, score_unit);
           });
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-  for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind>(
+  for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
       params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
         // Opaque to the compiler once a tile, so that what the consumers derive from their index
         // (fragment offsets, coordinates) is not hoisted out of the walk and kept live across it

@@ -52,41 +52,41 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
                                             int64_t(kHeadDim), dq_head_stride,
                                             varlen ? int64_t(0) : dq_head_stride * params.heads);
   // The grid's walk (tile_scheduler.h): rotated walks of whole heads for deterministic calls
-  // without a mask whose key blocks fit on the SMs; otherwise one CTA per tile. (A persistent
-  // grid for the other calls, causal tiles in pairs, measured within +-1% at 1k and -2 to -3%
-  // causal at 16k: off.)
+  // without a mask or score modifications of at most kMaxRotatedKeyBlocks key blocks (a kernel of
+  // its own); otherwise one CTA per tile. (A persistent grid for the other calls, causal tiles in pairs,
+  // measured within +-1% at 1k and -2 to -3% causal at 16k: not taken.)
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int64_t batch_heads = int64_t(params.batch) * params.heads;
-  int sms = 0;
-  const cudaError_t sm_status = multiprocessor_count(&sms);
-  if (sm_status != cudaSuccess) return sm_status;
-  const bool rotated = params.deterministic && !varlen && kMaskKind == MaskKind::kNone &&
-                       num_n_blocks <= num_m_blocks && num_n_blocks <= sms;
-  constexpr bool persistent = false;
-  const bool pairs = persistent && kMaskKind == MaskKind::kCausal;
-  const int64_t items = pairs ? batch_heads * ((num_n_blocks + 1) / 2) : batch_heads * num_n_blocks;
-  if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;  // items are numbered in 32 bits
-  int64_t num_ctas = items;
-  if (persistent) num_ctas = std::min<int64_t>(items, sms);
-  if (rotated) num_ctas = std::min<int64_t>(items, sms / num_n_blocks * num_n_blocks);  // whole heads
+  const int64_t items = int64_t(params.batch) * params.heads * num_n_blocks;
+  if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
   BwdKernelParams<Traits> kernel_params{
       params, tma_q, tma_dout, tma_k, tma_v,
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{}),
-      KeyTileWalk{int(items), pairs ? 1 : 0, rotated ? 1 : 0}};
+      KeyTileWalk{int(items), 0}};
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
-    const auto kernel = &flash_bwd_sm90<Traits, kMaskKind, kExtension>;
-    if (rotated) {
-      // A rotated walk's CTAs wait on each other: launched together or not at all (SMs taken by
-      // other work, MPS); then in the launch order, one CTA per tile.
-      const cudaError_t status = launch_cooperative_kernel(kernel, int(num_ctas), Traits::kThreads,
-                                                           Traits::kSmemBytes, kernel_params, stream);
-      if (status != cudaErrorCooperativeLaunchTooLarge) return status;
-      (void)cudaGetLastError();
-      kernel_params.walk = KeyTileWalk{int(items), 0, 0};
-      num_ctas = items;
+    if constexpr (kMaskKind == MaskKind::kNone && kExtension == Extension::kNone) {
+      int sms = 0;
+      const cudaError_t sm_status = multiprocessor_count(&sms);
+      if (sm_status != cudaSuccess) return sm_status;
+      const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+      // Measured (H200, bf16) against the launch order: 8-64 key blocks 4-33% faster, 128 blocks
+      // (head dim 128 at 16k) 20% slower: the chain of turns around a ring of 128 CTAs, each
+      // waiting for the one before's reduction, has no slack left.
+      constexpr int64_t kMaxRotatedKeyBlocks = 64;
+      if (params.deterministic && !varlen && num_n_blocks <= num_m_blocks &&
+          num_n_blocks <= std::min<int64_t>(sms, kMaxRotatedKeyBlocks)) {
+        // A rotated walk's CTAs wait on each other: launched together or not at all (SMs taken by
+        // other work, MPS); then one CTA per tile.
+        kernel_params.walk.rotated = 1;
+        const cudaError_t status = launch_cooperative_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension, true>,
+                                                             int(std::min<int64_t>(items, sms / num_n_blocks * num_n_blocks)),
+                                                             Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
+        if (status != cudaErrorCooperativeLaunchTooLarge) return status;
+        (void)cudaGetLastError();
+        kernel_params.walk.rotated = 0;
+      }
     }
-    return launch_kernel(kernel, num_ctas, Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
+    return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension, false>, items, Traits::kThreads,
+                         Traits::kSmemBytes, kernel_params, stream);
   });
 }
 

@@ -223,9 +223,13 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work, kernel_params.walk.rotated);
   for (int i = 0; i < work.num_m_blocks(); ++i) {
     const int m_block = work.m_block_at(i);
-    // The block before's dQ (this tile's or the tile before's) has been read: the consumers (the
-    // first part's) refill storage.dq.
-    if (position.steps + i > 0) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+    // The block before's dQ has been read: the consumers (the first part's) refill storage.dq. In a
+    // rotated walk, once its turn has been passed too (the walk's next tile begins here as well;
+    // measured 6-15% faster at head dim 128 than freeing it before the turn); otherwise as soon
+    // as it has been read (below).
+    if (kernel_params.walk.rotated ? position.steps + i > 0 : i == 0 && position.steps > 0) {
+      named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+    }
     // Counted while the consumers still compute this block's dQ.
     const int place = turns ? turns.place(work, m_block, lane) : 0;
     const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
@@ -249,8 +253,13 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
         tma_store_wait<0>();  // the TMA unit has read storage.dq
       }
       __syncwarp();
-      // The next part's consumers refill storage.dq (the next block's first: above).
-      if (part + 1 < kParts) named_barrier_arrive<BwdBarrier::kDqEmpty, 2, kDqThreads>();
+      // The next part's consumers refill storage.dq, or the next block's first (in a rotated walk:
+      // above).
+      if (part + 1 < kParts) {
+        named_barrier_arrive<BwdBarrier::kDqEmpty, 2, kDqThreads>();
+      } else if (!kernel_params.walk.rotated && i + 1 < work.num_m_blocks()) {
+        named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+      }
     }
     if (lane == 0 && turns) pass_turn_after_reductions(turns.counters + m_block);
   }

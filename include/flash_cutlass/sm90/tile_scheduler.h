@@ -51,23 +51,17 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
   }
 }
 
-// The backward's walk over key tiles (key_tile_at). A persistent grid (the launcher sizes it to the
-// SMs) takes items blockIdx.x, blockIdx.x + gridDim.x, ...: a CTA's next K and V load while its
-// consumers write the last tile's dK and dV. Under a causal mask an item is a pair of key blocks
-// of one head, i and n - 1 - i, whose query blocks add up to about the same, so that a static
-// walk stays balanced; otherwise one tile. A grid of one CTA per item (variable-length calls,
-// whose tiles differ in cost, and deterministic ones, whose turns follow the launch order) walks
-// one item each.
-//
-// Deterministic calls without a mask whose key blocks fit on the SMs (and are no more than the
-// query blocks) walk rotated instead: a persistent grid of whole heads (a multiple of the key
-// blocks, all resident at once), key block n starting at query block n * m_blocks / n_blocks, so
-// that the adders of a query block arrive one after the other in the order of their turns
-// (ordered_reduce.h) rather than all starting at block 0 and queueing behind the last one.
+// The backward's walk over key tiles (key_tile_at). Usually one CTA per key tile, in the launch
+// order (deterministic calls: last key block first, ordered_reduce.h). Deterministic calls without
+// a mask or score modifications of few key blocks (bwd_launch.h; no more than the query blocks)
+// walk rotated instead (a kernel of its own, kRotatedWalk): a persistent grid of whole
+// heads (a multiple of the key blocks, all resident at once) takes items blockIdx.x, blockIdx.x +
+// gridDim.x, ..., key block n starting at query block n * m_blocks / n_blocks, so that the adders
+// of a query block arrive one after the other in the order of their turns rather than all starting
+// at block 0 and queueing behind the last one.
 struct KeyTileWalk {
-  int items;
-  int pairs;    // 1: an item is a pair of key blocks
-  int rotated;  // 1: rotated walks (deterministic, no mask)
+  int items;    // key tiles: batch * heads * key blocks
+  int rotated;  // 1: rotated walks (the kRotatedWalk kernel)
 };
 
 // Where a backward CTA's walk stands in its pipelines: the query blocks (stages, phases) and the
@@ -88,31 +82,22 @@ struct KeyWalkPosition {
 
 // Calls work(key_block_work, position) for every key tile of this CTA that lies in its sequence,
 // from one call site (the roles' bodies are inlined once).
-template <int kBlockM, int kBlockN, MaskKind kMaskKind, class Work>
+template <int kBlockM, int kBlockN, MaskKind kMaskKind, bool kRotatedWalk, class Work>
 __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& params, KeyTileWalk walk, Work&& work) {
-  KeyWalkPosition position;
-  // cursor = item * 2 + (second tile of a pair); one register across the walk.
-  for (int cursor = 2 * int(blockIdx.x); cursor < 2 * walk.items;) {
-    const int item = cursor >> 1;
+  if constexpr (!kRotatedWalk) {
+    const auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(
+        params, key_tile_at<kBlockN>(params, int(blockIdx.x), params.deterministic));
+    if (key_block.in_sequence()) work(key_block, KeyWalkPosition{});
+  } else {
+    KeyWalkPosition position;
     const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
-    KeyTile tile;
-    bool last_of_item = true;
-    if (walk.pairs) {
-      const int pair_items = (num_n_blocks + 1) / 2;
-      const int batch_head = item / pair_items;
-      const int first = item % pair_items;
-      const bool second = cursor & 1;
-      last_of_item = second || num_n_blocks - 1 - first == first;
-      tile = {second ? num_n_blocks - 1 - first : first, batch_head % params.heads, batch_head / params.heads};
-    } else {
-      tile = key_tile_at<kBlockN>(params, item, params.deterministic && !walk.rotated);
+    for (int item = int(blockIdx.x); item < walk.items; item += int(gridDim.x)) {
+      auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, key_tile_at<kBlockN>(params, item, false));
+      if (!key_block.in_sequence()) continue;
+      key_block.m_rotation = key_block.tile.n_block * key_block.num_m_blocks() / num_n_blocks;
+      work(key_block, position);
+      position.advance(key_block);
     }
-    cursor = last_of_item ? 2 * (item + int(gridDim.x)) : cursor + 1;
-    auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, tile);
-    if (!key_block.in_sequence()) continue;
-    if (walk.rotated) key_block.m_rotation = tile.n_block * key_block.num_m_blocks() / num_n_blocks;
-    work(key_block, position);
-    position.advance(key_block);
   }
 }
 

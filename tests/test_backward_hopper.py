@@ -49,13 +49,13 @@ def random_inputs(gen, batch, seqlen_q, seqlen_k, heads_k, head_dim):
             rand(batch, seqlen_k, heads_k, head_dim), rand(batch, seqlen_q, HEADS, head_dim))
 
 
-def check_hopper_backward(gen, head_dim, causal, seqlen_q, seqlen_k, heads_k):
+def check_hopper_backward(gen, head_dim, causal, seqlen_q, seqlen_k, heads_k, batch=2, **options):
     """kernel="sm90"'s gradients of random inputs against the fp32 oracle, FlashAttention-2's rule."""
-    q, k, v, dout = random_inputs(gen, 2, seqlen_q, seqlen_k, heads_k, head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm90")
-    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32)
-    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16)
+    q, k, v, dout = random_inputs(gen, batch, seqlen_q, seqlen_k, heads_k, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm90", **options)
+    oracle = oracle_gradients(q, k, v, dout, causal, torch.float32, **options)
+    same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16, **options)
     for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, oracle, same_dtype):
         fa2_check(grad, ref, base,
                   f"sm90 backward {name} (head dim {head_dim}, {seqlen_q}, {seqlen_k}, heads_k {heads_k})")
@@ -119,10 +119,10 @@ def test_hopper_backward_is_the_same_in_a_cuda_graph(cuda_gen, head_dim):
 DETERMINISTIC_HEAD_DIMS = list(COMPILED_SM90_BACKWARD_HEAD_DIMS)
 
 
-def check_deterministic_runs(gen, head_dim, seqlens, heads_k, causal, options, label):
+def check_deterministic_runs(gen, head_dim, seqlens, heads_k, causal, options, label, batch=2):
     """Three deterministic kernel="sm90" backwards of random inputs: bitwise equal, and the first
     against the fp32 oracle with FlashAttention-2's rule."""
-    q, k, v, dout = random_inputs(gen, 2, *seqlens, heads_k, head_dim)
+    q, k, v, dout = random_inputs(gen, batch, *seqlens, heads_k, head_dim)
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
     runs = [flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, kernel="sm90",
                                          **options) for _ in range(3)]
@@ -148,6 +148,43 @@ def test_deterministic_hopper_backward_is_bitwise_reproducible_and_correct(cuda_
     if reason:
         pytest.skip(reason)
     check_deterministic_runs(cuda_gen, head_dim, (333, 700), heads_k, causal, options, f"head dim {head_dim}, {mask}")
+
+
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_deterministic_rotated_walks_over_several_heads_a_cta(cuda_gen, head_dim):
+    """Without a mask, a deterministic call whose key blocks fit on the SMs walks rotated: a
+    persistent grid of whole heads, each key block starting at its own query block and taking its
+    turn as it arrives. 1050 queries and 1000 keys (17 query blocks; 8 key blocks of 128, 16 of 64
+    past head dim 128) over 3 x 8 heads: two or three heads a CTA, bitwise equal runs."""
+    skip_unless_hopper_backward(head_dim)
+    check_deterministic_runs(cuda_gen, head_dim, (1050, 1000), 2, False, {}, f"head dim {head_dim}, rotated",
+                             batch=3)
+
+
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_deterministic_rotated_walks_in_a_cuda_graph(cuda_gen, head_dim):
+    """The rotated walks launch cooperatively (all CTAs resident at once); a captured graph replays
+    them to the eager gradients, bitwise."""
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 3, 700, 650, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+
+    def backward():
+        return flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")
+
+    eager = backward()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, replayed, reference in zip(("dq", "dk", "dv"), captured, eager):
+        assert torch.equal(replayed, reference), name
 
 
 @pytest.mark.parametrize("case", ["window_of_long_keys", "softcap_alibi"])

@@ -210,9 +210,10 @@ __device__ __forceinline__ QueryTile longest_first_query_tile_of_this_cta(FwdPar
   return {num_m_blocks - 1 - in_band / band_size, batch_head % params.heads, batch_head / params.heads};
 }
 
-// The backward kernels run one CTA per (key block, head, batch), flattened into blockIdx.x with
-// the key block fastest: in increasing order (the longest first under a causal mask), or with
-// last_key_block_first in decreasing order (the deterministic Hopper backward: ordered_reduce.h).
+// The backward kernels' key tiles, (key block, head, batch) flattened with the key block fastest:
+// in increasing order (the longest first under a causal mask), or with last_key_block_first in
+// decreasing order (the deterministic Hopper backward: ordered_reduce.h). The sm80 path runs one
+// CTA per tile, the Hopper path walks them (sm90/tile_scheduler.h).
 struct KeyTile {
   int n_block;
   int head;
@@ -220,11 +221,11 @@ struct KeyTile {
 };
 
 template <int kBlockN>
-__device__ __forceinline__ KeyTile key_tile_of_this_cta(FwdParams const& params, bool last_key_block_first) {
+__device__ __forceinline__ KeyTile key_tile_at(FwdParams const& params, int index, bool last_key_block_first) {
   const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
-  const int batch_head = int(blockIdx.x / num_n_blocks);
-  const int index = int(blockIdx.x % num_n_blocks);
-  return {last_key_block_first ? num_n_blocks - 1 - index : index, batch_head % params.heads,
+  const int batch_head = index / num_n_blocks;
+  const int n_index = index % num_n_blocks;
+  return {last_key_block_first ? num_n_blocks - 1 - n_index : n_index, batch_head % params.heads,
           batch_head / params.heads};
 }
 
@@ -363,19 +364,33 @@ struct KeyBlockWork {
   int key_start;
   int m_block_begin;
   int m_block_end;
+  // The walk visits [m_block_begin, m_block_end) starting m_rotation blocks in, wrapping around
+  // (the deterministic Hopper backward's rotated walks: sm90/tile_scheduler.h); 0: in order.
+  int m_rotation = 0;
 
   __device__ bool in_sequence() const { return key_start < sequence.seqlen_k; }
+  __device__ int num_m_blocks() const { return max(0, m_block_end - m_block_begin); }
+  // The query block of the walk's step i (0 <= i < num_m_blocks()).
+  __device__ __forceinline__ int m_block_at(int i) const {
+    int offset = i + m_rotation;
+    if (offset >= m_block_end - m_block_begin) offset -= m_block_end - m_block_begin;
+    return m_block_begin + offset;
+  }
 };
 
 template <int kBlockM, int kBlockN, MaskKind kKind>
-__device__ __forceinline__ KeyBlockWork<kBlockM, kBlockN, kKind> key_block_work_of_this_cta(
-    FwdParams const& params, bool last_key_block_first = false) {
-  const KeyTile tile = key_tile_of_this_cta<kBlockN>(params, last_key_block_first);
+__device__ __forceinline__ KeyBlockWork<kBlockM, kBlockN, kKind> key_block_work_of(FwdParams const& params,
+                                                                                   KeyTile tile) {
   const Sequence sequence = sequence_of(params, tile.batch);
   const KeyMask<kKind> mask = key_mask_of<kKind>(params, sequence.seqlen_q, sequence.seqlen_k);
   const int key_start = tile.n_block * kBlockN;
   const int2 m_blocks = query_block_range<kBlockM>(mask, key_start, kBlockN);
   return {tile, sequence, mask, key_start, m_blocks.x, m_blocks.y};
+}
+
+template <int kBlockM, int kBlockN, MaskKind kKind>
+__device__ __forceinline__ KeyBlockWork<kBlockM, kBlockN, kKind> key_block_work_of_this_cta(FwdParams const& params) {
+  return key_block_work_of<kBlockM, kBlockN, kKind>(params, key_tile_at<kBlockN>(params, int(blockIdx.x), false));
 }
 
 }  // namespace flash_cutlass

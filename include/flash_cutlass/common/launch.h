@@ -21,6 +21,20 @@ cudaError_t launch_kernel(void (*kernel)(Params), int64_t num_ctas, int threads,
   return cudaGetLastError();
 }
 
+// The same as a cooperative launch: every CTA resident at once, or cudaErrorCooperativeLaunchTooLarge
+// without launching (the grid waits on itself: sm90/tile_scheduler.h, the rotated walks).
+template <class Params>
+cudaError_t launch_cooperative_kernel(void (*kernel)(Params), int num_ctas, int threads, int smem_bytes,
+                                      Params const& params, cudaStream_t stream) {
+  if (smem_bytes > 48 * 1024) {
+    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (status != cudaSuccess) return status;
+  }
+  void* args[] = {const_cast<Params*>(&params)};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(unsigned(num_ctas)), dim3(threads),
+                                     args, size_t(smem_bytes), stream);
+}
+
 // The current device's number of SMs: the size of a persistent grid.
 inline cudaError_t multiprocessor_count(int* count) {
   int device = 0;

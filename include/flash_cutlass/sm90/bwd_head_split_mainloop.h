@@ -22,6 +22,7 @@
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_mainloop.h"
+#include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
@@ -30,7 +31,7 @@ namespace flash_cutlass::sm90 {
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __device__ __forceinline__ void consume_query_blocks_head_split(
     BwdParams const& params, KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
-    typename Traits::SharedStorage& storage, int consumer_idx) {
+    KeyWalkPosition const& position, typename Traits::SharedStorage& storage, int consumer_idx) {
   using namespace cute;
   static_assert(Traits::kHeadSplit);
   static_assert(Traits::kSeparatedO, "dO's own barriers (dout_full, dout_empty) are waited on below");
@@ -87,9 +88,10 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   float* sdq = storage.dq.data();
   constexpr int kDqThreads = 128 + 32;  // a warpgroup and the dQ warp
 
-  if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(0);
-  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
-    const int step = m_block - work.m_block_begin;
+  if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
+  for (int i = 0; i < work.num_m_blocks(); ++i) {
+    const int m_block = work.m_block_at(i);
+    const int step = position.steps + i;  // of the CTA's walk
     const int stage = step % Traits::kStages;
     const int dout_stage = step % Traits::kStagesdO;
     const int buffer = step & 1;
@@ -147,6 +149,8 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     storage.pipeline.query_empty[stage].arrive();
   }
 
+  // The loader may bring the next tile's K and V while dK and dV go out.
+  if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_empty.arrive();
   Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   store_dk_dv<Element, kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(
       params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);

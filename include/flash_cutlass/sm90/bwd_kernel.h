@@ -1,6 +1,7 @@
-// The Hopper-path backward kernel (sm_90a): one CTA per (key block, head, batch) keeps the block's
-// K and V in shared memory and walks the query blocks that see them, accumulating dK and dV in
-// registers and adding each query block's dQ to an fp32 accumulator in global memory.
+// The Hopper-path backward kernel (sm_90a): one CTA per key tile (key block, head, batch), or with
+// kRotatedWalk a persistent grid walking them (tile_scheduler.h), keeps a tile's K and V in shared
+// memory and walks the query blocks that see them, accumulating dK and dV in registers and adding
+// each query block's dQ to an fp32 accumulator in global memory.
 // Warpgroup 0 produces (bwd_producer.h): warp 0 loads K, V, Q and dO by TMA and warp 2 the LSE and
 // D through a multi-stage pipeline, warp 1 adds dQ with TMA's reduce-add; the consumer warpgroups,
 // 64 keys each, run the five GEMMs and the softmax gradient (bwd_mainloop.h). Past head dim 128
@@ -23,14 +24,11 @@
 
 namespace flash_cutlass::sm90 {
 
-template <class Traits, MaskKind kMaskKind, Extension kExtension>
+template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kRotatedWalk>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90(__grid_constant__ const BwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   BwdParams const& params = kernel_params.call;
-  // Deterministic calls add dQ in decreasing key-block order (ordered_reduce.h), launched in it.
-  const auto work = key_block_work_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind>(params, params.deterministic);
-  if (!work.in_sequence()) return;
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
@@ -41,6 +39,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(kernel_params.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kernel_params.tma_dq.get_tma_descriptor());
     storage.pipeline.kv_full.init(1);
+    storage.pipeline.kv_empty.init(Traits::kConsumerThreads);
     storage.pipeline.kv_landed.init(1);
     storage.pipeline.query_landed.init(1);
     CUTE_UNROLL
@@ -66,21 +65,39 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int warp = cutlass::canonical_warp_idx_sync();
     const int lane = int(threadIdx.x) % 32;
     if (warp == 0) {
-      load_key_block<Traits, kMaskKind>(kernel_params, work, storage, lane);
+      TailLandings landings;
+      for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
+          params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
+            load_key_block<Traits, kMaskKind>(kernel_params, work, position, landings, storage, lane);
+          });
     } else if (warp == 1) {
-      write_dq<Traits, kMaskKind>(kernel_params, work, storage, lane);
+      for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
+          params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
+            write_dq<Traits, kMaskKind>(kernel_params, work, position, storage, lane);
+          });
     } else if (warp == 2) {
-      stage_query_statistics<Traits, kMaskKind>(params, work, storage, lane,
-                                                lse_score_unit<carries_score_mods(kExtension)>(params));
+      const float score_unit = lse_score_unit<carries_score_mods(kExtension)>(params);
+      for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
+          params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
+            stage_query_statistics<Traits, kMaskKind>(params, work, position, storage, lane, score_unit);
+          });
     }
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-  if constexpr (Traits::kHeadSplit) {
-    consume_query_blocks_head_split<Traits, kMaskKind, kExtension>(params, work, storage, int(threadIdx.x) - 128);
-  } else {
-    consume_query_blocks<Traits, kMaskKind, kExtension>(params, work, storage, int(threadIdx.x) - 128);
-  }
+  for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
+      params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
+        // Opaque to the compiler once a tile, so that what the consumers derive from their index
+        // (fragment offsets, coordinates) is not hoisted out of the walk and kept live across it
+        // (536 B of spills at head dim 128).
+        int consumer_idx = int(threadIdx.x) - 128;
+        asm volatile("" : "+r"(consumer_idx));
+        if constexpr (Traits::kHeadSplit) {
+          consume_query_blocks_head_split<Traits, kMaskKind, kExtension>(params, work, position, storage, consumer_idx);
+        } else {
+          consume_query_blocks<Traits, kMaskKind, kExtension>(params, work, position, storage, consumer_idx);
+        }
+      });
 #endif  // Other targets get an empty body: the host launches this kernel only on sm_90.
 }
 

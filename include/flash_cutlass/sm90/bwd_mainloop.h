@@ -27,6 +27,7 @@
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
+#include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
@@ -249,6 +250,7 @@ struct DqTileOffsets {
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
                                                      KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
+                                                     KeyWalkPosition const& position,
                                                      typename Traits::SharedStorage& storage, int consumer_idx) {
   using namespace cute;
   constexpr bool kExtended = kExtension != Extension::kNone;
@@ -298,9 +300,10 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
   const DqTileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0);
   float* sdq = storage.dq.data();
 
-  if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(0);
-  for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
-    const int step = m_block - work.m_block_begin;
+  if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
+  for (int i = 0; i < work.num_m_blocks(); ++i) {
+    const int m_block = work.m_block_at(i);
+    const int step = position.steps + i;  // of the CTA's walk
     const int stage = step % Traits::kStages;
     const int ds_buffer = step & 1;
     const int row_start = m_block * Traits::kBlockM;
@@ -363,6 +366,8 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
     named_barrier_arrive<BwdBarrier::kDqFull, 0, kDqThreads>();
   }
 
+  // The loader may bring the next tile's K and V while dK and dV go out.
+  if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_empty.arrive();
   Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   store_dk_dv<Element, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(
       params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);

@@ -122,7 +122,10 @@ struct BwdPipelineStorage {
   alignas(16) ScoreExponent exponent[kStages][kBlockM];
   int exact_rows[kStages];  // whether a row of the stage takes probability_exponent's exact form
   alignas(16) float dsum[kStages][kBlockM];
+  // K and V: full when the tile's TMA bytes have landed, empty when every consumer thread is done
+  // with the tile (the next tile's K and V then load while the consumers store dK and dV).
   cutlass::arch::ClusterTransactionBarrier kv_full;
+  cutlass::arch::ClusterBarrier kv_empty;
   // A stage is full when its Q and dO (only Q if kSeparatedO) have landed (TMA transaction bytes)
   // and every lane of the statistics warp has stored its LSE and D (an arrival each); empty when
   // every consumer thread is done with it.

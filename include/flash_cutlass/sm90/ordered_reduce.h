@@ -4,7 +4,8 @@
 // (with TMA's reduce-add, waiting for that reduction to complete and not only for its shared-memory
 // source to be read), and passes the turn on by incrementing the counter. The CTAs of earlier
 // turns are never waiting on later ones (the grid launches them first and each walks its tiles in
-// one direction), so the chain cannot deadlock.
+// one direction; rotated walks run a head's key blocks at once, each CTA taking its heads in the
+// same order), so the chain cannot deadlock.
 #pragma once
 
 #include "flash_cutlass/common/block_info.h"
@@ -44,17 +45,22 @@ __device__ __forceinline__ void pass_turn_after_reductions(int* turn) {
 
 // A deterministic call's turn counters of this CTA's sequence and head, one per query block of
 // kBlockM rows (params.dq_turns; null in other calls), and the place of the CTA's key block in
-// each: the key blocks take turns last first, as they are launched (key_block_work_of_this_cta).
+// each. In order: the key blocks take turns last first, as they are walked (key_tile_at,
+// sm90/tile_scheduler.h). Rotated walks (no mask, every key block adds to every query block): in
+// the order they reach the block, key block n at step (m - rotation(n)) mod m_blocks.
 template <int kBlockM, int kBlockN, MaskKind kMaskKind>
 struct DqTurns {
   int* counters = nullptr;
   int key_blocks = 0;  // of the sequence
+  bool rotated = false;
 
-  __device__ DqTurns(BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work) {
+  __device__ DqTurns(BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
+                     int rotated_walk) {
     if (!params.deterministic) return;
     const int m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;  // params.seqlen_q bounds every sequence
     counters = params.dq_turns + (int64_t(work.tile.batch) * params.heads + work.tile.head) * m_blocks;
     key_blocks = (work.sequence.seqlen_k + kBlockN - 1) / kBlockN;
+    rotated = rotated_walk != 0;
   }
 
   __device__ explicit operator bool() const { return counters != nullptr; }
@@ -62,7 +68,20 @@ struct DqTurns {
   // This CTA's place at m_block; every lane of a warp calls it.
   __device__ __forceinline__ int place(KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work, int m_block,
                                        int lane) const {
-    return later_key_blocks<kBlockM, kBlockN>(work.mask, work.tile.n_block, key_blocks, m_block, lane);
+    if (!rotated) return later_key_blocks<kBlockM, kBlockN>(work.mask, work.tile.n_block, key_blocks, m_block, lane);
+    // The rotations as the walk sets them (m_blocks >= key_blocks, so that no two are equal).
+    const int m_blocks = work.num_m_blocks();
+    auto step_at = [&](int n_block) {
+      const int step = m_block - work.m_block_begin - n_block * m_blocks / key_blocks;
+      return step < 0 ? step + m_blocks : step;
+    };
+    const int own_step = step_at(work.tile.n_block);
+    int earlier = 0;
+    for (int first = 0; first < key_blocks; first += 32) {
+      const int n = first + lane;
+      earlier += __popc(__ballot_sync(0xffffffffu, n < key_blocks && step_at(n) < own_step));
+    }
+    return earlier;
   }
 };
 

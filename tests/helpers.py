@@ -326,3 +326,20 @@ def check_rejected_by_every_entry_point(error, match, backward_options=None, **o
         flash_cutlass.flash_backward(out, q, q, q, out, lse, **options, **(backward_options or {}))
     with pytest.raises(error, match=match):
         flash_cutlass.flash_attention(q, q, q, **options)
+
+
+def capture_graph(function, generators=()):
+    """function() run once on a side stream (the warm-up that capturing autograd needs), then
+    captured: (the graph, function's outputs, which each replay rewrites). `generators` other than
+    the default one are registered with the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        function()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for generator in generators:
+        graph.register_generator_state(generator)
+    with torch.cuda.graph(graph):
+        outputs = function()
+    return graph, outputs

@@ -17,8 +17,8 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import naive_attention
-from helpers import (COMPILED_SM90_BACKWARD_HEAD_DIMS, fa2_check, kernel_unavailable, options_left_out,
-                     requires_backward, requires_cuda)
+from helpers import (COMPILED_SM90_BACKWARD_HEAD_DIMS, capture_graph, fa2_check, kernel_unavailable,
+                     options_left_out, requires_backward, requires_cuda)
 
 pytestmark = [requires_cuda, requires_backward]
 
@@ -99,14 +99,8 @@ def test_hopper_backward_is_the_same_in_a_cuda_graph(cuda_gen, head_dim):
     q, k, v, dout = random_inputs(cuda_gen, 2, 1000, 1000, 2, head_dim)
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
     eager = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, kernel="sm90")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture, as torch.cuda.graphs asks
-        flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, kernel="sm90")
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, kernel="sm90")
+    graph, captured = capture_graph(
+        lambda: flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, kernel="sm90"))
     dout.mul_(-1.0)  # the replay reads the new dout
     graph.replay()
     torch.cuda.synchronize()
@@ -173,14 +167,7 @@ def test_deterministic_rotated_walks_in_a_cuda_graph(cuda_gen, head_dim):
         return flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")
 
     eager = backward()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = backward()
+    graph, captured = capture_graph(backward)
     graph.replay()
     torch.cuda.synchronize()
     for name, replayed, reference in zip(("dq", "dk", "dv"), captured, eager):

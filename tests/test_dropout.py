@@ -21,8 +21,8 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import attention_forward, dropout_keep_mask, naive_attention, philox4x32_10
-from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, check_gradients_against_oracle, check_kernels_against_oracle,
-                     check_reference_backward, check_rejected_by_every_entry_point, cuda_inputs,
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, capture_graph, check_gradients_against_oracle,
+                     check_kernels_against_oracle, check_reference_backward, check_rejected_by_every_entry_point, cuda_inputs,
                      explicit_attention_fp64, fa2_check, has_kernels, kernel_unavailable, make_qkv_fp64,
                      over_compiled_kernels, requires_backward, requires_cuda)
 
@@ -288,23 +288,6 @@ def skip_unless_kernel_runs(kernel, head_dim, directions=("forward", "backward")
             pytest.skip(reason)
 
 
-def captured(function, generators=()):
-    """function() run once on a side stream (the warm-up that capturing autograd needs), then
-    captured: (the graph, function's outputs, which each replay rewrites). `generators` other than
-    the default one are registered with the graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        function()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    for generator in generators:
-        graph.register_generator_state(generator)
-    with torch.cuda.graph(graph):
-        outputs = function()
-    return graph, outputs
-
-
 def replayed(graph, outputs, count=2):
     """Copies of the graph's outputs after each of `count` replays (rng_state tensors to the CPU)."""
     results = []
@@ -343,7 +326,7 @@ def test_captured_flash_forward_and_backward_draw_a_fresh_mask_per_replay(cuda_g
         assert rng_state.device == q.device and rng_state.dtype == torch.int64 and tuple(rng_state.shape) == (2,)
         return (out, rng_state, *flash_cutlass.flash_backward(dout, q, k, v, out, lse, rng_state=rng_state, **options))
 
-    graph, outputs = captured(step)
+    graph, outputs = capture_graph(step)
     replays = replayed(graph, outputs)
     (first_out, first_state, *_), (second_out, second_state, *_) = replays
     assert first_state[0] == second_state[0] and first_state[1] != second_state[1]
@@ -380,7 +363,7 @@ def test_captured_flash_attention_draws_what_eager_draws(cuda_gen, monkeypatch, 
 
     torch.cuda.manual_seed(20261201)
     generator = torch.cuda.default_generators[q.device.index]
-    graph, outputs = captured(step)
+    graph, outputs = capture_graph(step)
     results, states = [], []
     for _ in range(2):
         states.append(state(generator.initial_seed(), generator.get_offset()))
@@ -421,7 +404,7 @@ def test_captured_masks_equal_the_reference_mask(kernel):
                                                 rng_state=rng_state)
         return out, rng_state, dv
 
-    graph, outputs = captured(step)
+    graph, outputs = capture_graph(step)
     replays = replayed(graph, outputs)
     assert not torch.equal(replays[0][1], replays[1][1])
     for out, rng_state, dv in replays:
@@ -473,7 +456,7 @@ def test_captured_call_with_a_given_rng_state_replays_its_mask(cuda_gen):
         out = flash_cutlass.flash_attention(q, k, v, causal=True, dropout_p=GRAPH_DROPOUT_P, rng_state=rng_state)
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
-    graph, outputs = captured(step)
+    graph, outputs = capture_graph(step)
     first, second = replayed(graph, outputs)
     expected = step()
     assert torch.equal(first[0], second[0]) and torch.equal(first[0], expected[0])
@@ -494,7 +477,7 @@ def test_captured_draws_come_from_a_registered_generator(cuda_gen):
     def step():
         return flash_cutlass.flash_forward(q, k, v, dropout_p=GRAPH_DROPOUT_P, generator=generator)
 
-    graph, outputs = captured(step, generators=(generator,))
+    graph, outputs = capture_graph(step, generators=(generator,))
     default_offset = default.get_offset()
     (first_out, _, first_state), (second_out, _, second_state) = replayed(graph, outputs)
     assert first_state[0] == second_state[0] == 5 and first_state[1] != second_state[1]

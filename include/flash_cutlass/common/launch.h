@@ -7,15 +7,20 @@
 
 namespace flash_cutlass {
 
-// Raises the kernel's dynamic shared memory limit where it needs more than the default 48 KiB,
-// refuses grids past 2^31 - 1 CTAs, and launches.
+// Raises the kernel's dynamic shared memory limit where it needs more than the default 48 KiB.
+template <class Params>
+cudaError_t allow_dynamic_smem(void (*kernel)(Params), int smem_bytes) {
+  if (smem_bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+
+// Raises the shared memory limit (allow_dynamic_smem), refuses grids past 2^31 - 1 CTAs, and
+// launches.
 template <class Params>
 cudaError_t launch_kernel(void (*kernel)(Params), int64_t num_ctas, int threads, int smem_bytes,
                           Params const& params, cudaStream_t stream) {
-  if (smem_bytes > 48 * 1024) {
-    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (status != cudaSuccess) return status;
-  }
+  const cudaError_t status = allow_dynamic_smem(kernel, smem_bytes);
+  if (status != cudaSuccess) return status;
   if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
   kernel<<<dim3(static_cast<unsigned>(num_ctas)), threads, smem_bytes, stream>>>(params);
   return cudaGetLastError();
@@ -26,10 +31,8 @@ cudaError_t launch_kernel(void (*kernel)(Params), int64_t num_ctas, int threads,
 template <class Params>
 cudaError_t launch_cooperative_kernel(void (*kernel)(Params), int num_ctas, int threads, int smem_bytes,
                                       Params const& params, cudaStream_t stream) {
-  if (smem_bytes > 48 * 1024) {
-    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (status != cudaSuccess) return status;
-  }
+  const cudaError_t status = allow_dynamic_smem(kernel, smem_bytes);
+  if (status != cudaSuccess) return status;
   void* args[] = {const_cast<Params*>(&params)};
   return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(unsigned(num_ctas)), dim3(threads),
                                      args, size_t(smem_bytes), stream);

@@ -21,6 +21,7 @@
 #include "flash_cutlass/sm90/bwd_mainloop.h"
 #include "flash_cutlass/sm90/bwd_producer.h"
 #include "flash_cutlass/sm90/bwd_tile_config.h"
+#include "flash_cutlass/sm90/tile_scheduler.h"
 
 namespace flash_cutlass::sm90 {
 
@@ -67,18 +68,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0) {
       TailLandings landings;
       for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
-          params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
+          params, [&](auto const& work, KeyWalkPosition const& position) {
             load_key_block<Traits, kMaskKind>(kernel_params, work, position, landings, storage, lane);
           });
     } else if (warp == 1) {
       for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
-          params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
-            write_dq<Traits, kMaskKind>(kernel_params, work, position, storage, lane);
+          params, [&](auto const& work, KeyWalkPosition const& position) {
+            write_dq<Traits, kMaskKind, kRotatedWalk>(kernel_params, work, position, storage, lane);
           });
     } else if (warp == 2) {
       const float score_unit = lse_score_unit<carries_score_mods(kExtension)>(params);
       for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
-          params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
+          params, [&](auto const& work, KeyWalkPosition const& position) {
             stage_query_statistics<Traits, kMaskKind>(params, work, position, storage, lane, score_unit);
           });
     }
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
   for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
-      params, kernel_params.walk, [&](auto const& work, KeyWalkPosition const& position) {
+      params, [&](auto const& work, KeyWalkPosition const& position) {
         // Opaque to the compiler once a tile, so that what the consumers derive from their index
         // (fragment offsets, coordinates) is not hoisted out of the walk and kept live across it
         // (536 B of spills at head dim 128).

@@ -1,9 +1,8 @@
 // What the Hopper-path backward kernel receives (built by bwd_launch.h): the call and the TMA
-// descriptors of Q, dO, K, V and the dQ accumulator built from it on the host, and the grid's walk.
+// descriptors of Q, dO, K, V and the dQ accumulator built from it on the host.
 #pragma once
 
 #include "flash_cutlass/params.h"
-#include "flash_cutlass/sm90/tile_scheduler.h"
 
 namespace flash_cutlass::sm90 {
 
@@ -15,7 +14,6 @@ struct BwdKernelParams {
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
   typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum from the staged dQ tile
-  KeyTileWalk walk;
 };
 
 }  // namespace flash_cutlass::sm90

@@ -58,10 +58,9 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t items = int64_t(params.batch) * params.heads * num_n_blocks;
   if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
-  BwdKernelParams<Traits> kernel_params{
+  const BwdKernelParams<Traits> kernel_params{
       params, tma_q, tma_dout, tma_k, tma_v,
-      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{}),
-      KeyTileWalk{int(items), 0}};
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{})};
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
     if constexpr (kMaskKind == MaskKind::kNone && kExtension == Extension::kNone) {
       int sms = 0;
@@ -76,13 +75,11 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
           num_n_blocks <= std::min<int64_t>(sms, kMaxRotatedKeyBlocks)) {
         // A rotated walk's CTAs wait on each other: launched together or not at all (SMs taken by
         // other work, MPS); then one CTA per tile.
-        kernel_params.walk.rotated = 1;
         const cudaError_t status = launch_cooperative_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension, true>,
                                                              int(std::min<int64_t>(items, sms / num_n_blocks * num_n_blocks)),
                                                              Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
         if (status != cudaErrorCooperativeLaunchTooLarge) return status;
         (void)cudaGetLastError();
-        kernel_params.walk.rotated = 0;
       }
     }
     return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension, false>, items, Traits::kThreads,

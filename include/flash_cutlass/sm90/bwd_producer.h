@@ -30,6 +30,7 @@
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
 #include "flash_cutlass/sm90/ordered_reduce.h"
+#include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/tma_views.h"
 #include "flash_cutlass/sm90/zero_rows.h"
 
@@ -197,7 +198,7 @@ __device__ __forceinline__ void stage_query_statistics(
 // tensor are not written; in a variable-length call the rows past a sequence are the next one's:
 // the last block's are zeroed first (0 in exact arithmetic, but not when this sequence holds a NaN
 // or an Inf).
-template <class Traits, MaskKind kMaskKind>
+template <class Traits, MaskKind kMaskKind, bool kRotatedWalk>
 __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_params,
                                          KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
                                          KeyWalkPosition const& position, typename Traits::SharedStorage& storage,
@@ -220,14 +221,14 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   auto [tdQgdQ, tdQsdQ] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                         group_modes<0, 2>(gdQ));
   const bool varlen = params.cu_seqlens_q != nullptr;
-  const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work, kernel_params.walk.rotated);
+  const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work, kRotatedWalk);
   for (int i = 0; i < work.num_m_blocks(); ++i) {
     const int m_block = work.m_block_at(i);
     // The block before's dQ has been read: the consumers (the first part's) refill storage.dq. In a
     // rotated walk, once its turn has been passed too (the walk's next tile begins here as well;
     // measured 6-15% faster at head dim 128 than freeing it before the turn); otherwise as soon
     // as it has been read (below).
-    if (kernel_params.walk.rotated ? position.steps + i > 0 : i == 0 && position.steps > 0) {
+    if (kRotatedWalk ? position.steps + i > 0 : i == 0 && position.steps > 0) {
       named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
     }
     // Counted while the consumers still compute this block's dQ.
@@ -257,7 +258,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
       // above).
       if (part + 1 < kParts) {
         named_barrier_arrive<BwdBarrier::kDqEmpty, 2, kDqThreads>();
-      } else if (!kernel_params.walk.rotated && i + 1 < work.num_m_blocks()) {
+      } else if (!kRotatedWalk && i + 1 < work.num_m_blocks()) {
         named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
       }
     }

@@ -55,12 +55,12 @@ struct DqTurns {
   bool rotated = false;
 
   __device__ DqTurns(BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
-                     int rotated_walk) {
+                     bool rotated_walk) {
     if (!params.deterministic) return;
     const int m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;  // params.seqlen_q bounds every sequence
     counters = params.dq_turns + (int64_t(work.tile.batch) * params.heads + work.tile.head) * m_blocks;
     key_blocks = (work.sequence.seqlen_k + kBlockN - 1) / kBlockN;
-    rotated = rotated_walk != 0;
+    rotated = rotated_walk;
   }
 
   __device__ explicit operator bool() const { return counters != nullptr; }

@@ -55,15 +55,10 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
 // order (deterministic calls: last key block first, ordered_reduce.h). Deterministic calls without
 // a mask or score modifications of few key blocks (bwd_launch.h; no more than the query blocks)
 // walk rotated instead (a kernel of its own, kRotatedWalk): a persistent grid of whole
-// heads (a multiple of the key blocks, all resident at once) takes items blockIdx.x, blockIdx.x +
-// gridDim.x, ..., key block n starting at query block n * m_blocks / n_blocks, so that the adders
+// heads (a multiple of the key blocks, all resident at once) takes key tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ..., key block n starting at query block n * m_blocks / n_blocks, so that the adders
 // of a query block arrive one after the other in the order of their turns rather than all starting
 // at block 0 and queueing behind the last one.
-struct KeyTileWalk {
-  int items;    // key tiles: batch * heads * key blocks
-  int rotated;  // 1: rotated walks (the kRotatedWalk kernel)
-};
-
 // Where a backward CTA's walk stands in its pipelines: the query blocks (stages, phases) and the
 // key tiles that saw any (K/V's barriers) of the tiles walked before. Each role counts them alike.
 struct KeyWalkPosition {
@@ -83,7 +78,7 @@ struct KeyWalkPosition {
 // Calls work(key_block_work, position) for every key tile of this CTA that lies in its sequence,
 // from one call site (the roles' bodies are inlined once).
 template <int kBlockM, int kBlockN, MaskKind kMaskKind, bool kRotatedWalk, class Work>
-__device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& params, KeyTileWalk walk, Work&& work) {
+__device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& params, Work&& work) {
   if constexpr (!kRotatedWalk) {
     const auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(
         params, key_tile_at<kBlockN>(params, int(blockIdx.x), params.deterministic));
@@ -91,7 +86,8 @@ __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& p
   } else {
     KeyWalkPosition position;
     const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
-    for (int item = int(blockIdx.x); item < walk.items; item += int(gridDim.x)) {
+    const int items = params.batch * params.heads * num_n_blocks;  // below 2^31: bwd_launch.h
+    for (int item = int(blockIdx.x); item < items; item += int(gridDim.x)) {
       auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, key_tile_at<kBlockN>(params, item, false));
       if (!key_block.in_sequence()) continue;
       key_block.m_rotation = key_block.tile.n_block * key_block.num_m_blocks() / num_n_blocks;

@@ -66,10 +66,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int warp = cutlass::canonical_warp_idx_sync();
     const int lane = int(threadIdx.x) % 32;
     if (warp == 0) {
-      TailLandings landings;
       for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
           params, [&](auto const& work, KeyWalkPosition const& position) {
-            load_key_block<Traits, kMaskKind>(kernel_params, work, position, landings, storage, lane);
+            load_key_block<Traits, kMaskKind>(kernel_params, work, position, storage, lane);
           });
     } else if (warp == 1) {
       for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(

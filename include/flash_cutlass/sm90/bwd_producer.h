@@ -36,17 +36,11 @@
 
 namespace flash_cutlass::sm90 {
 
-// How often the loader has used kv_landed and query_landed (their phases).
-struct TailLandings {
-  int keys = 0;
-  int queries = 0;
-};
-
 // Run by the 32 lanes of the loader warp, once a key tile.
 template <class Traits, MaskKind kMaskKind>
 __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& kernel_params,
                                                KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
-                                               KeyWalkPosition const& position, TailLandings& landings,
+                                               KeyWalkPosition const& position,
                                                typename Traits::SharedStorage& storage, int lane) {
   using namespace cute;
   constexpr int kBlockM = Traits::kBlockM;
@@ -95,7 +89,7 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
     copy(kernel_params.tma_v.with(reinterpret_cast<uint64_t&>(kv_arrival)), tVgV, tVsV);
   }
   if (zero_key_tail) {
-    storage.pipeline.kv_landed.wait(landings.keys++ & 1);
+    storage.pipeline.kv_landed.wait(0);  // once per CTA: variable-length calls walk one tile a CTA
     zero_tile_rows<Traits::kHeadDim, 32>(storage.k.data(), typename Traits::SmemLayoutKV{}, keys_in_block,
                                          Traits::kBlockN, lane);
     zero_tile_rows<Traits::kHeadDim, 32>(storage.v.data(), typename Traits::SmemLayoutKV{}, keys_in_block,
@@ -142,7 +136,7 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
       }
     }
     if (zero_query_tail) {
-      storage.pipeline.query_landed.wait(landings.queries++ & 1);  // once a tile: its walk has one last block
+      storage.pipeline.query_landed.wait(0);  // once per CTA: one tile, whose walk has one last block
       zero_tile_rows<Traits::kHeadDim, 32>(storage.q.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
                                            kBlockM, lane, stage);
       zero_tile_rows<Traits::kHeadDim, 32>(storage.dout.data(), typename Traits::SmemLayoutdO{}, queries_in_block,
@@ -226,11 +220,9 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
     const int m_block = work.m_block_at(i);
     // The block before's dQ has been read: the consumers (the first part's) refill storage.dq. In a
     // rotated walk, once its turn has been passed too (the walk's next tile begins here as well;
-    // measured 6-15% faster at head dim 128 than freeing it before the turn); otherwise as soon
-    // as it has been read (below).
-    if (kRotatedWalk ? position.steps + i > 0 : i == 0 && position.steps > 0) {
-      named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
-    }
+    // measured 6-15% faster at head dim 128 than freeing it before the turn); in one CTA a tile,
+    // as soon as it has been read (below).
+    if (kRotatedWalk && position.steps + i > 0) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
     // Counted while the consumers still compute this block's dQ.
     const int place = turns ? turns.place(work, m_block, lane) : 0;
     const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;

@@ -52,13 +52,15 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
 }
 
 // The backward's walk over key tiles (key_tile_at). Usually one CTA per key tile, in the launch
-// order (deterministic calls: last key block first, ordered_reduce.h). Deterministic calls without
-// a mask or score modifications of few key blocks (bwd_launch.h; no more than the query blocks)
-// walk rotated instead (a kernel of its own, kRotatedWalk): a persistent grid of whole
-// heads (a multiple of the key blocks, all resident at once) takes key tiles blockIdx.x,
-// blockIdx.x + gridDim.x, ..., key block n starting at query block n * m_blocks / n_blocks, so that the adders
-// of a query block arrive one after the other in the order of their turns rather than all starting
-// at block 0 and queueing behind the last one.
+// order (deterministic calls: last key block first, ordered_reduce.h). Deterministic fixed-length
+// calls without a mask or score modifications of few key blocks (bwd_launch.h; no more than the
+// query blocks) walk rotated instead (a kernel of its own, kRotatedWalk): a persistent grid of
+// whole heads (a multiple of the key blocks, all resident at once) takes key tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ..., key block n starting at query block n * m_blocks / n_blocks, so that
+// the adders of a query block arrive one after the other in the order of their turns rather than
+// all starting at block 0 and queueing behind the last one. (Variable-length calls, whose tails the
+// loader zeroes once per CTA, always walk one tile a CTA.)
+
 // Where a backward CTA's walk stands in its pipelines: the query blocks (stages, phases) and the
 // key tiles that saw any (K/V's barriers) of the tiles walked before. Each role counts them alike.
 struct KeyWalkPosition {

@@ -59,8 +59,8 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   // finish the current one. In a variable-length call the tiles' costs differ with their
   // sequences: one CTA per pair (or tile), balanced by the hardware. Fewer pairs than SMs (a small
   // batch, or chunked prefill's few query blocks over a long cache, where the tiles cost about the
-  // same): every tile single, up to one CTA an SM, so that the pairs leave no SM idle. Otherwise
-  // one CTA per tile.
+  // same): every tile single, up to one CTA an SM (a variable-length call: one CTA a tile), so that
+  // the pairs leave no SM idle. Otherwise one CTA per tile.
   int64_t num_ctas = num_query_tiles<Traits::kBlockM>(params);
   if (num_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
   if constexpr (Traits::kPersistent) {
@@ -70,7 +70,11 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
     const cudaError_t status = multiprocessor_count(&sms);
     if (status != cudaSuccess) return status;
     if (kInPairs && num_ctas < sms) {
-      num_ctas = std::min<int64_t>(num_query_tiles<Traits::kBlockM>(params), sms);
+      // In a variable-length call one CTA per tile: its tiles include the empty ones of shorter
+      // sequences (chunked prefill in place: as many as real ones), which dealt out among the SMs
+      // would leave some CTAs two real tiles.
+      const int64_t tiles = num_query_tiles<Traits::kBlockM>(params);
+      num_ctas = params.cu_seqlens_q != nullptr ? tiles : std::min<int64_t>(tiles, sms);
     } else if (params.cu_seqlens_q == nullptr && num_ctas > sms) {
       num_ctas = sms;
     }

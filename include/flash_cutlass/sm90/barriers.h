@@ -25,6 +25,9 @@ enum class BwdBarrier : int {
   // kDqEmpty + 2 w for warpgroup w.
   kDqFull = 2,
   kDqEmpty = 3,
+  // Every consumer thread, around the epilogue's shared-memory tiles of dK and dV (ids 4 and 5
+  // are the head-split layout's second kDqFull / kDqEmpty).
+  kConsumers = 6,
 };
 
 // bar.sync / bar.arrive with the id (a FwdBarrier or a BwdBarrier) as an immediate.

@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if constexpr (Traits::kHeadSplit) {
           consume_query_blocks_head_split<Traits, kMaskKind, kExtension>(params, work, position, storage, consumer_idx);
         } else {
-          consume_query_blocks<Traits, kMaskKind, kExtension>(params, work, position, storage, consumer_idx);
+          consume_query_blocks<Traits, kMaskKind, kExtension, kRotatedWalk>(kernel_params, work, position, storage,
+                                                                            consumer_idx);
         }
       });
 #endif  // Other targets get an empty body: the host launches this kernel only on sm_90.

@@ -1,5 +1,5 @@
 // What the Hopper-path backward kernel receives (built by bwd_launch.h): the call and the TMA
-// descriptors of Q, dO, K, V and the dQ accumulator built from it on the host.
+// descriptors of Q, dO, K, V, the dQ accumulator and dK, dV built from it on the host.
 #pragma once
 
 #include "flash_cutlass/params.h"
@@ -14,6 +14,11 @@ struct BwdKernelParams {
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
   typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum from the staged dQ tile
+  typename Traits::TmaStoreKV tma_dk;
+  typename Traits::TmaStoreKV tma_dv;
+  // dK and dV by TMA (bwd_epilogue.h): fixed-length calls that write them in the inputs' dtype.
+  // Otherwise tma_dk and tma_dv are built over K and V and never used.
+  bool store_dkv_with_tma;
 };
 
 }  // namespace flash_cutlass::sm90

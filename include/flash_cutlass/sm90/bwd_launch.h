@@ -58,9 +58,34 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t items = int64_t(params.batch) * params.heads * num_n_blocks;
   if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
+  // dK and dV by TMA: fixed-length calls that write them in the inputs' dtype (a variable-length
+  // call's rows past a sequence are the next one's). Otherwise the descriptors are built over K and
+  // V, never used.
+  const bool store_dkv_with_tma = params.dk != nullptr && !varlen;
+  auto output = [&](void* written, const void* unused, int64_t unused_row_stride, int64_t unused_head_stride,
+                    int64_t unused_batch_stride) {
+    if (store_dkv_with_tma) {
+      return gmem_tensor<Traits>(static_cast<Element*>(written), extents.rows_k, params.head_dim, params.heads,
+                                 extents.batch, params.dkv_row_stride, params.dkv_head_stride, params.dkv_batch_stride);
+    }
+    return gmem_tensor<Traits>(static_cast<Element*>(const_cast<void*>(unused)), extents.rows_k, params.head_dim,
+                               params.heads_k, extents.batch, unused_row_stride, unused_head_stride,
+                               unused_batch_stride);
+  };
   const BwdKernelParams<Traits> kernel_params{
-      params, tma_q, tma_dout, tma_k, tma_v,
-      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{})};
+      params,
+      tma_q,
+      tma_dout,
+      tma_k,
+      tma_v,
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{},
+                    output(params.dk, params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride),
+                    typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{},
+                    output(params.dv, params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
+                    typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+      store_dkv_with_tma};
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
     if constexpr (kMaskKind == MaskKind::kNone && kExtension == Extension::kNone) {
       int sms = 0;

@@ -27,6 +27,8 @@
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
+#include "flash_cutlass/sm90/bwd_epilogue.h"
+#include "flash_cutlass/sm90/bwd_kernel_params.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
@@ -245,14 +247,16 @@ struct DqTileOffsets {
   }
 };
 
-// The consumer warpgroups' whole walk over a CTA's query blocks, then dK and dV out.
-// consumer_idx: the thread's index among the consumer threads.
-template <class Traits, MaskKind kMaskKind, Extension kExtension>
-__device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
+// The consumer warpgroups' whole walk over a CTA's query blocks, then dK and dV out (by TMA from
+// K's and V's tiles where the call allows, bwd_epilogue.h, except in rotated walks, whose next tile's
+// K and V load while dK and dV go out). consumer_idx: the thread's index among the consumer threads.
+template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kRotatedWalk>
+__device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> const& kernel_params,
                                                      KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
                                                      KeyWalkPosition const& position,
                                                      typename Traits::SharedStorage& storage, int consumer_idx) {
   using namespace cute;
+  BwdParams const& params = kernel_params.call;
   constexpr bool kExtended = kExtension != Extension::kNone;
   constexpr bool kDropout = kExtension == Extension::kDropout;
   using Element = typename Traits::Element;
@@ -368,6 +372,12 @@ __device__ __forceinline__ void consume_query_blocks(BwdParams const& params,
 
   // The loader may bring the next tile's K and V while dK and dV go out.
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_empty.arrive();
+  if constexpr (!kRotatedWalk) {
+    if (kernel_params.store_dkv_with_tma) {
+      store_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
+      return;
+    }
+  }
   Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   store_dk_dv<Element, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(
       params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);

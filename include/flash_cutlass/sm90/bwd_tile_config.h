@@ -104,6 +104,11 @@ struct BwdCommonTraits {
                                             cute::take<0, 2>(SmemLayoutQ{}), TileQ{}, cute::_1{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{},
                                              cute::_1{}));
+  // dK and dV stored from K's and V's tiles in shared memory (bwd_epilogue.h).
+  using GmemTensorOut = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                                   GmemLayout{}));
+  using TmaStoreKV = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutKV{},
+                                                  TileKV{}, cute::_1{}));
   // dq_accum as (rows, kHeadDim, heads, batch) fp32, added to with TMA's reduce-add from a staged
   // tile of dQ.
   using GmemTensordQ =

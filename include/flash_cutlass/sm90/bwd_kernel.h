@@ -4,7 +4,8 @@
 // each query block's dQ to an fp32 accumulator in global memory.
 // Warpgroup 0 produces (bwd_producer.h): warp 0 loads K, V, Q and dO by TMA and warp 2 the LSE and
 // D through a multi-stage pipeline, warp 1 adds dQ with TMA's reduce-add; the consumer warpgroups,
-// 64 keys each, run the five GEMMs and the softmax gradient (bwd_mainloop.h). Past head dim 128
+// 64 keys each, run the five GEMMs and the softmax gradient (bwd_mainloop.h), then store dK and dV
+// (by TMA where the call allows: bwd_epilogue.h). Past head dim 128
 // the consumers split the head dim instead (bwd_head_split_mainloop.h). Tile sizes, layouts and
 // shared memory: bwd_tile_config.h; named barriers: barriers.h. The preprocess (D, dq_accum zeroed) and the
 // postprocess (dQ scaled, converted) are both paths' (common/bwd_stages.h).

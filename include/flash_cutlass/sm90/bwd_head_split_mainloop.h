@@ -21,18 +21,22 @@
 #include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
+#include "flash_cutlass/sm90/bwd_epilogue.h"
+#include "flash_cutlass/sm90/bwd_kernel_params.h"
 #include "flash_cutlass/sm90/bwd_mainloop.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
 namespace flash_cutlass::sm90 {
 
-// consumer_idx: the thread's index among the consumer threads.
-template <class Traits, MaskKind kMaskKind, Extension kExtension>
+// consumer_idx: the thread's index among the consumer threads. dK and dV go out as in
+// consume_query_blocks (bwd_mainloop.h).
+template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kRotatedWalk>
 __device__ __forceinline__ void consume_query_blocks_head_split(
-    BwdParams const& params, KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
+    BwdKernelParams<Traits> const& kernel_params, KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
     KeyWalkPosition const& position, typename Traits::SharedStorage& storage, int consumer_idx) {
   using namespace cute;
+  BwdParams const& params = kernel_params.call;
   static_assert(Traits::kHeadSplit);
   static_assert(Traits::kSeparatedO, "dO's own barriers (dout_full, dout_empty) are waited on below");
   constexpr bool kExtended = kExtension != Extension::kNone;
@@ -151,6 +155,12 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
 
   // The loader may bring the next tile's K and V while dK and dV go out.
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_empty.arrive();
+  if constexpr (!kRotatedWalk) {
+    if (kernel_params.store_dkv_with_tma) {
+      store_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
+      return;
+    }
+  }
   Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   store_dk_dv<Element, kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(
       params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);

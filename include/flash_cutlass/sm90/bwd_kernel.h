@@ -94,7 +94,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         int consumer_idx = int(threadIdx.x) - 128;
         asm volatile("" : "+r"(consumer_idx));
         if constexpr (Traits::kHeadSplit) {
-          consume_query_blocks_head_split<Traits, kMaskKind, kExtension>(params, work, position, storage, consumer_idx);
+          consume_query_blocks_head_split<Traits, kMaskKind, kExtension, kRotatedWalk>(kernel_params, work, position,
+                                                                                      storage, consumer_idx);
         } else {
           consume_query_blocks<Traits, kMaskKind, kExtension, kRotatedWalk>(kernel_params, work, position, storage,
                                                                             consumer_idx);

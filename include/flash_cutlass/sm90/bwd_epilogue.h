@@ -1,7 +1,7 @@
-// The Hopper-path backward's epilogue where the call writes dK and dV in the inputs' dtype over a
-// fixed-length batch: both staged, converted, in K's and V's tiles in shared memory (free once both
-// consumer warpgroups' last GEMMs are done) and stored by TMA, which leaves out rows and columns
-// past the tensor. From registers (store_dk_dv, common/bwd_key_block.h) the same tiles took about
+// The Hopper-path backward's epilogue where the call writes dK and dV in the inputs' dtype: both
+// staged, converted, in K's and V's tiles in shared memory (free once both consumer warpgroups'
+// last GEMMs are done) and stored by TMA, which leaves out rows and columns past the tensor (in a
+// variable-length call only full key blocks: the rows past a sequence are the next one's). From registers (store_dk_dv, common/bwd_key_block.h) the same tiles took about
 // 10,000 cycles at head dim 128 (two-element stores, 8 rows a warp instruction), while the SM,
 // holding one CTA, did nothing else.
 #pragma once
@@ -13,8 +13,17 @@
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
+#include "flash_cutlass/sm90/tma_views.h"
 
 namespace flash_cutlass::sm90 {
+
+// Whether this tile's dK and dV go out by TMA (store_dk_dv_with_tma); otherwise from registers.
+template <class Traits, class Work>
+__device__ __forceinline__ bool stores_dk_dv_with_tma(BwdKernelParams<Traits> const& kernel_params,
+                                                      Work const& work) {
+  return kernel_params.store_dkv_with_tma &&
+         (kernel_params.call.cu_seqlens_q == nullptr || work.sequence.seqlen_k - work.key_start >= Traits::kBlockN);
+}
 
 // acc_dk, acc_dv: the consumers' accumulators in mma_dkv's layout (dK not yet scaled). Every
 // consumer thread calls it; one issues the stores and waits until they have read shared memory.
@@ -42,10 +51,13 @@ __device__ __forceinline__ void store_dk_dv_with_tma(BwdKernelParams<Traits> con
   tma_store_fence();  // the writes above, visible to the TMA unit
   named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
   if (consumer_idx == 0) {
-    auto shape = make_shape(params.seqlen_k, params.head_dim, params.heads, params.batch);
-    Tensor gdK = local_tile(kernel_params.tma_dk.get_tma_tensor(shape)(_, _, work.tile.head, work.tile.batch),
+    const TmaExtents extents = tma_extents(params);
+    const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
+    const auto shape = make_shape(extents.rows_k, params.head_dim, params.heads, extents.batch);
+    const auto k_rows = make_coord(work.sequence.k_start, _0{});
+    Tensor gdK = local_tile(domain_offset(k_rows, kernel_params.tma_dk.get_tma_tensor(shape)(_, _, work.tile.head, tma_batch)),
                             TileKV{}, make_coord(work.tile.n_block, _0{}));
-    Tensor gdV = local_tile(kernel_params.tma_dv.get_tma_tensor(shape)(_, _, work.tile.head, work.tile.batch),
+    Tensor gdV = local_tile(domain_offset(k_rows, kernel_params.tma_dv.get_tma_tensor(shape)(_, _, work.tile.head, tma_batch)),
                             TileKV{}, make_coord(work.tile.n_block, _0{}));
     auto [tdKgdK, tdKsK] = tma_partition(kernel_params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                          group_modes<0, 2>(gdK));

@@ -156,7 +156,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   // The loader may bring the next tile's K and V while dK and dV go out.
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_empty.arrive();
   if constexpr (!kRotatedWalk) {
-    if (kernel_params.store_dkv_with_tma) {
+    if (stores_dk_dv_with_tma(kernel_params, work)) {
       store_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
       return;
     }

@@ -58,10 +58,9 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t items = int64_t(params.batch) * params.heads * num_n_blocks;
   if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
-  // dK and dV by TMA: fixed-length calls that write them in the inputs' dtype (a variable-length
-  // call's rows past a sequence are the next one's). Otherwise the descriptors are built over K and
-  // V, never used.
-  const bool store_dkv_with_tma = params.dk != nullptr && !varlen;
+  // dK and dV by TMA where the call writes them in the inputs' dtype (bwd_epilogue.h). Otherwise the
+  // descriptors are built over K and V, never used.
+  const bool store_dkv_with_tma = params.dk != nullptr;
   auto output = [&](void* written, const void* unused, int64_t unused_row_stride, int64_t unused_head_stride,
                     int64_t unused_batch_stride) {
     if (store_dkv_with_tma) {

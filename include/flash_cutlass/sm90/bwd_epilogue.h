@@ -1,7 +1,9 @@
-// The Hopper-path backward's epilogue where the call writes dK and dV in the inputs' dtype: both
-// staged, converted, in K's and V's tiles in shared memory (free once both consumer warpgroups'
-// last GEMMs are done) and stored by TMA, which leaves out rows and columns past the tensor (in a
-// variable-length call only full key blocks: the rows past a sequence are the next one's). From registers (store_dk_dv, common/bwd_key_block.h) the same tiles took about
+// The Hopper-path backward's epilogues by TMA, both staged in K's and V's tiles in shared memory
+// (free once both consumer warpgroups' last GEMMs are done): where the call writes dK and dV in the
+// inputs' dtype, a TMA store, which leaves out rows and columns past the tensor (in a
+// variable-length call only full key blocks: the rows past a sequence are the next one's); in a
+// GQA call, a TMA reduce-add into the K/V head's fp32 accumulators (full key blocks: the rows past
+// a sequence are the next one's there too), instead of an atomic a pair of elements. From registers (store_dk_dv, common/bwd_key_block.h) the same tiles took about
 // 10,000 cycles at head dim 128 (two-element stores, 8 rows a warp instruction), while the SM,
 // holding one CTA, did nothing else.
 #pragma once
@@ -13,6 +15,7 @@
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
+#include "flash_cutlass/sm90/fp32_tile_offsets.h"
 #include "flash_cutlass/sm90/tma_views.h"
 
 namespace flash_cutlass::sm90 {
@@ -23,6 +26,67 @@ __device__ __forceinline__ bool stores_dk_dv_with_tma(BwdKernelParams<Traits> co
                                                       Work const& work) {
   return kernel_params.store_dkv_with_tma &&
          (kernel_params.call.cu_seqlens_q == nullptr || work.sequence.seqlen_k - work.key_start >= Traits::kBlockN);
+}
+
+// Whether this tile's dK and dV are added by TMA (add_dk_dv_with_tma); otherwise with atomics.
+template <class Traits, class Work>
+__device__ __forceinline__ bool adds_dk_dv_with_tma(BwdKernelParams<Traits> const& kernel_params, Work const& work) {
+  return kernel_params.add_dkv_with_tma && work.sequence.seqlen_k - work.key_start >= Traits::kBlockN;
+}
+
+// The rows of a GQA call's fp32 dK/dV accumulators: every sequence's keys, one after the other.
+__host__ __device__ inline int64_t key_accum_rows(BwdParams const& params) {
+  return params.cu_seqlens_k == nullptr ? int64_t(params.batch) * params.seqlen_k : int64_t(params.total_k);
+}
+
+// acc_dk, acc_dv: the consumers' unscaled fp32 accumulators in the dK/dV MMA's layout; coords: each
+// element's (key, column) in the tile. dK, then dV: each staged in halves of the head dim, the
+// first in K's tile and the second in V's (as many bytes), in the 128-byte-swizzled fp32 layout,
+// then added by one thread with TMA's reduce-add, which waits until the adds have read them.
+template <class Traits, class Work, class Acc, class Coords>
+__device__ __forceinline__ void add_dk_dv_with_tma(BwdKernelParams<Traits> const& kernel_params, Work const& work,
+                                                   Acc const& acc_dk, Acc const& acc_dv, Coords const& coords,
+                                                   typename Traits::SharedStorage& storage, int consumer_idx) {
+  using namespace cute;
+  constexpr int kHalfColumns = Traits::kHeadDim / 2;
+  constexpr int kHalfElements = Traits::kBlockN * kHalfColumns;
+  static_assert(kHalfColumns % 32 == 0, "whole 128-byte atoms a half");
+  BwdParams const& params = kernel_params.call;
+  float* const halves[2] = {reinterpret_cast<float*>(storage.k.data()), reinterpret_cast<float*>(storage.v.data())};
+  const int row0 = get<0>(coords(0)), col0 = get<1>(coords(0));
+  const Fp32TileOffsets<Traits::kBlockN> offset_of(row0, col0);
+  // Both warpgroups' GEMMs are done with K and V.
+  named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
+  auto add = [&](Acc const& acc, typename Traits::TmaAddKV const& tma, bool last) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const int col = get<1>(coords(i));
+      const int offset = offset_of(get<0>(coords(i)) - row0, col - col0);
+      float* dst = col < kHalfColumns ? halves[0] + offset : halves[1] + (offset - kHalfElements);
+      *reinterpret_cast<float2*>(dst) = make_float2(acc(i), acc(i + 1));
+    }
+    tma_store_fence();  // the writes above, visible to the TMA unit
+    named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
+    if (consumer_idx == 0) {
+      Tensor accum = tma.get_tma_tensor(
+          make_shape(int(key_accum_rows(params)), Int<Traits::kHeadDim>{}, params.heads_k, 1));
+      const auto rows = make_coord(int(key_accum_row(params, work.sequence)) + work.key_start, _0{});
+      // (keys, columns, half)
+      Tensor g = local_tile(domain_offset(rows, accum(_, _, kv_head_of(work.tile.head, params), 0)),
+                            typename Traits::TileAccumHalf{}, make_coord(_0{}, _));
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        Tensor s = make_tensor(make_smem_ptr(halves[half]), typename Traits::SmemLayoutAccumHalf{});
+        auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+        copy(tma, ts, tg(_, half));
+      }
+      tma_store_arrive();
+      tma_store_wait<0>();  // the adds have read the tiles
+    }
+    if (!last) named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
+  };
+  add(acc_dk, kernel_params.tma_dk_accum, false);
+  add(acc_dv, kernel_params.tma_dv_accum, true);
 }
 
 // acc_dk, acc_dv: the consumers' accumulators in mma_dkv's layout (dK not yet scaled). Every

@@ -23,6 +23,7 @@
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_epilogue.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
+#include "flash_cutlass/sm90/fp32_tile_offsets.h"
 #include "flash_cutlass/sm90/bwd_mainloop.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/wgmma.h"
@@ -86,9 +87,9 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   const int warpgroup = consumer_idx / 128;
   static_assert(std::is_same_v<typename Traits::SmemLayoutdQ,
                                decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, typename Traits::TileDq{}))>,
-                "DqTileOffsets is the closed form of this layout");
+                "Fp32TileOffsets is the closed form of this layout");
   const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
-  const DqTileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0 - warpgroup * (kHeadDim / Traits::kConsumerWarpgroups));
+  const Fp32TileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0 - warpgroup * (kHeadDim / Traits::kConsumerWarpgroups));
   float* sdq = storage.dq.data();
   constexpr int kDqThreads = 128 + 32;  // a warpgroup and the dQ warp
 
@@ -158,6 +159,11 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   if constexpr (!kRotatedWalk) {
     if (stores_dk_dv_with_tma(kernel_params, work)) {
       store_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
+      return;
+    }
+    if (adds_dk_dv_with_tma(kernel_params, work)) {
+      add_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, thr_dkv.partition_C(make_identity_tensor(TileKV{})),
+                         storage, consumer_idx);
       return;
     }
   }

@@ -1,5 +1,6 @@
 // What the Hopper-path backward kernel receives (built by bwd_launch.h): the call and the TMA
-// descriptors of Q, dO, K, V, the dQ accumulator and dK, dV built from it on the host.
+// descriptors of Q, dO, K, V, the dQ accumulator and dK, dV (or their accumulators) built from it
+// on the host.
 #pragma once
 
 #include "flash_cutlass/params.h"
@@ -19,6 +20,11 @@ struct BwdKernelParams {
   // dK and dV by TMA (bwd_epilogue.h): calls that write them in the inputs' dtype. Otherwise
   // tma_dk and tma_dv are built over K and V and never used.
   bool store_dkv_with_tma;
+  // A GQA call's dK and dV added to their K/V head's fp32 accumulators by TMA (bwd_epilogue.h);
+  // otherwise built over dq_accum and never used.
+  typename Traits::TmaAddKV tma_dk_accum;
+  typename Traits::TmaAddKV tma_dv_accum;
+  bool add_dkv_with_tma;
 };
 
 }  // namespace flash_cutlass::sm90

@@ -71,6 +71,16 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
                                params.heads_k, extents.batch, unused_row_stride, unused_head_stride,
                                unused_batch_stride);
   };
+  // A GQA call's dK and dV added to their K/V head's fp32 accumulators by TMA where the atomics
+  // path would add them ((rows, kHeadDim, heads_k): bwd_epilogue.h). Otherwise built over dq_accum.
+  const int64_t accum_rows = key_accum_rows(params);
+  const bool add_dkv_with_tma = params.dk == nullptr && params.dk_accum != nullptr &&
+                                params.dkv_accum_heads == params.heads_k && accum_rows <= 0x7fffffff;
+  auto accumulator = [&](float* accum) {
+    if (!add_dkv_with_tma) return dq_accum;
+    return gmem_tensor<Traits>(accum, int(accum_rows), kHeadDim, params.heads_k, 1,
+                               int64_t(params.heads_k) * kHeadDim, int64_t(kHeadDim), int64_t(0));
+  };
   const BwdKernelParams<Traits> kernel_params{
       params,
       tma_q,
@@ -84,7 +94,12 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_STORE{},
                     output(params.dv, params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
                     typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
-      store_dkv_with_tma};
+      store_dkv_with_tma,
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, accumulator(params.dk_accum), typename Traits::SmemLayoutAccumHalf{},
+                    typename Traits::TileAccumHalf{}, _1{}),
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, accumulator(params.dv_accum), typename Traits::SmemLayoutAccumHalf{},
+                    typename Traits::TileAccumHalf{}, _1{}),
+      add_dkv_with_tma};
   return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
     if constexpr (kMaskKind == MaskKind::kNone && kExtension == Extension::kNone) {
       int sms = 0;

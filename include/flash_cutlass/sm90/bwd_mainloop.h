@@ -29,6 +29,7 @@
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_epilogue.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
+#include "flash_cutlass/sm90/fp32_tile_offsets.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
@@ -223,30 +224,6 @@ __device__ __forceinline__ void probabilities_and_ds_of_block(
   }
 }
 
-// Where a thread's dQ accumulator elements go in the 128-byte-swizzled fp32 dQ tile (atoms of 8
-// rows x 32 floats, column-major over the tile): element (row, col) sits at
-//   (col / 32) kBlockM 32 + (row / 8) 256 + (row % 8) 32 + 4 (((col % 32) / 4) ^ (row % 8)) + col % 4.
-// A thread's elements are (row0 + dr, col0 + dc) with dr, dc multiples of 8 known at compile time
-// and col0 % 32 < 8 (the wgmma C layout), so the XOR splits over disjoint bits: every offset is a
-// per-thread base plus an immediate plus one of four per-thread terms 4 ((2 jj) ^ (row0 & 6)),
-// jj = (dc % 32) / 8. Computed from cute's layout instead, ptxas kept one address register per
-// store (16 at head dim 128). tools/check_dq_offsets.cu checks this form against cute's.
-template <int kBlockM>
-struct DqTileOffsets {
-  int base;
-  int row_bits;  // (row0 % 8) & 6
-
-  __device__ __forceinline__ DqTileOffsets(int row0, int col0)
-      : base((col0 / 32) * (kBlockM * 32) + (row0 / 8) * 256 + (row0 % 8) * 32 + (col0 % 4) +
-             4 * ((((col0 % 32) / 4) & 1) ^ (row0 % 8 & 1))),
-        row_bits(row0 % 8 & 6) {}
-
-  // dr, dc: the element's distance from (row0, col0), multiples of 8.
-  __device__ __forceinline__ int operator()(int dr, int dc) const {
-    return base + (dc / 32) * (kBlockM * 32) + (dr / 8) * 256 + 4 * ((2 * ((dc % 32) / 8)) ^ row_bits);
-  }
-};
-
 // The consumer warpgroups' whole walk over a CTA's query blocks, then dK and dV out (by TMA from
 // K's and V's tiles where the call allows, bwd_epilogue.h, except in rotated walks, whose next tile's
 // K and V load while dK and dV go out). consumer_idx: the thread's index among the consumer threads.
@@ -299,9 +276,9 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
   static_assert(std::is_same_v<typename Traits::SmemLayoutdQ,
                                decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, TileQ{}))>,
-                "DqTileOffsets is the closed form of this layout");
+                "Fp32TileOffsets is the closed form of this layout");
   const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
-  const DqTileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0);
+  const Fp32TileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0);
   float* sdq = storage.dq.data();
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
@@ -375,6 +352,11 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   if constexpr (!kRotatedWalk) {
     if (stores_dk_dv_with_tma(kernel_params, work)) {
       store_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
+      return;
+    }
+    if (adds_dk_dv_with_tma(kernel_params, work)) {
+      add_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, thr_dkv.partition_C(make_identity_tensor(TileKV{})),
+                         storage, consumer_idx);
       return;
     }
   }

@@ -116,6 +116,15 @@ struct BwdCommonTraits {
   template <class SmemLayoutdQ, class TileDq>
   using TmadQFor = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutdQ{},
                                                 TileDq{}, cute::_1{}));
+  // A GQA call's dK or dV added to its K/V head's fp32 accumulator by TMA's reduce-add
+  // (bwd_epilogue.h): half the head dim at a time, 128-byte swizzled, staged in K's tile and V's
+  // (each as many bytes as one half).
+  using TileAccumHalf = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim / 2>>;
+  using SmemLayoutAccumHalf =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{}, TileAccumHalf{}));
+  static_assert(cute::cosize_v<SmemLayoutAccumHalf> * sizeof(float) == cute::cosize_v<SmemLayoutKV> * sizeof(Element));
+  using TmaAddKV = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutAccumHalf{},
+                                                TileAccumHalf{}, cute::_1{}));
 };
 
 // The pipeline's shared state: per stage and query row the exponent of P from the log-sum-exp

@@ -11,6 +11,7 @@
 #include <cute/tensor.hpp>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/bwd_key_block.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/barriers.h"
@@ -132,6 +133,29 @@ __device__ __forceinline__ void store_dk_dv_with_tma(BwdKernelParams<Traits> con
     tma_store_arrive();
     tma_store_wait<0>();  // the CTA's shared memory must outlive the stores' reads
   }
+}
+
+// A walked tile's dK and dV out: by TMA where the call allows it (except in rotated walks, whose
+// next tile's K and V load meanwhile), else from registers (store_dk_dv, common/bwd_key_block.h).
+template <class Traits, bool kRotatedWalk, MaskKind kMaskKind, class Acc, class TiledMma>
+__device__ __forceinline__ void write_dk_dv(BwdKernelParams<Traits> const& kernel_params,
+                                            KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
+                                            Acc& acc_dk, Acc& acc_dv, TiledMma const& mma_dkv,
+                                            typename Traits::SharedStorage& storage, int consumer_idx) {
+  using namespace cute;
+  Tensor coords = mma_dkv.get_thread_slice(consumer_idx).partition_C(make_identity_tensor(typename Traits::TileKV{}));
+  if constexpr (!kRotatedWalk) {
+    if (stores_dk_dv_with_tma(kernel_params, work)) {
+      store_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
+      return;
+    }
+    if (adds_dk_dv_with_tma(kernel_params, work)) {
+      add_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, coords, storage, consumer_idx);
+      return;
+    }
+  }
+  store_dk_dv<typename Traits::Element, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(
+      kernel_params.call, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, coords);
 }
 
 }  // namespace flash_cutlass::sm90

@@ -156,20 +156,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
 
   // The loader may bring the next tile's K and V while dK and dV go out.
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_empty.arrive();
-  if constexpr (!kRotatedWalk) {
-    if (stores_dk_dv_with_tma(kernel_params, work)) {
-      store_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
-      return;
-    }
-    if (adds_dk_dv_with_tma(kernel_params, work)) {
-      add_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, thr_dkv.partition_C(make_identity_tensor(TileKV{})),
-                         storage, consumer_idx);
-      return;
-    }
-  }
-  Tensor tKVc = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
-  store_dk_dv<Element, kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(
-      params, work, work.sequence.seqlen_k - work.key_start, acc_dk, acc_dv, tKVc);
+  write_dk_dv<Traits, kRotatedWalk>(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
 }
 
 }  // namespace flash_cutlass::sm90

@@ -2,10 +2,11 @@
 // (free once both consumer warpgroups' last GEMMs are done): where the call writes dK and dV in the
 // inputs' dtype, a TMA store, which leaves out rows and columns past the tensor (in a
 // variable-length call only full key blocks: the rows past a sequence are the next one's); in a
-// GQA call, a TMA reduce-add into the K/V head's fp32 accumulators (full key blocks: the rows past
-// a sequence are the next one's there too), instead of an atomic a pair of elements. From registers (store_dk_dv, common/bwd_key_block.h) the same tiles took about
-// 10,000 cycles at head dim 128 (two-element stores, 8 rows a warp instruction), while the SM,
-// holding one CTA, did nothing else.
+// GQA call, a TMA reduce-add into the K/V head's fp32 accumulators (full key blocks: there too the
+// rows past a sequence are the next one's) instead of an atomic a pair of elements. From
+// registers (store_dk_dv, common/bwd_key_block.h) the tiles took about 10,000 cycles at head dim
+// 128 (two-element stores, 8 rows a warp instruction), while the SM, holding one CTA, did nothing
+// else.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -293,6 +293,11 @@ __device__ __forceinline__ int64_t key_accum_row(FwdParams const& params, Sequen
   return params.cu_seqlens_k == nullptr ? int64_t(sequence.batch) * params.seqlen_k : int64_t(sequence.k_start);
 }
 
+// The rows of those accumulators: every sequence's keys, one after the other.
+__host__ __device__ inline int64_t key_accum_rows(FwdParams const& params) {
+  return params.cu_seqlens_k == nullptr ? int64_t(params.batch) * params.seqlen_k : int64_t(params.total_k);
+}
+
 struct KeyBlockRange {
   int begin;           // key blocks [begin, end) are visited; end <= begin: the block sees no key
   int end;

@@ -36,11 +36,6 @@ __device__ __forceinline__ bool adds_dk_dv_with_tma(BwdKernelParams<Traits> cons
   return kernel_params.add_dkv_with_tma && work.sequence.seqlen_k - work.key_start >= Traits::kBlockN;
 }
 
-// The rows of a GQA call's fp32 dK/dV accumulators: every sequence's keys, one after the other.
-__host__ __device__ inline int64_t key_accum_rows(BwdParams const& params) {
-  return params.cu_seqlens_k == nullptr ? int64_t(params.batch) * params.seqlen_k : int64_t(params.total_k);
-}
-
 // acc_dk, acc_dv: the consumers' unscaled fp32 accumulators in the dK/dV MMA's layout; coords: each
 // element's (key, column) in the tile. dK, then dV: each staged in halves of the head dim, the
 // first in K's tile and the second in V's (as many bytes), in the 128-byte-swizzled fp32 layout,

@@ -60,13 +60,14 @@ struct KVCacheTraits {
   using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
 
-  // A warp's global -> shared copies of one chunk: 4 lanes cover 32 columns (16 bytes each) of a
-  // row and repeat across the head dim, so 8 rows go per pass and a lane copies 2 rows.
+  // A warp's global -> shared copies of one chunk: 8 lanes cover 64 columns (one 128-byte line)
+  // of a row and repeat across the head dim, so 4 rows go per pass and a lane copies 4 rows.
   static constexpr int kElemsPerCopy = 8;
-  static constexpr int kLanesPerRow = 4;
+  static constexpr int kLanesPerRow = kHeadDim % 64 == 0 ? 8 : 4;
   static constexpr int kRowsPerPass = 32 / kLanesPerRow;
   static constexpr int kPasses = kKeys / kRowsPerPass;
   static constexpr int kColPasses = kHeadDim / (kLanesPerRow * kElemsPerCopy);
+  static_assert(kHeadDim % (kLanesPerRow * kElemsPerCopy) == 0);
 
   static constexpr int kSmemElemsQ = cute::cosize_v<SmemLayoutQ>;
   static constexpr int kSmemElemsKV = cute::cosize_v<SmemLayoutKV>;

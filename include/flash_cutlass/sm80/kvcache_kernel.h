@@ -444,10 +444,17 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kTh
 
 // Merges the splits' partial outputs: one warp per (batch, head, query) row. With the splits'
 // log-sum-exps lse_s, lse = log(sum_s exp(lse_s)) and out = sum_s exp(lse_s - lse) * out_s; a row
-// no split saw keys for gets out 0 and lse -inf.
+// no split saw keys for gets out 0 and lse -inf. Lane l holds the weight of split l of each group
+// of 32, and the partial rows of kSplitsInFlight splits are loaded before any is summed (a loop of
+// one split at a time waited a memory latency per split: batch-1 decoding runs 33 splits).
 template <int kHeadDim, class Element>
 __global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constant__ const KVCacheParams params) {
   constexpr int kColsPerLane = kHeadDim / 32;
+  constexpr int kSplitsInFlight = 8;
+  static_assert(32 % kSplitsInFlight == 0);
+  // A lane's columns of one partial row, loaded at once where their bytes are a power of two.
+  constexpr bool kVector = (kColsPerLane & (kColsPerLane - 1)) == 0;
+  using LaneColumns = cutlass::AlignedArray<float, kColsPerLane, kVector ? 4 * kColsPerLane : 4>;
   const int lane = threadIdx.x % 32;
   const int64_t rows = int64_t(params.batch) * params.heads * params.seqlen_q;
   const int64_t index = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;  // (batch, head, query)
@@ -455,14 +462,16 @@ __global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constan
   const int query = int(index % params.seqlen_q);
   const int head = int((index / params.seqlen_q) % params.heads);
   const int batch = int(index / (int64_t(params.seqlen_q) * params.heads));
+  const int splits = params.num_splits;
+  const float* split_lse = params.lse_accum + index;  // split s at s * rows
 
   float max = -INFINITY;
-  for (int s = lane; s < params.num_splits; s += 32) max = fmaxf(max, params.lse_accum[s * rows + index]);
+  for (int s = lane; s < splits; s += 32) max = fmaxf(max, split_lse[s * rows]);
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, offset));
   float sum = 0.f;
   if (max != -INFINITY) {
-    for (int s = lane; s < params.num_splits; s += 32) sum += __expf(params.lse_accum[s * rows + index] - max);
+    for (int s = lane; s < splits; s += 32) sum += __expf(split_lse[s * rows] - max);
   }
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -472,13 +481,28 @@ __global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constan
   CUTE_UNROLL
   for (int c = 0; c < kColsPerLane; ++c) out[c] = 0.f;
   if (sum != 0.f) {
-    for (int s = 0; s < params.num_splits; ++s) {
-      const float split_lse = params.lse_accum[s * rows + index];
-      if (split_lse == -INFINITY) continue;
-      const float weight = __expf(split_lse - lse);
-      const float* partial = params.out_accum + (s * rows + index) * kHeadDim + lane * kColsPerLane;
-      CUTE_UNROLL
-      for (int c = 0; c < kColsPerLane; ++c) out[c] += weight * partial[c];
+    for (int first = 0; first < splits; first += 32) {
+      const int count = min(32, splits - first);
+      const float own_lse = lane < count ? split_lse[(first + lane) * rows] : -INFINITY;
+      const float own_weight = own_lse == -INFINITY ? 0.f : __expf(own_lse - lse);
+      for (int group = 0; group < count; group += kSplitsInFlight) {
+        LaneColumns partial[kSplitsInFlight];
+        CUTE_UNROLL
+        for (int j = 0; j < kSplitsInFlight; ++j) {
+          // Past the group's last split the last one is read again, with weight 0.
+          const int64_t s = first + min(group + j, count - 1);
+          partial[j] = *reinterpret_cast<const LaneColumns*>(params.out_accum + (s * rows + index) * kHeadDim +
+                                                             lane * kColsPerLane);
+        }
+        CUTE_UNROLL
+        for (int j = 0; j < kSplitsInFlight; ++j) {
+          const float weight = __shfl_sync(0xffffffffu, own_weight, group + j);
+          if (weight != 0.f) {
+            CUTE_UNROLL
+            for (int c = 0; c < kColsPerLane; ++c) out[c] += weight * partial[j][c];
+          }
+        }
+      }
     }
   }
   Element* dst = static_cast<Element*>(params.out) + int64_t(batch) * params.out_batch_stride +

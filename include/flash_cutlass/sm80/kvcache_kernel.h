@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kTh
 // log-sum-exps lse_s, lse = log(sum_s exp(lse_s)) and out = sum_s exp(lse_s - lse) * out_s; a row
 // no split saw keys for gets out 0 and lse -inf. Lane l holds the weight of split l of each group
 // of 32, and the partial rows of kSplitsInFlight splits are loaded before any is summed (a loop of
-// one split at a time waited a memory latency per split: batch-1 decoding runs 33 splits).
+// one split at a time waited a memory latency per split: batch-1 decoding at 32k runs 33).
 template <int kHeadDim, class Element>
 __global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constant__ const KVCacheParams params) {
   constexpr int kColsPerLane = kHeadDim / 32;

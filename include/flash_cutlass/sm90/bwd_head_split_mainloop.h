@@ -88,8 +88,6 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   static_assert(std::is_same_v<typename Traits::SmemLayoutdQ,
                                decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, typename Traits::TileDq{}))>,
                 "Fp32TileOffsets is the closed form of this layout");
-  const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
-  const Fp32TileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0 - warpgroup * (kHeadDim / Traits::kConsumerWarpgroups));
   float* sdq = storage.dq.data();
   constexpr int kDqThreads = 128 + 32;  // a warpgroup and the dQ warp
 
@@ -136,12 +134,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     } else {
       named_barrier_sync<BwdBarrier::kDqEmpty, 2, kDqThreads>();
     }
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); i += 2) {
-      // Columns col and col + 1 stay neighbours under the swizzle (it permutes 16-byte units).
-      const int offset = dq_offset(get<0>(tdQcdQ(i)) - dq_row0, get<1>(tdQcdQ(i)) - dq_col0);
-      *reinterpret_cast<float2*>(sdq + offset) = make_float2(acc_dq(i), acc_dq(i + 1));
-    }
+    store_fp32_tile<Traits::kBlockM>(sdq, acc_dq, tdQcdQ, warpgroup * (kHeadDim / Traits::kConsumerWarpgroups));
     cutlass::arch::fence_view_async_shared();
     if (warpgroup == 0) {
       named_barrier_arrive<BwdBarrier::kDqFull, 0, kDqThreads>();

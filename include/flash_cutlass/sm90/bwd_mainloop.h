@@ -277,8 +277,6 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   static_assert(std::is_same_v<typename Traits::SmemLayoutdQ,
                                decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, TileQ{}))>,
                 "Fp32TileOffsets is the closed form of this layout");
-  const int dq_row0 = get<0>(tdQcdQ(0)), dq_col0 = get<1>(tdQcdQ(0));
-  const Fp32TileOffsets<Traits::kBlockM> dq_offset(dq_row0, dq_col0);
   float* sdq = storage.dq.data();
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
@@ -333,12 +331,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
 
     // The dQ warp has read the block before's dQ out of shared memory; this block's goes in.
     if (step > 0) named_barrier_sync<BwdBarrier::kDqEmpty, 0, kDqThreads>();
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); i += 2) {
-      // Columns col and col + 1 stay neighbours under the swizzle (it permutes 16-byte units).
-      const int offset = dq_offset(get<0>(tdQcdQ(i)) - dq_row0, get<1>(tdQcdQ(i)) - dq_col0);
-      *reinterpret_cast<float2*>(sdq + offset) = make_float2(acc_dq(i), acc_dq(i + 1));
-    }
+    store_fp32_tile<Traits::kBlockM>(sdq, acc_dq, tdQcdQ, 0);
     if constexpr (kDqUnderDk) {
       warpgroup_wait<0>();  // dK, under which dQ was stored
       release_stage();

@@ -5,11 +5,11 @@
 // warpgroup stages its half of the columns (a 64 x 128 tile, the thread's columns less 128 per
 // warpgroup); and a GQA call's dK/dV tile (bwd_epilogue.h), 128 keys x 64/128 with the warpgroups
 // along the keys, 64 keys x 192/256 with them along the head dim. Build and run:
-//   nvcc -std=c++17 -I<cutlass>/include tools/check_dq_offsets.cu -o /tmp/check && /tmp/check
+//   nvcc -std=c++17 -I<cutlass>/include -Iinclude tools/check_dq_offsets.cu -o /tmp/check && /tmp/check
 // It prints the mismatches per configuration (all 0 when the closed form holds). Then
 // store_fp32_tile's stores of the dQ tiles: every element where cute's layout puts it, and the
-// shared-memory wavefronts of each warp's 64-bit store (a half-warp at a time: 1 without bank
-// conflicts). Build with -I include as well.
+// shared-memory wavefronts of each warp's 64-bit store above one a half-warp (0 without bank
+// conflicts). Exits 1 on any mismatch or excess wavefront (tests/test_tools.py runs it).
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cstdio>
@@ -87,9 +87,9 @@ int run_store(int& excess) {
       const int r = get<0>(coords(i)), c = get<1>(coords(i)) - column_shift;
       if (tile[offset_of(r, c)] != float(r * 1024 + c)) ++bad;
     }
-    // The element stored by store s sits in a slot whose column block is permuted by f (the
-    // function's): recover each store's offset from where the slot's values landed.
-    const int r8 = get<0>(coords(0)) % 8, f = (r8 & 3) ^ (r8 >> 1);
+    // Store i / 2 writes element i ^ 4 f (store_fp32_tile's permutation f of the column blocks):
+    // where that element sits is the store's offset.
+    const int f = flash_cutlass::sm90::fp32_tile_store_permutation(get<0>(coords(0)));
     offsets[t].resize(size(acc) / 2);
     for (int i = 0; i < size(acc); i += 2) {
       const int j = i ^ (4 * f);
@@ -125,8 +125,12 @@ int main() {
             b3 = run_store<64, 256, true>(e3), b4 = run_store<64, 192, true>(e4);
   printf("store_fp32_tile misplaced / excess wavefronts: 64x64 %d / %d, 64x128 %d / %d, 128x64 %d / %d, "
          "64x256 in halves %d / %d, 64x192 in halves %d / %d\n", b0, e0, b1, e1, b2, e2, b3, e3, b4, e4);
-  printf("dQ: 64x64 %d 64x128 %d 128x64 %d 128x128 %d 64x256 in halves %d\n", run<64, 64>(), run<64, 128>(),
-         run<128, 64>(), run<128, 128>(), run<64, 256, true>());
-  printf("dK/dV: 128x64 %d 128x128 %d 64x192 %d 64x256 %d\n", run<128, 64, false, true>(), run<128, 128, false, true>(),
-         run<64, 192>(), run<64, 256>());
+  const int q[5] = {run<64, 64>(), run<64, 128>(), run<128, 64>(), run<128, 128>(), run<64, 256, true>()};
+  printf("dQ: 64x64 %d 64x128 %d 128x64 %d 128x128 %d 64x256 in halves %d\n", q[0], q[1], q[2], q[3], q[4]);
+  const int kv[4] = {run<128, 64, false, true>(), run<128, 128, false, true>(), run<64, 192>(), run<64, 256>()};
+  printf("dK/dV: 128x64 %d 128x128 %d 64x192 %d 64x256 %d\n", kv[0], kv[1], kv[2], kv[3]);
+  int failures = b0 + b1 + b2 + b3 + b4 + e0 + e1 + e2 + e3 + e4;
+  for (int v : q) failures += v;
+  for (int v : kv) failures += v;
+  return failures == 0 ? 0 : 1;
 }

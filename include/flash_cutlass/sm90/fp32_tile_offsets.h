@@ -31,6 +31,12 @@ struct Fp32TileOffsets {
   }
 };
 
+// store_fp32_tile's permutation f of the column blocks of row `row` (below).
+CUTE_HOST_DEVICE int fp32_tile_store_permutation(int row) {
+  const int r = row % 8;
+  return (r & 3) ^ (r >> 1);
+}
+
 // Stores a thread's fp32 wgmma accumulator fragment into a 128-byte-swizzled fp32 tile of kBlockM
 // rows, 64 bits a store, without bank conflicts. `coords`: each element's (row, column) in the tile
 // less `col_offset`. A warp's 64-bit store of one 8-column block (8 rows of 32 bytes) goes a
@@ -48,8 +54,7 @@ CUTE_HOST_DEVICE void store_fp32_tile(float* tile, Acc const& acc, Coords const&
                 decltype(size<0, 1>(acc))::value == 2 && decltype(size<0, 2>(acc))::value % 4 == 0);
   const int row0 = get<0>(coords(0)), col0 = get<1>(coords(0)) - col_offset;
   const Fp32TileOffsets<kBlockM> offset_of(row0, col0);
-  const int r = row0 % 8;
-  const int f = (r & 3) ^ (r >> 1);
+  const int f = fp32_tile_store_permutation(row0);
   // The slot of block k stores block k ^ f: its XOR term 4 ((2 (k ^ f)) ^ row_bits).
   const int permuted_bits = offset_of.row_bits ^ (2 * f);
   constexpr int kElements = decltype(size(acc))::value;

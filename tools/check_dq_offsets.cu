@@ -9,7 +9,7 @@
 // It prints the mismatches per configuration (all 0 when the closed form holds). Then
 // store_fp32_tile's stores of the dQ tiles: every element where cute's layout puts it, and the
 // shared-memory wavefronts of each warp's 64-bit store above one a half-warp (0 without bank
-// conflicts). Exits 1 on any mismatch or excess wavefront (tests/test_tools.py runs it).
+// conflicts). Exits 1 on any mismatch or excess wavefront (tests/test_dq_offsets.py runs it).
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cstdio>

@@ -26,8 +26,12 @@ struct Fp32TileOffsets {
         row_bits(row0 % 8 & 6) {}
 
   // dr, dc: the element's distance from (row0, col0), multiples of 8.
-  CUTE_HOST_DEVICE int operator()(int dr, int dc) const {
-    return base + (dc / 32) * (kBlockM * 32) + (dr / 8) * 256 + 4 * ((2 * ((dc % 32) / 8)) ^ row_bits);
+  CUTE_HOST_DEVICE int operator()(int dr, int dc) const { return with_xor_bits(dr, dc, row_bits); }
+
+  // The same with the 16-byte unit's XOR term taken from `xor_bits` instead of row_bits
+  // (store_fp32_tile's permuted column blocks).
+  CUTE_HOST_DEVICE int with_xor_bits(int dr, int dc, int xor_bits) const {
+    return base + (dc / 32) * (kBlockM * 32) + (dr / 8) * 256 + 4 * ((2 * ((dc % 32) / 8)) ^ xor_bits);
   }
 };
 
@@ -65,9 +69,8 @@ CUTE_HOST_DEVICE void store_fp32_tile(float* tile, Acc const& acc, Coords const&
   for (int i = 0; i < kElements; ++i) permuted[i] = (f & 2) ? swapped[i ^ 8] : swapped[i];
   CUTE_UNROLL
   for (int i = 0; i < kElements; i += 2) {
-    const int dr = get<0>(coords(i)) - row0, dc = get<1>(coords(i)) - col_offset - col0;
-    const int offset = offset_of.base + (dc / 32) * (kBlockM * 32) + (dr / 8) * 256 +
-                       4 * ((2 * ((dc % 32) / 8)) ^ permuted_bits);
+    const int offset = offset_of.with_xor_bits(get<0>(coords(i)) - row0, get<1>(coords(i)) - get<1>(coords(0)),
+                                               permuted_bits);
     *reinterpret_cast<float2*>(tile + offset) = make_float2(permuted[i], permuted[i + 1]);
   }
 }

@@ -395,13 +395,17 @@ def packed_for_forward(call, seqlen_new):
     return torch.cat(keys), torch.cat(values), cu_seqlens_k
 
 
-@pytest.mark.parametrize("page_size,cache_batch_idx", [(None, False), (None, True), (16, False), (256, False)],
-                         ids=["contiguous_in_place", "contiguous_batch_idx", "p16", "p256"])
+@pytest.mark.parametrize("page_size,cache_batch_idx",
+                         [(None, False), (None, True), (1, False), (8, False), (16, False), (24, False),
+                          (64, False), (256, False)],
+                         ids=["contiguous_in_place", "contiguous_batch_idx", "p1", "p8", "p16", "p24", "p64", "p256"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cache_batch_idx, causal):
     """On the Hopper path the call is flash_forward_varlen over the gathered caches, to the bit
     (the KV-cache kernel's other tiles round differently): the route is the one taken, whether it
-    reads a contiguous cache in place or gathers it (cache_batch_idx, pages). With the append."""
+    reads a contiguous cache in place, a paged one in place through its block table (pages of a
+    multiple of 8 rows, in boxes of 8 rows: 8, 16, 24, 64, 256) or gathers it (cache_batch_idx, page
+    size 1). With the append."""
     requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = prefill_call(gen, page_size, PREFILL_SEQLEN_Q, cache_batch_idx=cache_batch_idx)
@@ -437,6 +441,56 @@ def test_chunked_prefill_nan_past_each_length_does_not_reach_the_output(cuda_gen
     out_poisoned, lse_poisoned = run(poisoned, causal=True)
     assert not out_poisoned.isnan().any() and not lse_poisoned.isnan().any()
     assert torch.equal(out_poisoned, out) and torch.equal(lse_poisoned, lse)
+
+
+def poison_past_lengths(call, lengths):
+    """NaN in every cache row a paged call's sequences do not hold (past each length in its pages,
+    and the pool's spare pages); their block-table entries past the pages they need out of range."""
+    table = call["block_table"]
+    page_size = call["k_cache"].shape[1]
+    used = torch.zeros(call["k_cache"].shape[:2], dtype=torch.bool, device=table.device)
+    for b, length in enumerate(lengths):
+        pages = -(-length // page_size)
+        for j in range(pages):
+            used[table[b, j], :min(page_size, length - j * page_size)] = True
+        table[b, pages:] = torch.tensor([10**6, -3], dtype=torch.int32).repeat(table.shape[1])[:table.shape[1] - pages]
+    for name in ("k_cache", "v_cache"):
+        call[name][~used] = float("nan")
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 24, 256], ids=["p1", "p16", "p24", "p256"])
+def test_chunked_prefill_paged_nan_and_bad_ids_past_each_length(cuda_gen, page_size):
+    """Rows past each sequence's length (inside its last page, its other pages, the spare pages) hold
+    NaN and its block-table entries past its pages point out of the cache: neither reaches the
+    output, whichever way the route reads the pages (in place, or gathered at page size 1)."""
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    seqlens = (5, 400, 0, 770)
+    call = prefill_call(gen, page_size, 0, seqlens=seqlens)
+    poisoned = cloned(call)
+    poison_past_lengths(poisoned, seqlens)
+    out, lse = run(call, causal=True)
+    out_poisoned, lse_poisoned = run(poisoned, causal=True)
+    assert not out_poisoned.isnan().any() and not lse_poisoned.isnan().any()
+    assert torch.equal(out_poisoned, out) and torch.equal(lse_poisoned, lse)
+
+
+@pytest.mark.parametrize("page_size", [16, 256], ids=["p16", "p256"])
+def test_chunked_prefill_out_of_range_block_ids_are_clamped(cuda_gen, page_size):
+    """Block ids inside a sequence's length that point out of the cache read the clamped page, as
+    the KV-cache kernel and the gather do, and nothing outside the cache."""
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = prefill_call(gen, page_size, 0, seqlens=(300, 700))
+    pool = call["k_cache"].shape[0]
+    wild = cloned(call)
+    wild["block_table"][0, 0] = 10**6
+    wild["block_table"][1, 1] = -9
+    clamped = cloned(call)
+    clamped["block_table"][0, 0] = pool - 1
+    clamped["block_table"][1, 1] = 0
+    out_wild, lse_wild = run(wild, causal=True)
+    out_clamped, lse_clamped = run(clamped, causal=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out_wild, out_clamped) and torch.equal(lse_wild, lse_clamped)
 
 
 def test_chunked_prefill_paged_is_bitwise_contiguous(cuda_gen):

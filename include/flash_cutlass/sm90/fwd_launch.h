@@ -51,7 +51,19 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_STORE{}, out, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
       store_o_with_tma,
       PersistentWork{},
+      typename Traits::TmaKVBox{},
+      typename Traits::TmaKVBox{},
   };
+  // Over a paged cache, K and V also in boxes of page rows (fwd_producer.h, load_tile_paged).
+  const bool paged = params.paged_block_table != nullptr;
+  if (paged) {
+    if (params.cu_seqlens_k == nullptr || params.paged_page_size % kPagedBoxRows != 0 || params.paged_pages < 1) {
+      return cudaErrorInvalidValue;
+    }
+    using BoxShape = Shape<Int<kPagedBoxRows>, Int<Traits::kAtomColumns>>;
+    kernel_params.tma_k_box = make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemAtom{}, BoxShape{}, _1{});
+    kernel_params.tma_v_box = make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemAtom{}, BoxShape{}, _1{});
+  }
 
   // A persistent grid (tile_config.h, per head dim): CTAs take tiles in turn, causal ones in pairs
   // whose costs add up to about the same and the pairs' last waves as single tiles (block_info.h:
@@ -85,7 +97,8 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
     if (params.sequence_descriptors == nullptr) return cudaErrorInvalidValue;
     constexpr int kSequencesPerCta = 128;
     shift_value_descriptors<Element><<<(params.batch + kSequencesPerCta - 1) / kSequencesPerCta, kSequencesPerCta, 0,
-                                       stream>>>(*kernel_params.tma_v.get_tma_descriptor(), params);
+                                       stream>>>(
+        paged ? *kernel_params.tma_v_box.get_tma_descriptor() : *kernel_params.tma_v.get_tma_descriptor(), params);
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
   }

@@ -2,7 +2,8 @@
 // Q and its K/V blocks into shared memory with TMA, through the K/V pipeline's stages and Q's
 // full/empty barrier pair, running ahead into the next tile while the consumers finish this one.
 // In a variable-length call V comes through its sequence's own descriptor (sequence_descriptors.h),
-// so that the rows a tile reads past the sequence arrive as zeros.
+// so that the rows a tile reads past the sequence arrive as zeros. Over a paged cache the whole
+// producer warp loads K and V in boxes of page rows (load_tile_paged).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -10,6 +11,7 @@
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/fwd_kernel_params.h"
+#include "flash_cutlass/sm90/paged_keys.h"
 #include "flash_cutlass/sm90/sequence_descriptors.h"
 #include "flash_cutlass/sm90/tile_config.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
@@ -101,6 +103,88 @@ struct FwdProducer {
       ++state;
     }
     timeline.stamp(0, kLoadsIssued);
+  }
+
+  // A paged forward's tile (FwdParams::paged_block_table), run by every lane of the producer warp:
+  // the same order of loads, each K and V stage in Traits::kPagedBoxes boxes of one swizzle atom
+  // (kPagedBoxRows rows of one page), which the lanes share, each looking up its boxes' pages;
+  // lane 0, the pipelines' leader, also loads Q. The boxes at and past the sequence's end arrive
+  // with zeros past its last key: K's past it from past the cache's rows (K's rows past the end
+  // inside the last key's box may hold anything: the consumers mask their scores), V's through the
+  // sequence's own descriptor (sequence_descriptors.h).
+  __device__ __forceinline__ void load_tile_paged(QueryTile tile, int lane) {
+    using namespace cute;
+    const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
+    if (!work.in_sequence() || !work.has_keys()) return;
+    const int head = work.tile.head;
+    const int head_k = kv_head_of(head, params);
+    const int sequence = work.tile.batch;
+    const int seqlen_k = work.sequence.seqlen_k;
+    const int cache_rows = tma_extents(params).rows_k;
+    const int v_row_origin = value_row_origin(params, work.sequence);
+    const auto* v_end_descriptor = static_cast<TmaDescriptor const*>(params.sequence_descriptors) + sequence;
+    tma_descriptor_fence_acquire(v_end_descriptor);  // written by shift_value_descriptors, before this kernel
+    Tensor mKBox = kernel_params.tma_k_box.get_tma_tensor(shape(mK));
+    Tensor mVBox = kernel_params.tma_v_box.get_tma_tensor(shape(mV));
+    using BoxShape = Shape<Int<kPagedBoxRows>, Int<Traits::kAtomColumns>>;
+    constexpr int kBoxGroups = kBlockN / kPagedBoxRows;  // boxes down a stage
+
+    // Box `box` of key block n_block's K (kKeys) or V stage: its rows from the page that holds them,
+    // or as described above.
+    auto load_box = [&](auto keys, int n_block, int box) __attribute__((always_inline)) {
+      constexpr bool kKeys = decltype(keys)::value;
+      const int group = box % kBoxGroups;
+      const int column_block = box / kBoxGroups;
+      const int key = n_block * kBlockN + group * kPagedBoxRows;
+      const bool inside = key + kPagedBoxRows <= seqlen_k;
+      int row;
+      if constexpr (kKeys) row = key < seqlen_k ? paged_key_row(params, sequence, key) : cache_rows;
+      else row = inside ? paged_key_row(params, sequence, key) : v_row_origin + key;
+      Tensor gBox = local_tile(domain_offset(make_coord(row, _0{}), (kKeys ? mKBox : mVBox)(_, _, head_k, 0)),
+                               BoxShape{}, make_coord(_0{}, column_block));
+      auto* stage_base = (kKeys ? storage.k : storage.v).data();
+      Tensor sBox = make_tensor(make_smem_ptr(stage_base + box_origin(typename Traits::SmemLayoutKV{},
+                                                                      group * kPagedBoxRows,
+                                                                      column_block * Traits::kAtomColumns,
+                                                                      state.index())),
+                                typename Traits::SmemAtom{});
+      auto& tma = kKeys ? kernel_params.tma_k_box : kernel_params.tma_v_box;
+      auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sBox), group_modes<0, 2>(gBox));
+      if constexpr (kKeys) {
+        copy(tma.with(*pipeline_k.producer_get_barrier(state)), tg, ts);
+      } else {
+        copy(tma.with(inside ? tma.get_tma_descriptor() : v_end_descriptor, *pipeline_v.producer_get_barrier(state)),
+             tg, ts);
+      }
+    };
+    auto load_stage = [&](auto keys, int n_block) __attribute__((always_inline)) {
+      CUTE_UNROLL
+      for (int box = lane; box < Traits::kPagedBoxes; box += 32) load_box(keys, n_block, box);
+    };
+
+    const int last = work.key_blocks.end - 1;
+    pipeline_k.producer_acquire(state);
+    load_stage(true_type{}, last);
+    if (lane == 0) {
+      Tensor gQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mQ(_, _, head, 0)),
+                             select<0, 2>(TileShape{}), make_coord(work.tile.m_block, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                        group_modes<0, 2>(gQ));
+      if (q_loads > 0) storage.q_empty.wait((q_loads - 1) & 1);
+      storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
+      copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
+    }
+    ++q_loads;
+    pipeline_v.producer_acquire(state);
+    load_stage(false_type{}, last);
+    ++state;
+    for (int n_block = last - 1; n_block >= work.key_blocks.begin; --n_block) {
+      pipeline_k.producer_acquire(state);
+      load_stage(true_type{}, n_block);
+      pipeline_v.producer_acquire(state);
+      load_stage(false_type{}, n_block);
+      ++state;
+    }
   }
 };
 

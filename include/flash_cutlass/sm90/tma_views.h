@@ -1,6 +1,7 @@
 // The global tensors the Hopper path's TMA copies address: (rows, head_dim, heads, batch) views of
 // an operand, head_dim contiguous, and their extents for a call: (seqlen, batch) per sequence, or
-// (total rows, 1) in a variable-length call, each sequence's rows reached from its first one.
+// (total rows, 1) in a variable-length call, each sequence's rows reached from its first one (or,
+// over a paged cache, the cache's rows, reached through its pages).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,10 @@ struct TmaExtents {
 
 __host__ __device__ inline TmaExtents tma_extents(FwdParams const& params) {
   if (params.cu_seqlens_q == nullptr) return {params.seqlen_q, params.seqlen_k, params.batch};
+  // A paged cache's rows (< 2^31: the host checks), which the sequences' keys index through pages.
+  if (params.paged_block_table != nullptr) {
+    return {int(params.total_q), params.paged_pages * params.paged_page_size, 1};
+  }
   return {int(params.total_q), int(params.total_k), 1};
 }
 

@@ -626,8 +626,9 @@ KVCacheDevice kvcache_device(int index) {
 // (no cache_batch_idx, rows capacity positions apart) in place, as (1, batch x capacity, heads_k,
 // head_dim), each sequence followed by a sequence of no queries holding the rest of its row
 // (flash_kvcache_sequences_sm80); a paged cache of pages of a multiple of kPagedBoxRows rows in
-// place too, as (1, pages x page_size, ...), its keys reached through the block table in the same
-// numbering (FwdParams::paged_block_table); other caches gathered into packed keys and values of
+// place too under a causal mask without score options (select.h, sm90_forward_reads_pages), as
+// (1, pages x page_size, ...), its keys reached through the block table in the same numbering
+// (FwdParams::paged_block_table); other caches gathered into packed keys and values of
 // batch x capacity rows (flash_kvcache_gather_sm80; no length is read on the host). ALiBi slopes
 // per sequence would be indexed by the in-place numbering, so they take the copy.
 enum class PrefillRead { kGather, kContiguousInPlace, kPagedInPlace };
@@ -645,9 +646,12 @@ PrefillRead prefill_read(KVCacheParams const& params, AttentionOptions const& op
     return params.cache_batch_idx == nullptr && rows_apart(params.capacity) ? PrefillRead::kContiguousInPlace
                                                                              : PrefillRead::kGather;
   }
+  const bool alibi = options.alibi_slopes.has_value() && options.alibi_slopes->defined();
+  const MaskKind mask = WindowReach(options, params.seqlen_q, params.capacity).mask_kind(options.causal);
+  const Extension extension = options.softcap > 0 || alibi ? Extension::kScoreMods : Extension::kNone;
   const bool whole_boxes = params.page_size % kPagedBoxRows == 0 && rows_apart(params.page_size) &&
                            int64_t(params.num_pages) * params.page_size < (int64_t(1) << 31);
-  return whole_boxes ? PrefillRead::kPagedInPlace : PrefillRead::kGather;
+  return whole_boxes && sm90_forward_reads_pages(mask, extension) ? PrefillRead::kPagedInPlace : PrefillRead::kGather;
 }
 
 // Whether a KV-cache call runs as chunked prefill through the Hopper forward (select.h,

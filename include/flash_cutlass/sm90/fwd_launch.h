@@ -22,7 +22,7 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   using Element = typename Traits::Element;
   using TileShape = typename Traits::TileShape;
 
-  const TmaExtents extents = tma_extents(params);
+  const TmaExtents extents = params.paged_block_table != nullptr ? tma_extents<true>(params) : tma_extents(params);
   const auto q = gmem_tensor<Traits>(static_cast<Element const*>(params.q), extents.rows_q, params.head_dim, params.heads, extents.batch,
                                      params.q_row_stride, params.q_head_stride, params.q_batch_stride);
   const auto k = gmem_tensor<Traits>(static_cast<Element const*>(params.k), extents.rows_k, params.head_dim, params.heads_k, extents.batch,
@@ -55,14 +55,16 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       typename Traits::TmaKVBox{},
   };
   // Over a paged cache, K and V also in boxes of page rows (fwd_producer.h, load_tile_paged).
+  constexpr bool kReadsPages = sm90_forward_reads_pages(kMaskKind, kExtension);
   const bool paged = params.paged_block_table != nullptr;
   if (paged) {
-    if (params.cu_seqlens_k == nullptr || params.paged_page_size % kPagedBoxRows != 0 || params.paged_pages < 1) {
+    if (!kReadsPages || params.cu_seqlens_k == nullptr || params.paged_page_size % kPagedBoxRows != 0 ||
+        params.paged_pages < 1) {
       return cudaErrorInvalidValue;
     }
     using BoxShape = Shape<Int<kPagedBoxRows>, Int<Traits::kAtomColumns>>;
-    kernel_params.tma_k_box = make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemAtom{}, BoxShape{}, _1{});
-    kernel_params.tma_v_box = make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemAtom{}, BoxShape{}, _1{});
+    kernel_params.tma_k_box = make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKVBox{}, BoxShape{}, _1{});
+    kernel_params.tma_v_box = make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKVBox{}, BoxShape{}, _1{});
   }
 
   // A persistent grid (tile_config.h, per head dim): CTAs take tiles in turn, causal ones in pairs
@@ -102,8 +104,14 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
   }
-  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
-                       kernel_params, stream);
+  if constexpr (kReadsPages) {
+    if (paged) {
+      return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension, true>, num_ctas, Traits::kThreads,
+                           Traits::kSmemBytes, kernel_params, stream);
+    }
+  }
+  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension, false>, num_ctas, Traits::kThreads,
+                       Traits::kSmemBytes, kernel_params, stream);
 }
 
 // The launch for a head dim and dtype: its traits from FwdTileSizes, or FwdWideTileSizes where

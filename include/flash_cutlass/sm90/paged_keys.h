@@ -16,10 +16,11 @@ __device__ __forceinline__ int paged_key_row(FwdParams const& params, int sequen
   return page * params.paged_page_size + key % params.paged_page_size;
 }
 
-// The element offset, in a K/V stage layout tiled from GMMA's swizzle atoms (kPagedBoxRows rows of
-// one swizzle span each), of the atom whose first element is (row, col, stage): the origin of one
-// TMA box. An atom's origin is aligned to the atom's bytes, so the swizzle leaves it in place and
-// TMA's own swizzle of the box (by address bits) lays it out as the atom does.
+// The element offset, in a K/V stage layout tiled from GMMA's swizzle atoms (8 rows of one swizzle
+// span each, stacked down a stage), of the atom whose first element is (row, col, stage): the
+// origin of one TMA box of whole atoms. An atom's origin is aligned to the atom's bytes, so the
+// swizzle leaves it in place and TMA's own swizzle of the box (by address bits) lays it out as the
+// atoms do.
 template <class SwizzledLayout>
 __host__ __device__ constexpr int box_origin(SwizzledLayout layout, int row, int col, int stage) {
   return int(cute::get_nonswizzle_portion(layout)(row, col, stage));

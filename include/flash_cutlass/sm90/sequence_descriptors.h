@@ -24,8 +24,9 @@ inline constexpr int kSequenceDescriptorBytes = int(sizeof(cute::TmaDescriptor))
 // the view's rows (tma_extents) ending at the sequence's last key, so keys past the sequence lie
 // past its extent. Over a paged cache only the keys of the last key's page are where this puts
 // them (paged_keys.h; the producer reads the rest through the cache's own descriptor).
+template <bool kPagedKV>
 __device__ __forceinline__ int value_row_origin(FwdParams const& params, Sequence const& sequence) {
-  return tma_extents(params).rows_k - sequence.seqlen_k;
+  return tma_extents<kPagedKV>(params).rows_k - sequence.seqlen_k;
 }
 
 // One thread per sequence: copies value_descriptor (built over the packed V, or over a paged cache
@@ -48,7 +49,7 @@ __global__ void shift_value_descriptors(const __grid_constant__ cute::TmaDescrip
   if (!paged || (rows.length > 0 && batch % 2 == 0)) {
     const int64_t end_row =
         paged ? int64_t(paged_key_row(params, batch, rows.length - 1)) + 1 : int64_t(rows.start) + rows.length;
-    const int64_t first_row = end_row - tma_extents(params).rows_k;
+    const int64_t first_row = end_row - (paged ? tma_extents<true>(params) : tma_extents(params)).rows_k;
     const auto* base = static_cast<Element const*>(params.v) + first_row * params.v_row_stride;
     cute::tma_descriptor_replace_addr_in_global_mem(descriptor, base);
   }

@@ -161,12 +161,14 @@ struct FwdKernelTraits {
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                              cute::take<0, 2>(SmemLayoutKV{}), cute::select<1, 2>(TileShape{}),
                                              cute::_1{}));
-  // A paged cache's K or V (FwdParams::paged_block_table) in boxes of one swizzle atom: kPagedBoxRows
-  // rows of one page, one swizzle span of columns (fwd_producer.h).
-  static_assert(cute::size<0>(SmemAtom{}) == kPagedBoxRows, "a box of page rows is one swizzle atom high");
+  // A paged cache's K or V (FwdParams::paged_block_table) in boxes of kPagedBoxRows rows of one page
+  // and one swizzle span of columns: a stack of swizzle atoms, contiguous in a stage (fwd_producer.h).
+  static_assert(kBlockN % kPagedBoxRows == 0, "key blocks of whole page boxes");
   static constexpr int kAtomColumns = int(cute::size<1>(SmemAtom{}));
   static constexpr int kPagedBoxes = kBlockN / kPagedBoxRows * (kHeadDim / kAtomColumns);  // a stage's
-  using TmaKVBox = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemAtom{},
+  using SmemLayoutKVBox = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kPagedBoxRows>, cute::Int<kAtomColumns>>{}));
+  using TmaKVBox = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKVBox{},
                                                 cute::Shape<cute::Int<kPagedBoxRows>, cute::Int<kAtomColumns>>{},
                                                 cute::_1{}));
 };

@@ -19,12 +19,12 @@ struct TmaExtents {
   int batch;
 };
 
+// kPagedKV: K and V are a paged cache (FwdParams::paged_block_table), whose rows (< 2^31: the host
+// checks) the sequences' keys index through their pages.
+template <bool kPagedKV = false>
 __host__ __device__ inline TmaExtents tma_extents(FwdParams const& params) {
   if (params.cu_seqlens_q == nullptr) return {params.seqlen_q, params.seqlen_k, params.batch};
-  // A paged cache's rows (< 2^31: the host checks), which the sequences' keys index through pages.
-  if (params.paged_block_table != nullptr) {
-    return {int(params.total_q), params.paged_pages * params.paged_page_size, 1};
-  }
+  if constexpr (kPagedKV) return {int(params.total_q), params.paged_pages * params.paged_page_size, 1};
   return {int(params.total_q), int(params.total_k), 1};
 }
 

@@ -97,16 +97,6 @@ struct AttentionOptions {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   KernelChoice kernel = KernelChoice::kAuto;
   bool deterministic = false;
-  // Chunked prefill over a paged cache (kvcache_prefill_forward): k and v are the caches' rows, the
-  // cumulative lengths number batch x capacity positions in the in-place form's pairs
-  // (FwdParams::paged_block_table). block_table null: none.
-  struct PagedKeys {
-    const int* block_table = nullptr;
-    int64_t block_table_stride = 0;
-    int page_size = 0;
-    int pages = 0;
-    int64_t positions = 0;  // batch x capacity
-  } paged;
 
   bool is_varlen() const { return cu_seqlens_q.has_value() && cu_seqlens_q->defined(); }
 };
@@ -367,24 +357,6 @@ void set_varlen_params(FwdParams& params, AttentionOptions const& options, const
   params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.out_batch_stride = 0;
 }
 
-// A variable-length call's keys read through a paged cache's block table (options.paged): the
-// sequences' lengths are bounded by the positions the cumulative lengths number, not by the rows
-// of k and v (the cache's).
-void set_paged_params(FwdParams& params, AttentionOptions const& options) {
-  const AttentionOptions::PagedKeys& paged = options.paged;
-  FLASH_CHECK(options.is_varlen() && paged.page_size > 0 && paged.page_size % kPagedBoxRows == 0 &&
-                  int64_t(paged.pages) * paged.page_size == params.total_k && paged.positions > 0 &&
-                  paged.positions < (int64_t(1) << 31),
-              "a paged forward is a variable-length call over the cache's pages, of a multiple of ", kPagedBoxRows,
-              " rows each");
-  params.paged_block_table = paged.block_table;
-  params.paged_block_table_stride = paged.block_table_stride;
-  params.paged_page_size = paged.page_size;
-  params.paged_pages = paged.pages;
-  params.total_k = paged.positions;
-  params.seqlen_k = static_cast<int>(std::min(options.max_seqlen_k, params.total_k));
-}
-
 // Writes the pointers and (batch, row, head) strides of k and v (or of a KV cache) into params.
 void set_key_value_params(FwdParams& params, const at::Tensor& k, const at::Tensor& v) {
   params.k = k.data_ptr();
@@ -420,7 +392,6 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
   params.head_dim = static_cast<int>(shape.head_dim);
   params.softmax_scale = static_cast<float>(options.softmax_scale);
   if (options.is_varlen()) set_varlen_params(params, options, q);
-  if (options.paged.block_table != nullptr) set_paged_params(params, options);
   set_extended_params(params, options, q);
   set_mask_params(params, options);
 }
@@ -622,49 +593,14 @@ KVCacheDevice kvcache_device(int index) {
   return {index, sm_count, smem};
 }
 
-// How chunked prefill's forward reads the caches: a contiguous cache whose rows are the sequences
-// (no cache_batch_idx, rows capacity positions apart) in place, as (1, batch x capacity, heads_k,
-// head_dim), each sequence followed by a sequence of no queries holding the rest of its row
-// (flash_kvcache_sequences_sm80); a paged cache of pages of a multiple of kPagedBoxRows rows in
-// place too under a causal mask without score options (select.h, sm90_forward_reads_pages), as
-// (1, pages x page_size, ...), its keys reached through the block table in the same numbering
-// (FwdParams::paged_block_table); other caches gathered into packed keys and values of
-// batch x capacity rows (flash_kvcache_gather_sm80; no length is read on the host). ALiBi slopes
-// per sequence would be indexed by the in-place numbering, so they take the copy.
-enum class PrefillRead { kGather, kContiguousInPlace, kPagedInPlace };
-
-PrefillRead prefill_read(KVCacheParams const& params, AttentionOptions const& options, const at::Tensor& k_cache,
-                         const at::Tensor& v_cache) {
-  const bool alibi_per_sequence =
-      options.alibi_slopes.has_value() && options.alibi_slopes->defined() && options.alibi_slopes->dim() == 2;
-  const int64_t positions = int64_t(params.batch) * params.capacity;
-  if (alibi_per_sequence || positions >= (int64_t(1) << 31)) return PrefillRead::kGather;
-  auto rows_apart = [&](int64_t rows) {
-    return k_cache.stride(0) == rows * k_cache.stride(1) && v_cache.stride(0) == rows * v_cache.stride(1);
-  };
-  if (params.block_table == nullptr) {
-    return params.cache_batch_idx == nullptr && rows_apart(params.capacity) ? PrefillRead::kContiguousInPlace
-                                                                             : PrefillRead::kGather;
-  }
-  const bool alibi = options.alibi_slopes.has_value() && options.alibi_slopes->defined();
-  const MaskKind mask = WindowReach(options, params.seqlen_q, params.capacity).mask_kind(options.causal);
-  const Extension extension = options.softcap > 0 || alibi ? Extension::kScoreMods : Extension::kNone;
-  const bool whole_boxes = params.page_size % kPagedBoxRows == 0 && rows_apart(params.page_size) &&
-                           int64_t(params.num_pages) * params.page_size < (int64_t(1) << 31);
-  return whole_boxes && sm90_forward_reads_pages(mask, extension) ? PrefillRead::kPagedInPlace : PrefillRead::kGather;
-}
-
 // Whether a KV-cache call runs as chunked prefill through the Hopper forward (select.h,
-// kvcache_prefill_may_gather): the shapes allow it (a gather's copy of at most
-// kKVCachePrefillMaxGatherBytes), the Hopper forward runs the head dim on this GPU without padding,
-// and the build holds the forward kernels of the call's mask and score options (set_mask_params
-// and set_extended_params decide them as below).
+// kvcache_prefill_may_gather): the shapes allow it, the Hopper forward runs the head dim on this
+// GPU without padding, and the build holds the forward kernels of the call's mask and score options
+// (set_mask_params and set_extended_params decide them as below).
 bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions const& options, const at::Tensor& q,
-                                  const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t num_splits) {
+                                  int64_t num_splits) {
   const int64_t gather_bytes =
-      prefill_read(params, options, k_cache, v_cache) == PrefillRead::kGather
-          ? 2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size()
-          : 0;
+      2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size();
   if (!kvcache_prefill_may_gather(params.seqlen_q, params.capacity, gather_bytes, num_splits)) return false;
   if (params.batch > 65535 || params.heads_k > 65535) return false;  // the gather's grid
   int major = 0, minor = 0;
@@ -678,11 +614,16 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
          WindowReach(options, params.seqlen_q, params.capacity).mask_kind(options.causal) != MaskKind::kLocal;
 }
 
-// What chunked prefill's forward reads (prefill_read): keys and values as (1, rows, heads_k,
-// head_dim) and the cumulative lengths, (2, sequences + 1).
+// What chunked prefill's forward reads: keys and values as (1, rows, heads_k, head_dim) and the
+// cumulative lengths, (2, sequences + 1). A contiguous cache whose rows are the sequences (no
+// cache_batch_idx, rows capacity positions apart) in place, each sequence followed by a sequence of
+// no queries holding the rest of its row (flash_kvcache_sequences_sm80; ALiBi slopes per sequence
+// would then be indexed by that numbering, so they take the copy); other caches gathered into
+// packed keys and values of batch x capacity rows (flash_kvcache_gather_sm80; no length is read on
+// the host).
 struct PrefillGather {
   at::Tensor k, v, cu_seqlens;
-  PrefillRead read = PrefillRead::kGather;
+  bool in_place = false;
 };
 
 // The forward's operands, or none where the GPU's memory cannot hold the gather's copy: the
@@ -691,20 +632,22 @@ struct PrefillGather {
 std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, AttentionOptions const& options,
                                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                     const at::Tensor& q) {
-  const int64_t positions = int64_t(params.batch) * params.capacity;
+  const int64_t rows = int64_t(params.batch) * params.capacity;
+  const bool alibi_per_sequence =
+      options.alibi_slopes.has_value() && options.alibi_slopes->defined() && options.alibi_slopes->dim() == 2;
   PrefillGather gather;
-  gather.read = prefill_read(params, options, k_cache, v_cache);
+  gather.in_place = params.block_table == nullptr && params.cache_batch_idx == nullptr && !alibi_per_sequence &&
+                    k_cache.stride(0) == params.capacity * k_cache.stride(1) &&
+                    v_cache.stride(0) == params.capacity * v_cache.stride(1);
   try {
-    if (gather.read == PrefillRead::kGather) {
-      gather.k = at::empty({1, positions, params.heads_k, params.head_dim}, q.options());
-      gather.v = at::empty_like(gather.k);
-    } else {
-      const int64_t rows = gather.read == PrefillRead::kPagedInPlace ? int64_t(params.num_pages) * params.page_size
-                                                                      : positions;
+    if (gather.in_place) {
       gather.k = k_cache.view({1, rows, params.heads_k, params.head_dim});
       gather.v = v_cache.view({1, rows, params.heads_k, params.head_dim});
+    } else {
+      gather.k = at::empty({1, rows, params.heads_k, params.head_dim}, q.options());
+      gather.v = at::empty_like(gather.k);
     }
-    const int64_t sequences = gather.read == PrefillRead::kGather ? params.batch : 2 * int64_t(params.batch);
+    const int64_t sequences = gather.in_place ? 2 * int64_t(params.batch) : params.batch;
     gather.cu_seqlens = at::empty({2, sequences + 1}, q.options().dtype(at::kInt));
     return gather;
   } catch (const c10::OutOfMemoryError&) {
@@ -722,9 +665,9 @@ void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& g
   const int64_t batch = params.batch, seqlen_q = params.seqlen_q, heads = params.heads;
   const int64_t head_dim = params.head_dim;
   const at::Tensor& cu_seqlens = gather.cu_seqlens;
-  const bool copies = gather.read == PrefillRead::kGather;
-  const KVCachePacked packed{copies ? gather.k.data_ptr() : nullptr, copies ? gather.v.data_ptr() : nullptr,
-                             cu_seqlens.data_ptr<int>(), cu_seqlens.data_ptr<int>() + cu_seqlens.size(1)};
+  const KVCachePacked packed{gather.in_place ? nullptr : gather.k.data_ptr(),
+                             gather.in_place ? nullptr : gather.v.data_ptr(), cu_seqlens.data_ptr<int>(),
+                             cu_seqlens.data_ptr<int>() + cu_seqlens.size(1)};
   const cudaError_t status = run_kvcache_gather_kernel(params, packed, dtype, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache gather launch failed: ", cudaGetErrorString(status));
   options.cu_seqlens_q = cu_seqlens[0];
@@ -732,10 +675,6 @@ void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& g
   options.max_seqlen_q = seqlen_q;
   options.max_seqlen_k = params.capacity;
   options.kernel = KernelChoice::kSm90;
-  if (gather.read == PrefillRead::kPagedInPlace) {
-    options.paged = {params.block_table, params.block_table_batch_stride, params.page_size, params.num_pages,
-                     batch * params.capacity};
-  }
   const at::Tensor packed_q = queries_used.reshape({1, batch * seqlen_q, heads, head_dim});
   at::Tensor packed_out = out.is_contiguous() ? out.view({1, batch * seqlen_q, heads, head_dim})
                                               : at::empty({1, batch * seqlen_q, heads, head_dim}, out.options());
@@ -906,7 +845,7 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
   };
   const std::optional<PrefillGather> gather =
-      kvcache_prefill_runs_forward(params, options, q, k_cache, v_cache, num_splits)
+      kvcache_prefill_runs_forward(params, options, q, num_splits)
           ? prefill_gather_buffers(params, options, k_cache, v_cache, q)
           : std::nullopt;
   if (gather.has_value()) {

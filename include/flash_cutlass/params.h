@@ -101,26 +101,7 @@ struct FwdParams {
   // The Hopper forward of a variable-length call: device memory for one 128-byte TMA descriptor per
   // sequence (128-byte aligned), which its launcher fills (sm90/sequence_descriptors.h).
   void* sequence_descriptors = nullptr;
-  // Chunked prefill over a paged KV cache (csrc/flash_api.cpp), a variable-length call: k and v are
-  // the caches as (paged_pages x paged_page_size rows, heads_k, head_dim), and the cumulative
-  // lengths number the sequences in pairs (the in-place form of sm80/kvcache_kernel.h,
-  // flash_kvcache_sequences_sm80): sequence 2 b holds batch b's queries and keys, 2 b + 1 none. Key
-  // r of sequence 2 b lies at row r % paged_page_size of page paged_block_table[b *
-  // paged_block_table_stride + r / paged_page_size], the page clamped into [0, paged_pages). The
-  // Hopper forward loads such keys and values in boxes of kPagedBoxRows rows (sm90/fwd_producer.h),
-  // so paged_page_size is a multiple of it.
-  // nullptr: k and v hold the keys themselves.
-  const int* paged_block_table = nullptr;
-  int64_t paged_block_table_stride = 0;
-  int paged_page_size = 0;
-  int paged_pages = 0;
 };
-
-// The rows of one TMA box of a paged forward's keys or values: a page holds whole boxes, and a key
-// block (64 or 128 keys in the Hopper forward) whole boxes. Boxes of 8 rows (a swizzle atom; pages
-// of 8, 16, ...) ran the forward at a third of its speed over contiguous keys: each TMA load of a
-// box costs about the same whatever its size, and a stage took 32 of them instead of 2.
-inline constexpr int kPagedBoxRows = 64;
 
 // Whether a call sets any option of the extended instantiations: a soft cap, ALiBi or dropout.
 inline bool uses_extension(FwdParams const& params) {

@@ -31,14 +31,6 @@ constexpr bool sm90_forward_has_wide_tiles(bool head_dim_has_wide_tiles, MaskKin
   return head_dim_has_wide_tiles && extension == Extension::kNone && mask != MaskKind::kLocal;
 }
 
-// The Hopper forward kernels that read a paged cache in place (FwdParams::paged_block_table; chunked
-// prefill, csrc/flash_api.cpp), each a second instantiation beside its mask's: the causal ones
-// without score options. Other chunked prefills over pages gather them first. (A runtime branch to
-// the paged loads in every kernel cost the kernels 1-2% at head dim 128 on the H200.)
-constexpr bool sm90_forward_reads_pages(MaskKind mask, Extension extension) {
-  return mask == MaskKind::kCausal && extension == Extension::kNone;
-}
-
 // A causal call of an instantiation that has them decides at run time (the others always run them).
 constexpr bool sm90_causal_forward_uses_wide_tiles(int seqlen_q) {
   return seqlen_q > kSm90CausalNarrowTilesMaxSeqlenQ;

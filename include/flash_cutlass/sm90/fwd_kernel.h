@@ -28,10 +28,8 @@
 
 namespace flash_cutlass::sm90 {
 
-// Warpgroup 0 is the producer (one thread issues the loads, its warp over a paged cache), the
-// others the consumers.
-// kPagedKV: K and V from a paged cache through its block table (FwdParams::paged_block_table).
-template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kPagedKV>
+// Warpgroup 0 is the producer (one thread issues the loads), the others the consumers.
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -73,16 +71,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    // Over a paged cache the producer warp's lanes share each K/V stage's boxes (fwd_producer.h).
-    if (producer_thread || (kPagedKV && threadIdx.x < 32)) {
-      if (kPagedKV && producer_thread) {
-        prefetch_tma_descriptor(kernel_params.tma_k_box.get_tma_descriptor());
-        prefetch_tma_descriptor(kernel_params.tma_v_box.get_tma_descriptor());
-      }
+    if (producer_thread) {
       // TMA views of Q, K, V: (seqlen, head_dim, heads, batch), or (total, head_dim, heads, 1) in a
       // variable-length call, each sequence's rows from its first one on; rows and columns past the
       // tensor arrive as zeros (V through per-sequence descriptors in a packed batch: fwd_producer.h).
-      const TmaExtents extents = tma_extents<kPagedKV>(params);
+      const TmaExtents extents = tma_extents(params);
       Tensor mQ = kernel_params.tma_q.get_tma_tensor(
           make_shape(extents.rows_q, params.head_dim, params.heads, extents.batch));
       Tensor mK = kernel_params.tma_k.get_tma_tensor(
@@ -91,13 +84,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
       auto state = cutlass::make_producer_start_state<PipelineKV>();
       int q_loads = 0;
-      Timeline timeline(producer_thread);
+      Timeline timeline(true);
       FwdProducer<Traits, kMaskKind, decltype(mQ), decltype(mK), decltype(sQ), decltype(sK)> producer{
           params, mQ, mK, mV, kernel_params, sQ, sK, sV, pipeline_k, state, timeline, storage, q_loads, pipeline_v};
       for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(
           params, kernel_params.persistent_work, [&](QueryTile tile) __attribute__((always_inline)) {
-            if constexpr (kPagedKV) producer.load_tile_paged(tile, int(threadIdx.x));
-            else producer.load_tile(tile);
+            producer.load_tile(tile);
             timeline.next_tile();
           });
     }

@@ -17,9 +17,6 @@ struct FwdKernelParams {
   typename Traits::TmaO tma_o;  // over out when store_o_with_tma, else a valid descriptor left unused
   bool store_o_with_tma;
   PersistentWork persistent_work;  // with Traits::kPersistent
-  // Over a paged cache (FwdParams::paged_block_table) K and V in boxes of page rows; else unused.
-  typename Traits::TmaKVBox tma_k_box;
-  typename Traits::TmaKVBox tma_v_box;
 };
 
 }  // namespace flash_cutlass::sm90

@@ -22,7 +22,7 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   using Element = typename Traits::Element;
   using TileShape = typename Traits::TileShape;
 
-  const TmaExtents extents = params.paged_block_table != nullptr ? tma_extents<true>(params) : tma_extents(params);
+  const TmaExtents extents = tma_extents(params);
   const auto q = gmem_tensor<Traits>(static_cast<Element const*>(params.q), extents.rows_q, params.head_dim, params.heads, extents.batch,
                                      params.q_row_stride, params.q_head_stride, params.q_batch_stride);
   const auto k = gmem_tensor<Traits>(static_cast<Element const*>(params.k), extents.rows_k, params.head_dim, params.heads_k, extents.batch,
@@ -51,21 +51,7 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_STORE{}, out, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
       store_o_with_tma,
       PersistentWork{},
-      typename Traits::TmaKVBox{},
-      typename Traits::TmaKVBox{},
   };
-  // Over a paged cache, K and V also in boxes of page rows (fwd_producer.h, load_tile_paged).
-  constexpr bool kReadsPages = sm90_forward_reads_pages(kMaskKind, kExtension);
-  const bool paged = params.paged_block_table != nullptr;
-  if (paged) {
-    if (!kReadsPages || params.cu_seqlens_k == nullptr || params.paged_page_size % kPagedBoxRows != 0 ||
-        params.paged_pages < 1) {
-      return cudaErrorInvalidValue;
-    }
-    using BoxShape = Shape<Int<kPagedBoxRows>, Int<Traits::kAtomColumns>>;
-    kernel_params.tma_k_box = make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKVBox{}, BoxShape{}, _1{});
-    kernel_params.tma_v_box = make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKVBox{}, BoxShape{}, _1{});
-  }
 
   // A persistent grid (tile_config.h, per head dim): CTAs take tiles in turn, causal ones in pairs
   // whose costs add up to about the same and the pairs' last waves as single tiles (block_info.h:
@@ -99,19 +85,12 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
     if (params.sequence_descriptors == nullptr) return cudaErrorInvalidValue;
     constexpr int kSequencesPerCta = 128;
     shift_value_descriptors<Element><<<(params.batch + kSequencesPerCta - 1) / kSequencesPerCta, kSequencesPerCta, 0,
-                                       stream>>>(
-        paged ? *kernel_params.tma_v_box.get_tma_descriptor() : *kernel_params.tma_v.get_tma_descriptor(), params);
+                                       stream>>>(*kernel_params.tma_v.get_tma_descriptor(), params);
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
   }
-  if constexpr (kReadsPages) {
-    if (paged) {
-      return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension, true>, num_ctas, Traits::kThreads,
-                           Traits::kSmemBytes, kernel_params, stream);
-    }
-  }
-  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension, false>, num_ctas, Traits::kThreads,
-                       Traits::kSmemBytes, kernel_params, stream);
+  return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
+                       kernel_params, stream);
 }
 
 // The launch for a head dim and dtype: its traits from FwdTileSizes, or FwdWideTileSizes where

@@ -2,8 +2,7 @@
 // Q and its K/V blocks into shared memory with TMA, through the K/V pipeline's stages and Q's
 // full/empty barrier pair, running ahead into the next tile while the consumers finish this one.
 // In a variable-length call V comes through its sequence's own descriptor (sequence_descriptors.h),
-// so that the rows a tile reads past the sequence arrive as zeros. Over a paged cache the whole
-// producer warp loads K and V in boxes of page rows (load_tile_paged).
+// so that the rows a tile reads past the sequence arrive as zeros.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -11,7 +10,6 @@
 #include "flash_cutlass/common/block_info.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/fwd_kernel_params.h"
-#include "flash_cutlass/sm90/paged_keys.h"
 #include "flash_cutlass/sm90/sequence_descriptors.h"
 #include "flash_cutlass/sm90/tile_config.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
@@ -61,7 +59,7 @@ struct FwdProducer {
     Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
                            select<1, 2>(TileShape{}), make_coord(_, _0{}));
     const bool per_sequence_v = params.cu_seqlens_k != nullptr;
-    const int v_row_origin = per_sequence_v ? value_row_origin<false>(params, work.sequence) : work.sequence.k_start;
+    const int v_row_origin = per_sequence_v ? value_row_origin(params, work.sequence) : work.sequence.k_start;
     const TmaDescriptor* v_descriptor =
         per_sequence_v ? static_cast<TmaDescriptor const*>(params.sequence_descriptors) + work.tile.batch
                        : kernel_params.tma_v.get_tma_descriptor();
@@ -103,102 +101,6 @@ struct FwdProducer {
       ++state;
     }
     timeline.stamp(0, kLoadsIssued);
-  }
-
-  // A paged forward's tile (FwdParams::paged_block_table), run by every lane of the producer warp:
-  // the same order of loads, each K and V stage in Traits::kPagedBoxes boxes (kPagedBoxRows rows of
-  // one page, one swizzle span of columns), one a lane, each lane looking up its box's page a key
-  // block ahead of its loads (the lookup's latency then passes while the lane waits for a free
-  // stage; looked up at the load, the forward ran 30% slower); lane 0, the pipelines' leader, also
-  // loads Q. The boxes at and past the sequence's end arrive with zeros past its last key: K's past
-  // it from past the cache's rows (K's rows past the end inside the last key's box may hold
-  // anything: the consumers mask their scores), V's through the sequence's own descriptor
-  // (sequence_descriptors.h).
-  __device__ __forceinline__ void load_tile_paged(QueryTile tile, int lane) {
-    using namespace cute;
-    static_assert(Traits::kPagedBoxes <= 32, "a box a lane");
-    const auto work = tile_work<kBlockM, kBlockN, kMaskKind>(params, tile);
-    if (!work.in_sequence() || !work.has_keys()) return;
-    const int head = work.tile.head;
-    const int head_k = kv_head_of(head, params);
-    const int sequence = work.tile.batch;
-    const int seqlen_k = work.sequence.seqlen_k;
-    const int cache_rows = tma_extents<true>(params).rows_k;
-    const int v_row_origin = value_row_origin<true>(params, work.sequence);
-    const auto* v_end_descriptor = static_cast<TmaDescriptor const*>(params.sequence_descriptors) + sequence;
-    tma_descriptor_fence_acquire(v_end_descriptor);  // written by shift_value_descriptors, before this kernel
-    Tensor mKBox = kernel_params.tma_k_box.get_tma_tensor(shape(mK));
-    Tensor mVBox = kernel_params.tma_v_box.get_tma_tensor(shape(mV));
-    using BoxShape = Shape<Int<kPagedBoxRows>, Int<Traits::kAtomColumns>>;
-    constexpr int kBoxGroups = kBlockN / kPagedBoxRows;  // boxes down a stage
-    const bool loads = lane < Traits::kPagedBoxes;
-    const int group = lane % kBoxGroups;
-    const int column_block = lane / kBoxGroups;
-
-    // Where this lane's box of a key block comes from: K's rows (its page's, or past the cache's
-    // rows) and V's (its page's, or through the sequence's descriptor where the box holds the
-    // sequence's last key or lies past it).
-    struct BoxRows {
-      int k;
-      int v;
-      bool v_inside;
-    };
-    auto rows_of = [&](int n_block) __attribute__((always_inline)) {
-      const int key = n_block * kBlockN + group * kPagedBoxRows;
-      const bool v_inside = key + kPagedBoxRows <= seqlen_k;
-      const int cache_row = loads && key < seqlen_k ? paged_key_row(params, sequence, key) : cache_rows;
-      return BoxRows{cache_row, v_inside ? cache_row : v_row_origin + key, v_inside};
-    };
-    auto load_box = [&](auto keys, BoxRows const& rows) __attribute__((always_inline)) {
-      constexpr bool kKeys = decltype(keys)::value;
-      if (!loads) return;
-      Tensor gBox = local_tile(domain_offset(make_coord(kKeys ? rows.k : rows.v, _0{}),
-                                             (kKeys ? mKBox : mVBox)(_, _, head_k, 0)),
-                               BoxShape{}, make_coord(_0{}, column_block));
-      auto* stage_base = (kKeys ? storage.k : storage.v).data();
-      Tensor sBox = make_tensor(make_smem_ptr(stage_base + box_origin(typename Traits::SmemLayoutKV{},
-                                                                      group * kPagedBoxRows,
-                                                                      column_block * Traits::kAtomColumns,
-                                                                      state.index())),
-                                typename Traits::SmemLayoutKVBox{});
-      auto& tma = kKeys ? kernel_params.tma_k_box : kernel_params.tma_v_box;
-      auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sBox), group_modes<0, 2>(gBox));
-      if constexpr (kKeys) {
-        copy(tma.with(*pipeline_k.producer_get_barrier(state)), tg, ts);
-      } else {
-        copy(tma.with(rows.v_inside ? tma.get_tma_descriptor() : v_end_descriptor,
-                      *pipeline_v.producer_get_barrier(state)),
-             tg, ts);
-      }
-    };
-
-    int n_block = work.key_blocks.end - 1;
-    BoxRows rows = rows_of(n_block);
-    BoxRows next = n_block > work.key_blocks.begin ? rows_of(n_block - 1) : rows;
-    pipeline_k.producer_acquire(state);
-    load_box(true_type{}, rows);
-    if (lane == 0) {
-      Tensor gQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mQ(_, _, head, 0)),
-                             select<0, 2>(TileShape{}), make_coord(work.tile.m_block, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                        group_modes<0, 2>(gQ));
-      if (q_loads > 0) storage.q_empty.wait((q_loads - 1) & 1);
-      storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
-      copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
-    }
-    ++q_loads;
-    pipeline_v.producer_acquire(state);
-    load_box(false_type{}, rows);
-    ++state;
-    for (--n_block; n_block >= work.key_blocks.begin; --n_block) {
-      rows = next;
-      if (n_block > work.key_blocks.begin) next = rows_of(n_block - 1);
-      pipeline_k.producer_acquire(state);
-      load_box(true_type{}, rows);
-      pipeline_v.producer_acquire(state);
-      load_box(false_type{}, rows);
-      ++state;
-    }
   }
 };
 

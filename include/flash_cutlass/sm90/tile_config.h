@@ -9,8 +9,6 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "flash_cutlass/params.h"
-
 namespace flash_cutlass::sm90 {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPersistent_, class Element_>
@@ -161,16 +159,6 @@ struct FwdKernelTraits {
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                              cute::take<0, 2>(SmemLayoutKV{}), cute::select<1, 2>(TileShape{}),
                                              cute::_1{}));
-  // A paged cache's K or V (FwdParams::paged_block_table) in boxes of kPagedBoxRows rows of one page
-  // and one swizzle span of columns: a stack of swizzle atoms, contiguous in a stage (fwd_producer.h).
-  static_assert(kBlockN % kPagedBoxRows == 0, "key blocks of whole page boxes");
-  static constexpr int kAtomColumns = int(cute::size<1>(SmemAtom{}));
-  static constexpr int kPagedBoxes = kBlockN / kPagedBoxRows * (kHeadDim / kAtomColumns);  // a stage's
-  using SmemLayoutKVBox = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kPagedBoxRows>, cute::Int<kAtomColumns>>{}));
-  using TmaKVBox = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKVBox{},
-                                                cute::Shape<cute::Int<kPagedBoxRows>, cute::Int<kAtomColumns>>{},
-                                                cute::_1{}));
 };
 
 // Tile sizes per head dim: consumer warpgroups of 64 query rows each, which ping-pong

@@ -1,7 +1,6 @@
 // The global tensors the Hopper path's TMA copies address: (rows, head_dim, heads, batch) views of
 // an operand, head_dim contiguous, and their extents for a call: (seqlen, batch) per sequence, or
-// (total rows, 1) in a variable-length call, each sequence's rows reached from its first one (or,
-// over a paged cache, the cache's rows, reached through its pages).
+// (total rows, 1) in a variable-length call, each sequence's rows reached from its first one.
 #pragma once
 
 #include <cstdint>
@@ -19,12 +18,8 @@ struct TmaExtents {
   int batch;
 };
 
-// kPagedKV: K and V are a paged cache (FwdParams::paged_block_table), whose rows (< 2^31: the host
-// checks) the sequences' keys index through their pages.
-template <bool kPagedKV = false>
 __host__ __device__ inline TmaExtents tma_extents(FwdParams const& params) {
   if (params.cu_seqlens_q == nullptr) return {params.seqlen_q, params.seqlen_k, params.batch};
-  if constexpr (kPagedKV) return {int(params.total_q), params.paged_pages * params.paged_page_size, 1};
   return {int(params.total_q), int(params.total_k), 1};
 }
 

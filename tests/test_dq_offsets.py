@@ -1,8 +1,7 @@
 """tools/check_dq_offsets.cu, compiled for the host with nvcc and run (no GPU needed): the Hopper
 backward's closed-form offsets of its 128-byte-swizzled fp32 staging tiles (dQ, a GQA call's dK and
 dV) against CuTe's layouts, and store_fp32_tile's dQ stores: every element where the layout puts it,
-and no shared-memory bank conflicts; the same for store_fp32_tile_transposed (dQ^T of 80-row query
-blocks)."""
+and no shared-memory bank conflicts."""
 import importlib.util
 import os
 import shutil
@@ -44,4 +43,3 @@ def test_staging_tile_offsets_and_conflict_free_stores(tmp_path):
     result = subprocess.run([str(binary)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "store_fp32_tile misplaced / excess wavefronts" in result.stdout
-    assert "store_fp32_tile_transposed misplaced / excess wavefronts" in result.stdout

@@ -9,11 +9,7 @@
 // It prints the mismatches per configuration (all 0 when the closed form holds). Then
 // store_fp32_tile's stores of the dQ tiles: every element where cute's layout puts it, and the
 // shared-memory wavefronts of each warp's 64-bit store above one a half-warp (0 without bank
-// conflicts); and store_fp32_tile_transposed's stores of dQ^T into the 80-row query blocks' tile
-// (head dim 128), with each warp's 32-bit stores' wavefronts above one. Exits 1 on any mismatch or
-// excess wavefront (tests/test_dq_offsets.py runs it).
-// The 80-row query blocks' wgmmas (N = 80) are among CuTe's extended shapes.
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+// conflicts). Exits 1 on any mismatch or excess wavefront (tests/test_dq_offsets.py runs it).
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cstdio>
@@ -123,51 +119,6 @@ int run_store(int& excess) {
   return bad;
 }
 
-// store_fp32_tile_transposed on the dQ tile of 80-row query blocks (dQ^T's accumulators, the
-// warpgroups along the head dim): returns misplaced elements, and counts in `excess` the wavefronts
-// above one per warp and store (32-bit stores: a warp's 32 words in 32 banks).
-template <int kBlockM, int kHeadDim>
-int run_store_transposed(int& excess) {
-  constexpr int kBlockN = 128;
-  using TileDq = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  using TileDqT = Shape<Int<kHeadDim>, Int<kBlockM>>;
-  using PerWG = Shape<Int<kHeadDim / 2>, Int<kBlockM>, Int<kBlockN>>;
-  using Mma = decltype(make_tiled_mma(GMMA::ss_op_selector<Elem, Elem, float, PerWG, GMMA::Major::MN, GMMA::Major::K>(),
-                                      Layout<Shape<_2, _1, _1>>{}));
-  using L = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, TileDq{}));
-  constexpr int kElements = kBlockM * kHeadDim;
-  alignas(1024) static float tile[kElements];
-  auto stile = make_tensor(make_smem_ptr(tile), L{});
-  auto offset_of = [&](int q, int h) { return int(&stile(q, h) - tile); };
-  Mma mma;
-  int bad = 0;
-  excess = 0;
-  std::vector<std::vector<int>> offsets(256);
-  for (int t = 0; t < 256; ++t) {
-    auto thr = mma.get_thread_slice(t);
-    auto coords = thr.partition_C(make_identity_tensor(TileDqT{}));  // (h, q)
-    auto acc = partition_fragment_C(mma, TileDqT{});
-    for (int i = 0; i < size(acc); ++i) acc(i) = float(get<1>(coords(i)) * 1024 + get<0>(coords(i)));
-    for (int i = 0; i < kElements; ++i) tile[i] = -1.f;
-    flash_cutlass::sm90::store_fp32_tile_transposed<kBlockM>(tile, acc, coords);
-    for (int i = 0; i < size(acc); ++i) {
-      const int h = get<0>(coords(i)), q = get<1>(coords(i));
-      if (tile[offset_of(q, h)] != float(q * 1024 + h)) ++bad;
-      offsets[t].push_back(offset_of(q, h));
-    }
-  }
-  for (int warp = 0; warp < 8; ++warp) {
-    for (size_t s = 0; s < offsets[0].size(); ++s) {
-      int count[32] = {};
-      for (int lane = 0; lane < 32; ++lane) ++count[offsets[warp * 32 + lane][s] % 32];
-      int wavefronts = 0;
-      for (int b = 0; b < 32; ++b) wavefronts = count[b] > wavefronts ? count[b] : wavefronts;
-      excess += wavefronts - 1;
-    }
-  }
-  return bad;
-}
-
 int main() {
   int e0, e1, e2, e3, e4;
   const int b0 = run_store<64, 64>(e0), b1 = run_store<64, 128>(e1), b2 = run_store<128, 64>(e2),
@@ -178,10 +129,7 @@ int main() {
   printf("dQ: 64x64 %d 64x128 %d 128x64 %d 128x128 %d 64x256 in halves %d\n", q[0], q[1], q[2], q[3], q[4]);
   const int kv[4] = {run<128, 64, false, true>(), run<128, 128, false, true>(), run<64, 192>(), run<64, 256>()};
   printf("dK/dV: 128x64 %d 128x128 %d 64x192 %d 64x256 %d\n", kv[0], kv[1], kv[2], kv[3]);
-  int e5;
-  const int b5 = run_store_transposed<80, 128>(e5);
-  printf("store_fp32_tile_transposed misplaced / excess wavefronts: 80x128 %d / %d\n", b5, e5);
-  int failures = b0 + b1 + b2 + b3 + b4 + e0 + e1 + e2 + e3 + e4 + b5 + e5;
+  int failures = b0 + b1 + b2 + b3 + b4 + e0 + e1 + e2 + e3 + e4;
   for (int v : q) failures += v;
   for (int v : kv) failures += v;
   return failures == 0 ? 0 : 1;

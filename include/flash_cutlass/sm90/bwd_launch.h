@@ -21,7 +21,7 @@ template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   using namespace cute;
   using Element = typename ElementOf<kDType>::type;
-  using Traits = BwdTraitsFor<kHeadDim, Element, kMaskKind, kExtension>;
+  using Traits = BwdTraitsFor<kHeadDim, Element>;
   if (params.deterministic && params.dq_turns == nullptr) return cudaErrorInvalidValue;
   const TmaExtents extents = tma_extents(params);
   // An operand's TMA view: (rows, head_dim, heads, batch) with its strides.

@@ -5,8 +5,7 @@
 //                                             the LSE's offset per query: probability_exponent)
 //   dS^T = P^T (dP^T - D)                    (registers)
 //   dV += P^T dO                             (wgmma, P^T straight from the accumulators)
-//   dQ = dS K                                (wgmma from both warpgroups' dS^T in shared memory;
-//                                             with 80-row query blocks dQ^T = K^T dS^T)
+//   dQ = dS K                                (wgmma from both warpgroups' dS^T in shared memory)
 //   dK += dS^T Q                             (wgmma, dS^T from the accumulators; at head dim 64
 //                                             issued before dQ)
 // and each block's dQ goes to shared memory (past head dim 64 while dK runs) for the dQ warp's TMA
@@ -262,17 +261,8 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
   Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
-  // dQ = dS K, or with kDqTransposed dQ^T = K^T dS^T (bwd_tile_config.h, BwdDqConfig).
-  constexpr bool kDqTransposed = Traits::kDqTransposed;
-  using TileDqAcc = std::conditional_t<kDqTransposed, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockM>>, TileQ>;
-  auto dq_operands = [&] {
-    if constexpr (kDqTransposed) {
-      return cute::make_tuple(thr_dq.partition_fragment_B(sdS), thr_dq.partition_fragment_A(sKt));
-    } else {
-      return cute::make_tuple(thr_dq.partition_fragment_A(sdS), thr_dq.partition_fragment_B(sKt));
-    }
-  };
-  auto [tdQrdS, tdQrKt] = dq_operands();                // dS: (MMA, MMA_M or MMA_N, MMA_K, dS buffer)
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, dS buffer)
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
   auto smem_tiled_copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
   auto smem_thr_copy_ds = smem_tiled_copy_ds.get_thread_slice(consumer_idx);
   Tensor tdSsdS = smem_thr_copy_ds.partition_D(sdSt);   // (CPY, CPY_M, CPY_N, dS buffer)
@@ -283,7 +273,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   clear(acc_dv);
   // (key, query) of every S^T accumulator element inside its tile.
   Tensor tScS = as_rows_cols(thr_sdp.partition_C(make_identity_tensor(TileSt{})));
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileDqAcc{}));
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
   static_assert(std::is_same_v<typename Traits::SmemLayoutdQ,
                                decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, TileQ{}))>,
                 "Fp32TileOffsets is the closed form of this layout");
@@ -320,12 +310,8 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
     if constexpr (!kDqUnderDk) issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
-    Tensor acc_dq = partition_fragment_C(mma_dq, TileDqAcc{});
-    if constexpr (kDqTransposed) {
-      issue_gemm_wgmma<true>(mma_dq, tdQrKt, tdQrdS(_, _, _, ds_buffer), acc_dq);
-    } else {
-      issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt, acc_dq);
-    }
+    Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
+    issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt, acc_dq);
     if constexpr (kDqUnderDk) {
       issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
       warpgroup_wait<1>();  // dV and dQ
@@ -345,11 +331,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
 
     // The dQ warp has read the block before's dQ out of shared memory; this block's goes in.
     if (step > 0) named_barrier_sync<BwdBarrier::kDqEmpty, 0, kDqThreads>();
-    if constexpr (kDqTransposed) {
-      store_fp32_tile_transposed<Traits::kBlockM>(sdq, acc_dq, tdQcdQ);
-    } else {
-      store_fp32_tile<Traits::kBlockM>(sdq, acc_dq, tdQcdQ, 0);
-    }
+    store_fp32_tile<Traits::kBlockM>(sdq, acc_dq, tdQcdQ, 0);
     if constexpr (kDqUnderDk) {
       warpgroup_wait<0>();  // dK, under which dQ was stored
       release_stage();

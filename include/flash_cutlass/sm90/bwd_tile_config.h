@@ -10,49 +10,8 @@
 #include <cutlass/numeric_types.h>
 
 #include "flash_cutlass/common/softmax.h"
-#include "flash_cutlass/params.h"
 
 namespace flash_cutlass::sm90 {
-
-// dQ's GEMM and dS's shared-memory layouts. dQ = dS K: (queries, head dim, keys), the warpgroups
-// split the head dim; dS^T is stored (keys, queries), queries contiguous, seen as (queries, keys)
-// the MN-major A; stored from S^T's accumulators with stmatrix, four 8x8 tiles an instruction.
-template <class Element, class SmemAtom, int kHeadDim, int kBlockM, int kBlockN, int kWarpgroups,
-          bool kTransposed_ = kBlockM % 64 != 0>
-struct BwdDqConfig {
-  static constexpr bool kTransposed = false;
-  using TileShapePerWarpgroup = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kWarpgroups>, cute::Int<kBlockN>>;
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, TileShapePerWarpgroup, cute::GMMA::Major::MN,
-                                 cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::Int<kWarpgroups>, cute::_1>>{}));
-  using SmemLayoutdSt = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::_2>{}));
-  using SmemLayoutdS = decltype(cute::composition(
-      SmemLayoutdSt{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{},
-                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  using SmemCopyAtom = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
-};
-
-// Query blocks that are no whole 64-row wgmma M (80 rows) compute dQ transposed, dQ^T = K^T dS^T:
-// (head dim, queries, keys), the warpgroups split the head dim, now the M; A is K seen head-dim
-// major, B dS stored (queries, keys), keys contiguous (the K-major B: queries contiguous would be
-// no whole 128-byte swizzle atoms), by transposing stmatrix from S^T's accumulators.
-template <class Element, class SmemAtom, int kHeadDim, int kBlockM, int kBlockN, int kWarpgroups>
-struct BwdDqConfig<Element, SmemAtom, kHeadDim, kBlockM, kBlockN, kWarpgroups, true> {
-  static constexpr bool kTransposed = true;
-  using TileShapePerWarpgroup = cute::Shape<cute::Int<kHeadDim / kWarpgroups>, cute::Int<kBlockM>, cute::Int<kBlockN>>;
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, TileShapePerWarpgroup, cute::GMMA::Major::MN,
-                                 cute::GMMA::Major::K>(),
-      cute::Layout<cute::Shape<cute::Int<kWarpgroups>, cute::_1, cute::_1>>{}));
-  using SmemLayoutdS = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{}));
-  using SmemLayoutdSt = decltype(cute::composition(
-      SmemLayoutdS{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::_2>{},
-                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  using SmemCopyAtom = cute::Copy_Atom<cute::SM90_U16x8_STSM_T, Element>;
-};
 
 // What both consumer layouts share: the roles and register budgets of a CTA of a producer
 // warpgroup and two consumer warpgroups, the tiles, the K-major 128-byte-swizzled layouts that TMA
@@ -70,14 +29,8 @@ struct BwdCommonTraits {
   // released after dV, its last GEMM, while Q waits for dK.
   static constexpr bool kSeparatedO = kStagesdO != kStages;
   static_assert(kStagesdO == kStages || kStagesdO == 1);
-  static_assert(kBlockN % 64 == 0 && kHeadDim % 64 == 0,
-                "keys and head dim in 64s (rows of 128-byte swizzle atoms, 64-row wgmmas)");
-  static_assert(kBlockM % 16 == 0, "query rows in 16s (the K of the dK and dV wgmmas)");
-#if !defined(CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
-  // Else CuTe would tile the N = kBlockM of S^T and dP^T with 64x16 wgmmas, silently.
-  static_assert(kBlockM % 64 == 0, "wgmmas of N = 80 are CuTe's extended shapes: define "
-                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before CuTe's headers (csrc/catalogue.py does)");
-#endif
+  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 64 == 0,
+                "query rows, keys and head dim in 64s (rows of 128-byte swizzle atoms, 64-row wgmmas)");
 
   // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory where the
   // consumers leave it in shared memory (TMA reduce-add), warp 2 stages LSE and D; the others exit
@@ -95,8 +48,15 @@ struct BwdCommonTraits {
   using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
   using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileSt = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>;
+  // dQ = dS K: (queries, head dim, keys), the warpgroups split the head dim.
+  using TileShapedQPerWarpgroup =
+      cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>>;
   using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
   using WarpgroupsAlongN = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;
+  using TiledMmadQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShapedQPerWarpgroup, cute::GMMA::Major::MN,
+                                 cute::GMMA::Major::MN>(),
+      WarpgroupsAlongN{}));
 
   // 128-byte-swizzled rows of 64 elements, the head dim (or, for P^T and dS^T, the queries)
   // contiguous: the layout TMA writes and wgmma reads. At head dim 192, 64-byte-swizzled rows of 32:
@@ -121,14 +81,16 @@ struct BwdCommonTraits {
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
                                                 cute::Step<cute::_2, cute::_1>{})));
-  // dQ's GEMM, dS's layouts in shared memory (two buffers: a step's GEMM of one warpgroup may still
-  // read one while the other writes the next step's) and the stmatrix that stores it there.
-  using DqConfig = BwdDqConfig<Element, SmemAtom, kHeadDim, kBlockM, kBlockN, kConsumerWarpgroups>;
-  static constexpr bool kDqTransposed = DqConfig::kTransposed;
-  using TiledMmadQ = typename DqConfig::TiledMma;
-  using SmemLayoutdSt = typename DqConfig::SmemLayoutdSt;
-  using SmemLayoutdS = typename DqConfig::SmemLayoutdS;
-  using SmemCopyAtomdS = typename DqConfig::SmemCopyAtom;
+  // (keys, queries), queries contiguous, two buffers (a step's GEMM of one warpgroup may still read
+  // one while the other writes the next step's); seen as (queries, keys) it is the MN-major A of dQ.
+  using SmemLayoutdSt = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::_2>{}));
+  using SmemLayoutdS = decltype(cute::composition(
+      SmemLayoutdSt{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{},
+                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  // From the accumulators to shared memory with stmatrix: four 8x8 tiles an instruction (the
+  // 32-bit generic stores before took 16 instructions a thread, each with its own swizzled address).
+  using SmemCopyAtomdS = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);    // one stage of Q (or dO)
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // K (or V)
@@ -227,7 +189,7 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdO>> dout;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>> v;
-    // dS^T (or, kDqTransposed, dS), two buffers.
+    // dS^T, two buffers.
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdSt>> ds;
     // A query block's dQ, staged for the dQ warp.
     alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>> dq;
@@ -300,20 +262,14 @@ struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_,
 
 // Tile sizes per head dim: 128 keys a CTA; query blocks of 128 rows at head dim 64 (twice the N of
 // the S^T and dP^T GEMMs, half the steps) in two stages, of 64 at 128 (the registers of dK and dV)
-// in three (a third stage fills shared memory to 227 KiB; +1-2% over two); at 128 without a mask
-// or score options, of 80 rows in two (dQ transposed: BwdDqConfig; S^T and dP^T read K and V once
-// per 80 queries instead of 64; three stages of 80 rows exceed 227 KiB).
-template <int kHeadDim, MaskKind kMaskKind, Extension kExtension>
+// in three (a third stage fills shared memory to 227 KiB; +1-2% over two).
+template <int kHeadDim>
 struct BwdTileSizes {
-  static constexpr bool kWideQueryBlocks =
-      kHeadDim == 128 && kMaskKind == MaskKind::kNone && kExtension == Extension::kNone;
-  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : kWideQueryBlocks ? 80 : 64, kBlockN = 128,
-                       kStages = kHeadDim <= 64 || kWideQueryBlocks ? 2 : 3;
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64, kBlockN = 128, kStages = kHeadDim <= 64 ? 2 : 3;
 };
 
 // Past 128: 64 keys a CTA, query blocks of 64 rows, two Q stages and one of dO (BwdHeadSplitKernelTraits).
-template <int kHeadDim, class Element, MaskKind kMaskKind, Extension kExtension,
-          class Sizes = BwdTileSizes<kHeadDim, kMaskKind, kExtension>>
+template <int kHeadDim, class Element, class Sizes = BwdTileSizes<kHeadDim>>
 using BwdTraitsFor = std::conditional_t<(kHeadDim > 128), BwdHeadSplitKernelTraits<kHeadDim, 64, 64, 2, Element>,
                                         BwdKernelTraits<kHeadDim, Sizes::kBlockM, Sizes::kBlockN, Sizes::kStages, Element>>;
 

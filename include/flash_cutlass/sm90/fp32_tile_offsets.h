@@ -75,27 +75,4 @@ CUTE_HOST_DEVICE void store_fp32_tile(float* tile, Acc const& acc, Coords const&
   }
 }
 
-// Stores a thread's fp32 wgmma accumulator fragment of dQ^T, (head dim, queries), into the
-// 128-byte-swizzled fp32 tile of dQ, (kBlockM queries, head dim), 32 bits a store: element
-// (h, q) goes to row q, column h. `coords`: each element's (h, q). In the wgmma C layout a thread's
-// elements are (h0 + 8 dr, q0 + dq + 8 j), dr and dq in {0, 1}, with h0 % 32 < 24 and q0 % 8 in
-// {0, 2, 4, 6}, so neither the 32-column chunk nor the 8-row atom row changes with dr or dq: every
-// offset is one of four per-thread values plus an immediate (256 j). A warp's store writes 8
-// consecutive columns (two 16-byte units) of rows q0 + dq over its four q0, whose XOR terms
-// differ: the 32 banks once.
-template <int kBlockM, class Acc, class Coords>
-CUTE_HOST_DEVICE void store_fp32_tile_transposed(float* tile, Acc const& acc, Coords const& coords) {
-  using namespace cute;
-  const int h0 = get<0>(coords(0)), q0 = get<1>(coords(0));
-  const int base = (h0 / 32) * (kBlockM * 32) + h0 % 4 + 32 * (q0 % 8) + 256 * (q0 / 8);
-  const int unit0 = (h0 % 32) / 4;
-  const int row0 = q0 % 8;
-  CUTE_UNROLL
-  for (int i = 0; i < decltype(size(acc))::value; ++i) {
-    const int dh = get<0>(coords(i)) - h0, dq = get<1>(coords(i)) - q0;
-    const int offset = base + (dq / 8) * 256 + (dq % 8) * 32 + 4 * ((unit0 + dh / 4) ^ (row0 + dq % 8));
-    tile[offset] = acc(i);
-  }
-}
-
 }  // namespace flash_cutlass::sm90

@@ -1,6 +1,6 @@
 """The KV-cache kernels (flash_attention_with_kvcache on CUDA tensors) against the reference: every
 option, compiled head dim and dtype, padded head dims, GQA 1-8, contiguous and paged caches (page
-sizes 1, 16, 64, 256, pages shuffled), decoding and chunked prefill, split-KV; the append (rotated
+sizes 1, 16, 64, 256, pages shuffled; chunks looked up by page and by row), decoding and chunked prefill, split-KV; the append (rotated
 too) bitwise the reference's; paged == contiguous bitwise; lengths 0 and 1, fully masked rows, int
 and None cache_seqlens, NaN past the lengths; CUDA graph replay and torch.compile == eager; out-of-range lengths and
 block ids stay inside the cache. Skipped without a GPU."""
@@ -70,6 +70,21 @@ def test_decode_matches_reference(cuda_gen, dtype, head_dim, page_size, heads, h
     call = make_call(gen, batch=3, heads=heads, heads_k=heads_k, head_dim=head_dim, seqlens=(0, 200, 511),
                      page_size=page_size, capacity=512, dtype=dtype, device="cuda")
     check_against_reference(call, dtype, causal=True)
+
+
+@pytest.mark.parametrize("page_size,capacity", [(None, 100), (None, 96), (8, 96), (24, 96), (48, 96)],
+                         ids=["contiguous100", "contiguous96", "p8", "p24", "p48"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_chunk_rows_looked_up_by_page_or_by_row(cuda_gen, page_size, capacity, num_splits):
+    """The kernel looks a warp's 16-key chunk up once where its rows share a page (pages of a
+    multiple of 16 rows, a contiguous cache of a multiple of 16 positions) and row by row elsewhere:
+    both against the reference, with lengths that end inside a chunk and at the capacity."""
+    dtype = COMPILED_DTYPES[-1]
+    head_dim = 128 if 128 in KVCACHE_HEAD_DIMS else KVCACHE_HEAD_DIMS[-1]
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=3, seqlen_q=2, heads=8, heads_k=2, head_dim=head_dim, seqlens=(17, 61, capacity - 2),
+                     seqlen_new=2, page_size=page_size, capacity=capacity, dtype=dtype, device="cuda")
+    check_against_reference(call, dtype, num_splits=num_splits, causal=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -45,10 +45,11 @@ struct SequencePages {
     return min(max(table[page_index], 0), num_pages - 1);
   }
 
-  // Element offset of (position, head) in a cache of these strides.
+  // Element offset of (position, head) in a cache of these strides; page and row_in_page are never
+  // negative (page_of's), so they widen unsigned.
   __device__ __forceinline__ int64_t offset_of(int page, int row_in_page, int64_t page_stride, int64_t row_stride,
                                                int64_t head_offset) const {
-    return int64_t(page) * page_stride + int64_t(row_in_page) * row_stride + head_offset;
+    return int64_t(uint32_t(page)) * page_stride + int64_t(uint32_t(row_in_page)) * row_stride + head_offset;
   }
 };
 

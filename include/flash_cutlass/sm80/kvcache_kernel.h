@@ -114,7 +114,7 @@ static_assert(KVCacheTraits<64, KVCacheStages<64>::kCompactStages + 1, cutlass::
               "kCompactStages is the deepest pipeline that fits");
 
 // One CTA: packed rows [m_block * kRows, + kRows) of (batch, kv_head), over split `split` of their keys.
-template <class Traits>
+template <class Traits, bool kChunkInOnePage>
 __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* smem, int m_block, int batch,
                                              int kv_head, int split) {
   using namespace cute;
@@ -177,55 +177,86 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     cp_async_fence();
   }
 
-  // This lane's rows of a chunk (kPasses of them, kRowsPerPass apart) and first column.
+  // This lane's rows of a chunk (kPasses of them, kRowsPerPass apart) and first column. A lane whose
+  // column of a pass lies past head_dim (a padded head dim) reads its first column instead, with
+  // zero bytes copied: every source address lies in the cache.
   const int copy_row = lane / Traits::kLanesPerRow;
   const int copy_col = (lane % Traits::kLanesPerRow) * Traits::kElemsPerCopy;
   bool col_ok[Traits::kColPasses];
+  int col_src[Traits::kColPasses];  // from the lane's first column
   CUTE_UNROLL
-  for (int c = 0; c < Traits::kColPasses; ++c) col_ok[c] = copy_col + c * Traits::kLanesPerRow * 8 < params.head_dim;
+  for (int c = 0; c < Traits::kColPasses; ++c) {
+    col_ok[c] = copy_col + c * Traits::kLanesPerRow * 8 < params.head_dim;
+    col_src[c] = col_ok[c] ? c * Traits::kLanesPerRow * 8 : 0;
+  }
   const Element* k_cache = static_cast<const Element*>(params.k);
   const Element* v_cache = static_cast<const Element*>(params.v);
   const int64_t k_head_offset = int64_t(kv_head) * params.k_head_stride + copy_col;
   const int64_t v_head_offset = int64_t(kv_head) * params.v_head_stride + copy_col;
 
   // Where this lane's rows of the warp's chunk `t` live: looked up one chunk ahead of its copy, so
-  // that the block table's latency hides behind the copies in flight.
+  // that the block table's latency hides behind the copies in flight. With kChunkInOnePage (pages
+  // of a multiple of kKeys rows, or a contiguous cache of a multiple of kKeys positions) a chunk's
+  // rows lie in one page, rows past the sequence included: one lookup a chunk, and the lane's rows
+  // kRowsPerPass rows apart from its first. Otherwise each row is looked up, and rows past the
+  // sequence read the page's first row (zero bytes copied): every source address lies in the cache.
   struct ChunkRows {
-    int page[Traits::kPasses];
-    int row_in_page[Traits::kPasses];
+    int page[kChunkInOnePage ? 1 : Traits::kPasses];
+    int row_in_page[kChunkInOnePage ? 1 : Traits::kPasses];
     bool valid[Traits::kPasses];
   };
   auto locate = [&](int t) __attribute__((always_inline)) {
     ChunkRows rows;
     const int key0 = (split_begin + warp + t * kWarps) * kKeys;
-    CUTE_UNROLL
-    for (int p = 0; p < Traits::kPasses; ++p) {
-      const int position = key0 + copy_row + p * Traits::kRowsPerPass;
-      rows.valid[p] = t < warp_chunks && position < sequence.length;
-      rows.page[p] = rows.valid[p] ? pages.page_of(position, rows.row_in_page[p]) : 0;
-      if (!rows.valid[p]) rows.row_in_page[p] = 0;
+    if constexpr (kChunkInOnePage) {
+      rows.row_in_page[0] = 0;
+      rows.page[0] = t < warp_chunks ? pages.page_of(key0, rows.row_in_page[0]) : 0;
+      rows.row_in_page[0] += copy_row;
+      CUTE_UNROLL
+      for (int p = 0; p < Traits::kPasses; ++p) {
+        rows.valid[p] = t < warp_chunks && key0 + copy_row + p * Traits::kRowsPerPass < sequence.length;
+      }
+    } else {
+      CUTE_UNROLL
+      for (int p = 0; p < Traits::kPasses; ++p) {
+        const int position = key0 + copy_row + p * Traits::kRowsPerPass;
+        rows.valid[p] = t < warp_chunks && position < sequence.length;
+        rows.page[p] = rows.valid[p] ? pages.page_of(position, rows.row_in_page[p]) : 0;
+        if (!rows.valid[p]) rows.row_in_page[p] = 0;
+      }
     }
     return rows;
   };
+  // kRowsPerPass rows of K and of V, in bytes: the step between a lane's rows of one page.
+  const int64_t k_pass_bytes = params.k_row_stride * int64_t(Traits::kRowsPerPass * sizeof(Element));
+  const int64_t v_pass_bytes = params.v_row_stride * int64_t(Traits::kRowsPerPass * sizeof(Element));
   // Copies chunk `t` (rows located by `rows`) into stage t % kStages; rows past the sequence are
   // zero-filled (a V row of NaN garbage would leak into O through 0 * NaN).
   auto copy_chunk = [&](int t, ChunkRows const& rows) __attribute__((always_inline)) {
     const int stage = t % kStages;
     Tensor sK = k_stage(stage);
     Tensor sV = v_stage(stage);
+    const Element* k_row = nullptr;
+    const Element* v_row = nullptr;
     CUTE_UNROLL
     for (int p = 0; p < Traits::kPasses; ++p) {
       const int row = copy_row + p * Traits::kRowsPerPass;
-      const Element* k_row = k_cache + pages.offset_of(rows.page[p], rows.row_in_page[p], params.k_batch_stride,
-                                                       params.k_row_stride, k_head_offset);
-      const Element* v_row = v_cache + pages.offset_of(rows.page[p], rows.row_in_page[p], params.v_batch_stride,
-                                                       params.v_row_stride, v_head_offset);
+      if (!kChunkInOnePage || p == 0) {
+        const int i = kChunkInOnePage ? 0 : p;
+        k_row = k_cache + pages.offset_of(rows.page[i], rows.row_in_page[i], params.k_batch_stride,
+                                          params.k_row_stride, k_head_offset);
+        v_row = v_cache + pages.offset_of(rows.page[i], rows.row_in_page[i], params.v_batch_stride,
+                                          params.v_row_stride, v_head_offset);
+      } else {
+        k_row = reinterpret_cast<const Element*>(reinterpret_cast<const char*>(k_row) + k_pass_bytes);
+        v_row = reinterpret_cast<const Element*>(reinterpret_cast<const char*>(v_row) + v_pass_bytes);
+      }
       CUTE_UNROLL
       for (int c = 0; c < Traits::kColPasses; ++c) {
         const int col = c * Traits::kLanesPerRow * Traits::kElemsPerCopy;
         const bool valid = rows.valid[p] && col_ok[c];
-        cp_async_16(&sK(row, copy_col + col), valid ? k_row + col : k_cache, valid);
-        cp_async_16(&sV(row, copy_col + col), valid ? v_row + col : v_cache, valid);
+        cp_async_16(&sK(row, copy_col + col), k_row + col_src[c], valid);
+        cp_async_16(&sV(row, copy_col + col), v_row + col_src[c], valid);
       }
     }
   };
@@ -282,7 +313,32 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     softmax.row_sum[r] = 0.f;
   }
 
-  for (int t = 0; t < warp_chunks; ++t) {
+  // Up to head dim 128 Q's fragments stay in registers for the whole walk (32 registers at 128;
+  // at 256 they would spill): no ldmatrix of Q a chunk.
+  constexpr bool kQInRegisters = kHeadDim <= 128;
+  if constexpr (kQInRegisters) copy(smem_tiled_copy_q, tSsQ, smem_thr_copy_q.retile_D(tSrQ));
+
+  // The chunks whose every key every row of the tile sees need no mask: those from the rows' last
+  // key_begin to their first key_limit (a window's first chunks and each row's last are masked).
+  int rows_key_begin = 0, rows_key_limit = sequence.length;
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    rows_key_begin = max(rows_key_begin, row_key_begin[r]);
+    rows_key_limit = min(rows_key_limit, row_key_limit[r]);
+  }
+  CUTE_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) {
+    rows_key_begin = max(rows_key_begin, __shfl_xor_sync(0xffffffffu, rows_key_begin, offset));
+    rows_key_limit = min(rows_key_limit, __shfl_xor_sync(0xffffffffu, rows_key_limit, offset));
+  }
+  auto chunk_needs_mask = [&](int t) {
+    const int key0 = (split_begin + warp + t * kWarps) * kKeys;
+    return key0 < rows_key_begin || key0 + kKeys > rows_key_limit;
+  };
+
+  // One chunk of the walk; kMasked applies each row's key range to the scores.
+  auto step = [&](int t, auto masked) __attribute__((always_inline)) {
+    constexpr bool kMasked = decltype(masked)::value;
     // Chunk t + kStages - 1 goes into the stage chunk t - 1 used (every lane of this warp is done
     // with it: the __syncwarp at the end of the last step).
     if (t + kStages - 1 < warp_chunks) copy_chunk(t + kStages - 1, next_rows);
@@ -295,8 +351,13 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
 
     Tensor acc_s = partition_fragment_C(tiled_mma, typename Traits::TileS{});
     clear(acc_s);
-    gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, smem_thr_copy_k.partition_S(k_stage(stage)),
-                   smem_tiled_copy_q, smem_thr_copy_q, smem_tiled_copy_k, smem_thr_copy_k);
+    if constexpr (kQInRegisters) {
+      gemm_regs_smem(tiled_mma, acc_s, tSrQ, tSrK, smem_thr_copy_k.partition_S(k_stage(stage)), smem_tiled_copy_k,
+                     smem_thr_copy_k);
+    } else {
+      gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, smem_thr_copy_k.partition_S(k_stage(stage)),
+                     smem_tiled_copy_q, smem_thr_copy_q, smem_tiled_copy_k, smem_thr_copy_k);
+    }
     Tensor s = as_rows_cols(acc_s);
     if (score_mods_on) {
       row_mods[0].cap(s);  // the soft cap is the same for every row
@@ -308,12 +369,14 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
         }
       }
     }
-    CUTE_UNROLL
-    for (int r = 0; r < kRowsPerThread; ++r) {
+    if constexpr (kMasked) {
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        const int key = key0 + get<1>(tScS(r, c));
-        if (key >= row_key_limit[r] || key < row_key_begin[r]) s(r, c) = -INFINITY;
+      for (int r = 0; r < kRowsPerThread; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+          const int key = key0 + get<1>(tScS(r, c));
+          if (key >= row_key_limit[r] || key < row_key_begin[r]) s(r, c) = -INFINITY;
+        }
       }
     }
     softmax.template update<false>(s, acc_o_rc);
@@ -322,6 +385,17 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, smem_thr_copy_v.partition_S(vt_stage(stage)), smem_tiled_copy_v,
                    smem_thr_copy_v);
     __syncwarp();  // every lane is done reading this stage before it is refilled
+  };
+  // Masked chunks one at a time, the unmasked between them in a loop of their own (a branch inside
+  // one loop body ptxas turns into predicated instructions, issued for every chunk).
+  int t = 0;
+  while (t < warp_chunks) {
+    if (chunk_needs_mask(t)) {
+      step(t, cute::true_type{});
+      ++t;
+    } else {
+      for (; t < warp_chunks && !chunk_needs_mask(t); ++t) step(t, cute::false_type{});
+    }
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with Q and its K/V storage
@@ -438,7 +512,12 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kTh
     extern __shared__ __align__(128) char smem[];
     const int kv_head = int(blockIdx.x % unsigned(params.heads_k));
     const int batch = int(blockIdx.x / unsigned(params.heads_k));
-    kvcache_tile<Traits>(params, smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z));
+    // A chunk's kKeys rows in one page: one page lookup a chunk (kvcache_tile).
+    if ((params.block_table == nullptr ? params.capacity : params.page_size) % Traits::kKeys == 0) {
+      kvcache_tile<Traits, true>(params, smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z));
+    } else {
+      kvcache_tile<Traits, false>(params, smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z));
+    }
   }
 }
 

@@ -36,6 +36,7 @@ catalogue = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = catalogue  # dataclasses look their module up by name
 _SPEC.loader.exec_module(catalogue)
 TARGETS = {"sm80": "-gencode=arch=compute_80,code=sm_80", "sm90": "-gencode=arch=compute_90a,code=sm_90a"}
+ARCHS = {"80": TARGETS["sm80"], "90a": TARGETS["sm90"]}
 COUNTED = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU.EX2", "BAR.SYNC", "LDL", "STL", "SHFL")
 SEQUENCE = re.compile(r"(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR\.LE gsb0, 0x[0-9a-f]+|MUFU\.EX2|HGMMA)")
 
@@ -72,6 +73,9 @@ def main(argv=None) -> int:
                         help="which kernels (default: %(default)s); the backward's ptxas lines cover each of its "
                              "kernels, kvcache's the KV-cache attention, its split merge and the append")
     parser.add_argument("--path", choices=sorted(TARGETS), default="sm90", help="kernel path (default: %(default)s)")
+    parser.add_argument("--arch", choices=sorted(ARCHS),
+                        help="the GPU code to compile for (default: the path's own, 80 or 90a; the sm80 path's "
+                             "kernels run as 90a code on Hopper)")
     parser.add_argument("--head-dim", type=int, default=128, help="compiled head dim (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
     parser.add_argument("--mask", choices=("none", "causal", "local"), default="none",
@@ -91,6 +95,7 @@ def main(argv=None) -> int:
     if args.head_dim not in head_dims:
         parser.error(f"--head-dim must be one of {head_dims} for the {args.direction} {args.path} path")
 
+    target = ARCHS[args.arch] if args.arch else TARGETS[args.path]
     dtype = {"bf16": "kBFloat16", "fp16": "kFloat16"}[args.dtype]
     short, params = {"forward": ("fwd", "FwdParams"), "backward": ("bwd", "BwdParams"),
                      "kvcache": ("kvcache", "KVCacheParams")}[args.direction]
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
         source = Path(tmp) / f"{name}.cu"
         source.write_text(f'#include "flash_cutlass/{args.path}/{short}_launch.h"\n' + instance)
         cubin = Path(tmp) / "kernel.cubin"
-        nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", TARGETS[args.path], "-O3", "--use_fast_math",
+        nvcc = [shutil.which("nvcc") or "nvcc", "-cubin", target, "-O3", "--use_fast_math",
                 "--expt-relaxed-constexpr", "-std=c++17", f"-I{ROOT / 'include'}", f"-I{Path(tmp) / 'include'}",
                 f"-I{cutlass_include()}",
                 *(f"-D{macro}" for macro in args.define), "-Xptxas=-v", str(source), "-o", str(cubin)]
@@ -127,7 +132,7 @@ def main(argv=None) -> int:
     if args.sass:
         args.sass.write_text(sass)
 
-    print(f"{name} ({TARGETS[args.path].rsplit('code=', 1)[1]})")
+    print(f"{name} ({target.rsplit('code=', 1)[1]})")
     for line in build.stderr.splitlines():
         entry = re.search(r"Compiling entry function '_ZN13flash_cutlass4sm[89]0\d+(flash_\w+?)I", line)
         if entry:

@@ -11,6 +11,7 @@ between `WARPGROUP.DEPBAR.LE gsb0, 0x1` and `... 0x0` means the softmax overlaps
     python3 tools/sass_report.py --path sm80 --head-dim 64 --dtype fp16 --mask causal
     python3 tools/sass_report.py --direction backward --path sm80 --head-dim 128
     python3 tools/sass_report.py --direction kvcache --path sm80 --head-dim 128   # attention, merge, append
+    python3 tools/sass_report.py --direction kvcache --path sm80 --arch 90a       # the same as Hopper runs it
 
 Needs nvcc and cuobjdump (from the CUDA toolkit, or the copy Triton ships under
 triton/backends/nvidia/bin) and the CUTLASS headers setup.py would use (CUTLASS_PATH,
@@ -95,6 +96,8 @@ def main(argv=None) -> int:
     if args.head_dim not in head_dims:
         parser.error(f"--head-dim must be one of {head_dims} for the {args.direction} {args.path} path")
 
+    if args.path == "sm90" and args.arch not in (None, "90a"):
+        parser.error("the sm90 path's kernels need --arch 90a (wgmma and TMA)")
     target = ARCHS[args.arch] if args.arch else TARGETS[args.path]
     dtype = {"bf16": "kBFloat16", "fp16": "kFloat16"}[args.dtype]
     short, params = {"forward": ("fwd", "FwdParams"), "backward": ("bwd", "BwdParams"),

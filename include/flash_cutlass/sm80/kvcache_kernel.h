@@ -18,7 +18,9 @@
 
 #include <cmath>
 
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 
 #include "flash_cutlass/common/copy.h"
 #include "flash_cutlass/common/kvcache.h"
@@ -32,9 +34,28 @@
 
 namespace flash_cutlass::sm80 {
 
-template <int kHeadDim_, int kStages_, class Element_>
+// A warp's stage of K (or V), (keys, head_dim), and the same storage as V^T: rows padded by 16
+// bytes (cp.async), or 128-byte-swizzled rows (TMA).
+template <bool kTma, int kKeys, int kHeadDim, class Element>
+struct KVStageLayouts {
+  using KV = PaddedRowMajor<kKeys, kHeadDim>;
+  using Vt = decltype(cute::select<1, 0>(KV{}));
+};
+template <int kKeys, int kHeadDim, class Element>
+struct KVStageLayouts<true, kKeys, kHeadDim, Element> {
+  using KV = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                          cute::Shape<cute::Int<kKeys>, cute::Int<kHeadDim>>{}));
+  using Vt = decltype(cute::composition(
+      KV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kKeys>>{}, cute::GenRowMajor{})));
+};
+
+// kTma_ (Hopper, head dims in 64s, a chunk's rows in one page): K and V land by TMA tensor copies
+// into 128-byte-swizzled stages, one mbarrier a stage and warp; otherwise by cp.async into padded
+// rows.
+template <int kHeadDim_, int kStages_, class Element_, bool kTma_ = false>
 struct KVCacheTraits {
   using Element = Element_;
+  static constexpr bool kTma = kTma_;
   static_assert(std::is_same_v<Element, cutlass::half_t> || std::is_same_v<Element, cutlass::bfloat16_t>);
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kStages = kStages_;
@@ -55,8 +76,13 @@ struct KVCacheTraits {
                                   cute::Tile<cute::_16, cute::_16, cute::_16>>;
 
   using SmemLayoutQ = PaddedRowMajor<kRows, kHeadDim>;
-  using SmemLayoutKV = PaddedRowMajor<kKeys, kHeadDim>;  // one stage of one warp's K (or V)
-  using SmemLayoutVt = decltype(cute::select<1, 0>(SmemLayoutKV{}));
+  static_assert(!kTma || kHeadDim % 64 == 0, "TMA stages are rows of 128-byte swizzle atoms");
+  // One stage of one warp's K (or V), and the same storage seen as V^T (head_dim, keys): the B
+  // operand of P V; register fragments are shaped from the layouts without their swizzle.
+  using SmemLayoutKV = typename KVStageLayouts<kTma, kKeys, kHeadDim, Element>::KV;
+  using SmemLayoutVt = typename KVStageLayouts<kTma, kKeys, kHeadDim, Element>::Vt;
+  using FragmentLayoutK = decltype(cute::get_nonswizzle_portion(SmemLayoutKV{}));
+  using FragmentLayoutVt = decltype(cute::get_nonswizzle_portion(SmemLayoutVt{}));
   using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
 
@@ -72,12 +98,32 @@ struct KVCacheTraits {
   static constexpr int kSmemElemsQ = cute::cosize_v<SmemLayoutQ>;
   static constexpr int kSmemElemsKV = cute::cosize_v<SmemLayoutKV>;
   static constexpr int kSmemElemsWarp = 2 * kStages * kSmemElemsKV;  // kStages of K, then kStages of V
-  static constexpr int kSmemBytes = (kSmemElemsQ + kWarps * kSmemElemsWarp) * int(sizeof(Element));
+  // TMA: the warps' K/V storage first (1024-byte-aligned swizzle atoms), then Q, then each warp's
+  // stage barriers. cp.async: Q, then the warps' K/V storage.
+  static constexpr int kBarrierBytes = kTma ? kWarps * kStages * 8 : 0;
+  static constexpr int kSmemBytes = (kSmemElemsQ + kWarps * kSmemElemsWarp) * int(sizeof(Element)) + kBarrierBytes;
+  static_assert(!kTma || kSmemElemsWarp * sizeof(Element) % 1024 == 0);
+  static_assert(!kTma || kSmemElemsQ * sizeof(Element) % 8 == 0);
+  // Each TMA copy: kKeys rows of the head dim (of K or of V).
+  using TileKV = cute::Shape<cute::Int<kKeys>, cute::Int<kHeadDim>>;
+  static constexpr uint32_t kTmaBytes = 2 * kKeys * kHeadDim * sizeof(Element);  // K and V of a chunk
+  // The caches as TMA sees them: (page_size, head_dim, heads_k, num_pages), head_dim contiguous (a
+  // contiguous cache's page is one of its rows; KVCacheParams).
+  using GmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
+                                  cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                GmemLayout{}));
   // The merge reuses the warps' K/V storage for their fp32 outputs, and Q's for their row statistics.
   static_assert(kWarps * kRows * kHeadDim * 4 <= kWarps * kSmemElemsWarp * int(sizeof(Element)));
   static_assert(2 * kWarps * kRows * 4 <= kSmemElemsQ * int(sizeof(Element)));
   static_assert(kSmemBytes <= 227 * 1024);
 };
+
+// The TMA copy of K (or V) a KVCacheTraits with kTma loads its stages with.
+template <class Traits>
+using KVCacheTmaCopy = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, typename Traits::GmemTensor{},
+                                                    typename Traits::SmemLayoutKV{}, typename Traits::TileKV{},
+                                                    cute::_1{}));
 
 // Pipeline depth per head dim: a warp keeps kStages - 1 chunks of K and V in flight, so that an SM
 // has enough bytes in flight to cover the memory latency (Little's law: ~40 KB per SM at 4.8 TB/s;
@@ -115,9 +161,11 @@ static_assert(KVCacheTraits<64, KVCacheStages<64>::kCompactStages + 1, cutlass::
               "kCompactStages is the deepest pipeline that fits");
 
 // One CTA: packed rows [m_block * kRows, + kRows) of (batch, kv_head), over split `split` of their keys.
-template <class Traits, bool kChunkInOnePage>
+// With Traits::kTma, tma_k and tma_v are the caches' TMA copies (KVCacheTmaCopy; kChunkInOnePage).
+template <class Traits, bool kChunkInOnePage, class TmaCopy = int>
 __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* smem, int m_block, int batch,
-                                             int kv_head, int split) {
+                                             int kv_head, int split, TmaCopy const* tma_k = nullptr,
+                                             TmaCopy const* tma_v = nullptr) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kRows = Traits::kRows;
@@ -149,8 +197,11 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   // This warp's chunks: split_begin + warp, + kWarps, ...
   const int warp_chunks = split_end - split_begin > warp ? (split_end - split_begin - warp + kWarps - 1) / kWarps : 0;
 
-  Element* smem_q = reinterpret_cast<Element*>(smem);
-  Element* smem_k = smem_q + Traits::kSmemElemsQ + warp * Traits::kSmemElemsWarp;
+  constexpr bool kTma = Traits::kTma;
+  static_assert(!kTma || kChunkInOnePage, "a TMA copy takes a chunk's rows from one page");
+  Element* smem_kv = reinterpret_cast<Element*>(smem) + (kTma ? 0 : Traits::kSmemElemsQ);
+  Element* smem_q = reinterpret_cast<Element*>(smem) + (kTma ? kWarps * Traits::kSmemElemsWarp : 0);
+  Element* smem_k = smem_kv + warp * Traits::kSmemElemsWarp;
   Element* smem_v = smem_k + kStages * Traits::kSmemElemsKV;
   Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
   auto k_stage = [&](int stage) { return make_tensor(make_smem_ptr(smem_k + stage * Traits::kSmemElemsKV),
@@ -233,10 +284,36 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   const int64_t v_pass_bytes = params.v_row_stride * int64_t(Traits::kRowsPerPass * sizeof(Element));
   // Copies chunk `t` (rows located by `rows`) into stage t % kStages; rows past the sequence are
   // zero-filled (a V row of NaN garbage would leak into O through 0 * NaN).
+  // TMA: one mbarrier a stage of this warp, completed by the stage's K and V bytes.
+  uint64_t* stage_full = reinterpret_cast<uint64_t*>(smem_q + Traits::kSmemElemsQ) + warp * kStages;
+  if constexpr (kTma) {
+    if (lane == 0) {
+      CUTE_UNROLL
+      for (int stage = 0; stage < kStages; ++stage) cutlass::arch::ClusterTransactionBarrier::init(&stage_full[stage], 1);
+    }
+    cutlass::arch::fence_barrier_init();
+    __syncwarp();
+  }
   auto copy_chunk = [&](int t, ChunkRows const& rows) __attribute__((always_inline)) {
     const int stage = t % kStages;
     Tensor sK = k_stage(stage);
     Tensor sV = v_stage(stage);
+    if constexpr (kTma) {
+      // Lane 0's first row is the chunk's first (copy_row 0): its page and row in the page.
+      if (lane == 0) {
+        Tensor mK = tma_k->get_tma_tensor(make_shape(params.page_size, params.head_dim, params.heads_k, params.num_pages));
+        Tensor mV = tma_v->get_tma_tensor(make_shape(params.page_size, params.head_dim, params.heads_k, params.num_pages));
+        const auto tile = make_coord(rows.row_in_page[0] / kKeys, _0{});
+        Tensor gK = local_tile(mK(_, _, kv_head, rows.page[0]), typename Traits::TileKV{}, tile);
+        Tensor gV = local_tile(mV(_, _, kv_head, rows.page[0]), typename Traits::TileKV{}, tile);
+        auto [tKgK, tKsK] = tma_partition(*tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto [tVgV, tVsV] = tma_partition(*tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&stage_full[stage], Traits::kTmaBytes);
+        copy(tma_k->with(stage_full[stage]), tKgK, tKsK);
+        copy(tma_v->with(stage_full[stage]), tVgV, tVsV);
+      }
+      return;
+    }
     const Element* k_row = nullptr;
     const Element* v_row = nullptr;
     CUTE_UNROLL
@@ -268,17 +345,17 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   CUTE_UNROLL
   for (int t = 0; t < kStages - 1; ++t) {
     if (t < warp_chunks) copy_chunk(t, next_rows);
-    cp_async_fence();
+    if constexpr (!kTma) cp_async_fence();
     next_rows = locate(t + 1);
   }
-  cp_async_wait<kStages - 1>();  // Q has landed (this thread's copies) ...
+  cp_async_wait<kTma ? 0 : kStages - 1>();  // Q has landed (this thread's copies) ...
   __syncthreads();               // ... and every thread's
 
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(lane);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(k_stage(0));
-  Tensor tOrVt = thr_mma.partition_fragment_B(vt_stage(0));
+  Tensor tSrK = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(smem_k), typename Traits::FragmentLayoutK{}));
+  Tensor tOrVt = thr_mma.partition_fragment_B(make_tensor(make_smem_ptr(smem_v), typename Traits::FragmentLayoutVt{}));
   Tensor acc_o = partition_fragment_C(tiled_mma, typename Traits::TileQ{});
   clear(acc_o);
   Tensor acc_o_rc = as_rows_cols(acc_o);
@@ -343,12 +420,24 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     // Chunk t + kStages - 1 goes into the stage chunk t - 1 used (every lane of this warp is done
     // with it: the __syncwarp at the end of the last step).
     if (t + kStages - 1 < warp_chunks) copy_chunk(t + kStages - 1, next_rows);
-    cp_async_fence();
+    if constexpr (!kTma) cp_async_fence();
     next_rows = locate(t + kStages);
-    cp_async_wait<kStages - 1>();  // chunk t has landed (this lane's copies) ...
-    __syncwarp();                  // ... and the warp's
     const int stage = t % kStages;
     const int key0 = (split_begin + warp + t * kWarps) * kKeys;
+    if constexpr (kTma) {
+      cutlass::arch::ClusterTransactionBarrier::wait(&stage_full[stage], (t / kStages) & 1);
+      // V rows past the sequence hold whatever the cache holds there: zeroed (K's are masked).
+      if (key0 + kKeys > sequence.length) {
+        Tensor sV = v_stage(stage);
+        const int first_zero = max(sequence.length - key0, 0);
+        for (int index = lane; index < (kKeys - first_zero) * kHeadDim; index += 32) {
+          sV(first_zero + index / kHeadDim, index % kHeadDim) = Element(0);
+        }
+      }
+    } else {
+      cp_async_wait<kStages - 1>();  // chunk t has landed (this lane's copies) ...
+    }
+    __syncwarp();                    // ... and the warp's
 
     Tensor acc_s = partition_fragment_C(tiled_mma, typename Traits::TileS{});
     clear(acc_s);
@@ -385,7 +474,10 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     Tensor tOrP = make_tensor(p.data(), acc_layout_as_operand_a(p.layout()));
     gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, smem_thr_copy_v.partition_S(vt_stage(stage)), smem_tiled_copy_v,
                    smem_thr_copy_v);
-    __syncwarp();  // every lane is done reading this stage before it is refilled
+    // Every lane is done reading this stage before it is refilled (by TMA: after this lane's
+    // generic accesses, in the async proxy's order).
+    if constexpr (kTma) cutlass::arch::fence_view_async_shared();
+    __syncwarp();
   };
   // Masked chunks one at a time, the unmasked between them in a loop of their own (a branch inside
   // one loop body ptxas turns into predicated instructions, issued for every chunk).
@@ -427,7 +519,7 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
       if (m != -INFINITY) sum += warp_sum[w * kRows + row] * exp2f((m - max) * scale_log2);
     }
   };
-  float* warp_out = reinterpret_cast<float*>(smem_q + Traits::kSmemElemsQ);  // (kWarps, kRows, kHeadDim)
+  float* warp_out = reinterpret_cast<float*>(smem_kv);  // (kWarps, kRows, kHeadDim)
   Tensor tOcO = as_rows_cols(thr_mma.partition_C(make_identity_tensor(typename Traits::TileQ{})));
   CUTE_UNROLL
   for (int r = 0; r < kRowsPerThread; ++r) {
@@ -520,6 +612,22 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kTh
       kvcache_tile<Traits, false>(params, smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z));
     }
   }
+}
+
+// The same attention with K and V by TMA (KVCacheTraits' kTma): Hopper, head dims in 64s, a chunk's
+// rows in one page (the host's kvcache_tma_eligible). Built into the sm_90a code only.
+template <int kHeadDim, int kStages, class Element>
+__global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, true>::kThreads)
+    flash_kvcache_tma_sm90(__grid_constant__ const KVCacheParams params,
+                           __grid_constant__ const KVCacheTmaCopy<KVCacheTraits<kHeadDim, kStages, Element, true>> tma_k,
+                           __grid_constant__ const KVCacheTmaCopy<KVCacheTraits<kHeadDim, kStages, Element, true>> tma_v) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Traits = KVCacheTraits<kHeadDim, kStages, Element, true>;
+  extern __shared__ __align__(1024) char tma_smem[];
+  const int kv_head = int(blockIdx.x % unsigned(params.heads_k));
+  const int batch = int(blockIdx.x / unsigned(params.heads_k));
+  kvcache_tile<Traits, true>(params, tma_smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z), &tma_k, &tma_v);
+#endif
 }
 
 // Merges the splits' partial outputs: one warp per (batch, head, query) row. With the splits'

@@ -8,6 +8,7 @@
 
 #include "flash_cutlass/common/per_device.h"
 #include "flash_cutlass/common/utils.h"
+#include "flash_cutlass/dispatch.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm80/kvcache_kernel.h"
 
@@ -56,6 +57,63 @@ struct KVCacheKernel {
   }
 };
 
+// The attention kernel with K and V by TMA (flash_kvcache_tma_sm90), for the calls it takes.
+template <int kHeadDim, class Element>
+struct KVCacheTmaKernel {
+  using Traits = KVCacheTraits<kHeadDim, KVCacheStages<kHeadDim>::kStages, Element, true>;
+
+  // Whether the call runs on it: a build with the sm_90a code, a compute capability 9.0 device, a
+  // chunk's rows in one page (a contiguous cache's rows past its end are TMA's zeros), and the
+  // caches' addresses and strides as TMA needs them (multiples of 16 bytes).
+  static bool takes(KVCacheParams const& params, KVCacheDevice const& device) {
+    if constexpr (!has_compiled_head_dims<Direction::kForward, KernelPath::kSm90>()) {
+      return false;
+    } else {
+      static PerDeviceValue hopper;
+      const bool on_hopper = hopper.get(device.index, [&] {
+        int major = 0, minor = 0;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device.index);
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device.index);
+        return major == 9 && minor == 0 ? 1 : 0;
+      }) == 1;
+      auto aligned = [](int64_t elements) { return elements * int64_t(sizeof(Element)) % 16 == 0; };
+      auto pointer_aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+      return on_hopper && Traits::kSmemBytes <= device.smem_per_block && params.num_pages >= 1 &&
+             (params.block_table == nullptr || params.page_size % Traits::kKeys == 0) &&
+             pointer_aligned(params.k) && pointer_aligned(params.v) && aligned(params.head_dim) &&
+             aligned(params.k_row_stride) && aligned(params.k_head_stride) && aligned(params.k_batch_stride) &&
+             aligned(params.v_row_stride) && aligned(params.v_head_stride) && aligned(params.v_batch_stride);
+    }
+  }
+
+  static cudaError_t launch(KVCacheParams const& params, int device, dim3 grid, cudaStream_t stream) {
+    using namespace cute;
+    static PerDeviceValue prepared;
+    const int result = prepared.get(device, [] {
+      const cudaError_t status = cudaFuncSetAttribute(
+          &flash_kvcache_tma_sm90<kHeadDim, Traits::kStages, Element>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          Traits::kSmemBytes);
+      return status == cudaSuccess ? 0 : -int(status);
+    });
+    if (result < 0) return cudaError_t(-result);
+    auto cache = [&](const void* base, int64_t page_stride, int64_t row_stride, int64_t head_stride) {
+      return make_tensor(make_gmem_ptr(static_cast<Element const*>(base)),
+                         typename Traits::GmemLayout{make_shape(params.page_size, params.head_dim, params.heads_k,
+                                                                params.num_pages),
+                                                     make_stride(row_stride, _1{}, head_stride, page_stride)});
+    };
+    const auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, cache(params.k, params.k_batch_stride, params.k_row_stride,
+                                                            params.k_head_stride),
+                                     typename Traits::SmemLayoutKV{}, typename Traits::TileKV{}, _1{});
+    const auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, cache(params.v, params.v_batch_stride, params.v_row_stride,
+                                                            params.v_head_stride),
+                                     typename Traits::SmemLayoutKV{}, typename Traits::TileKV{}, _1{});
+    flash_kvcache_tma_sm90<kHeadDim, Traits::kStages, Element>
+        <<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params, tma_k, tma_v);
+    return cudaGetLastError();
+  }
+};
+
 // f(KVCacheKernel<...>{}) of the pipeline depth that runs on `device`: KVCacheStages' kStages
 // where its shared memory fits the device's per-block limit, else kCompactStages (only then is a
 // second kernel compiled in).
@@ -82,8 +140,18 @@ cudaError_t run_kvcache(KVCacheParams const& params, KVCacheDevice const& device
     return cudaErrorInvalidConfiguration;
   }
   const dim3 grid(unsigned(kv_heads), unsigned(row_blocks), unsigned(params.num_splits));
-  cudaError_t status = with_kvcache_kernel<kHeadDim, Element>(
-      device, [&](auto kernel) { return kernel.launch(params, device.index, grid, stream); });
+  cudaError_t status = cudaSuccess;
+  if constexpr (kHeadDim % 64 == 0) {
+    if (KVCacheTmaKernel<kHeadDim, Element>::takes(params, device)) {
+      status = KVCacheTmaKernel<kHeadDim, Element>::launch(params, device.index, grid, stream);
+    } else {
+      status = with_kvcache_kernel<kHeadDim, Element>(
+          device, [&](auto kernel) { return kernel.launch(params, device.index, grid, stream); });
+    }
+  } else {
+    status = with_kvcache_kernel<kHeadDim, Element>(
+        device, [&](auto kernel) { return kernel.launch(params, device.index, grid, stream); });
+  }
   if (status != cudaSuccess || params.num_splits == 1) return status;
   const int64_t rows = int64_t(params.batch) * params.heads * params.seqlen_q;
   const int64_t combine_ctas = (rows + 3) / 4;

@@ -152,6 +152,9 @@ def main(argv=None) -> int:
             print(f"  {entry.group(1)}" + (f" ({'; '.join(details)})" if details else ""))
         elif "registers" in line or "spill" in line:
             print("    ptxas:", line.split(":", 1)[-1].strip())
+        elif "Performance Loss" in line:
+            # e.g. wgmma.mma_async serialized: every GEMM then waits for the one before.
+            print("    ptxas warning:", line.split("(C", 1)[-1].split(") ", 1)[-1].strip())
     instructions = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)", sass)]
     counts = collections.Counter()
     for opcode in instructions:

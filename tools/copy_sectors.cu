@@ -22,8 +22,9 @@
 //  10 kPaddedWithReads     as 0, with the same ldmatrix reads (conflict-free on padded rows)
 //  then pattern 0 twice more with 106 KiB and 200 KiB of shared memory a CTA (2 and 1 CTAs an SM).
 //
-// Measured on the H200 (2026-12-03): 0, 2 and 7 request 1.5x the compulsory sectors, 1 and 3-6
-// exactly them (patterns 8-10 not yet run).
+// Measured on the H200 (2026-12-03): 0, 2, 7 and 10 request 1.5x the compulsory sectors, 1, 3-6,
+// 8 and 9 exactly them: padded rows alone make the excess (a swizzled chunk order and ldmatrix
+// reads do not).
 #include <cstdint>
 #include <cstdio>
 

@@ -6,7 +6,10 @@
 // (GQA) times the queries (packed_row in common/kvcache.h), one MMA tile high, and its 4 warps split
 // the keys: each warp streams its own 16-key chunks (chunk c goes to warp c % 4) through its own
 // kStages-deep cp.async pipeline, gathering each key row from its page (any page size, pages in any
-// order), and keeps its own online softmax and O. The warps' results merge once, at the end,
+// order), and keeps its own online softmax and O. On Hopper (flash_kvcache_tma_sm90) a chunk's K
+// and V land instead by one TMA tensor copy each into 128-byte-swizzled stages, where the call
+// allows it (kvcache_launch.h): cp.async into padded rows asks L2 for 1.5x the bytes (and the L2's
+// throughput bounds decoding). The warps' results merge once, at the end,
 // through shared memory; the warps never wait for each other in the main loop. The score options
 // (soft cap, ALiBi) and the mask (none, causal, window: KeyMask<kLocal>) are runtime values and
 // every tile is masked: their few instructions a tile hide under the loads, and one instantiation

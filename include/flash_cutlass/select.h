@@ -102,12 +102,13 @@ KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int 
 // splitting ((batch, kv head, packed-row block) triples) fill `slots` = SMs x CTAs per SM; a call
 // that fills at least kKVCacheFullWave of them runs unsplit. Otherwise the keys are split into as
 // many parts as keep the CTAs within one wave of the slots, with at least kKVCacheMinKeysPerSplit
-// keys each (fewer would cost more in the merge and the per-CTA prologue than they gain), and at
-// most kKVCacheMaxSplits. (Splitting until the CTAs filled the slots left a partial second wave:
-// at 64 tiles on 264 slots, 5 splits ran 320 CTAs, 56 of them in a second wave, where 4 run 256 in
-// one.)
+// keys each (two 16-key chunks for each of a CTA's 4 warps; H200, head dim 128, batch 1-4 at 1k-8k
+// keys, page 16: 128 was the fastest or within 4% of it at every shape, 512 up to 1.6x slower),
+// and at most kKVCacheMaxSplits. (Splitting until the CTAs filled the slots left a partial second
+// wave: at 64 tiles on 264 slots, 5 splits ran 320 CTAs, 56 of them in a second wave, where 4 run
+// 256 in one.)
 inline constexpr double kKVCacheFullWave = 0.8;
-inline constexpr int kKVCacheMinKeysPerSplit = 512;
+inline constexpr int kKVCacheMinKeysPerSplit = 128;
 inline constexpr int kKVCacheMaxSplits = 128;
 
 constexpr int kvcache_num_splits(int64_t tiles, int64_t max_keys, int64_t slots) {
@@ -119,9 +120,9 @@ constexpr int kvcache_num_splits(int64_t tiles, int64_t max_keys, int64_t slots)
   return splits < 1 ? 1 : int(splits);
 }
 // 132 SMs x 2 CTAs: batch 8 x 8 kv heads at 32k keys splits in 4 (256 CTAs, one wave; 5 left a
-// second wave of 56), batch 1 at 8k in 16 (by the keys), batch 32 not at all.
-static_assert(kvcache_num_splits(64, 32768, 264) == 4 && kvcache_num_splits(8, 8192, 264) == 16 &&
-              kvcache_num_splits(256, 32768, 264) == 1);
+// second wave of 56), batch 1 at 8k in 33, at 1k in 8 (by the keys), batch 32 not at all.
+static_assert(kvcache_num_splits(64, 32768, 264) == 4 && kvcache_num_splits(8, 8192, 264) == 33 &&
+              kvcache_num_splits(8, 1024, 264) == 8 && kvcache_num_splits(256, 32768, 264) == 1);
 
 // Chunked prefill: a KV-cache call of at least kKVCachePrefillMinSeqlenQ queries that leaves the
 // split to us runs the Hopper forward over its caches gathered into packed sequences

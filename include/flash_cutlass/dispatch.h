@@ -10,26 +10,13 @@
 #include <cuda_runtime_api.h>
 
 #include "flash_cutlass/compiled.h"
+#include "flash_cutlass/compiled_head_dims.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/params.h"
 
 namespace flash_cutlass {
 
-enum class KernelPath { kSm80, kSm90 };
-enum class Direction { kForward, kBackward };
-
 namespace detail {
-template <Direction kDirection, KernelPath kPath>
-struct CompiledHeadDimsOf;
-template <>
-struct CompiledHeadDimsOf<Direction::kForward, KernelPath::kSm80> { using type = compiled::Sm80ForwardHeadDims; };
-template <>
-struct CompiledHeadDimsOf<Direction::kForward, KernelPath::kSm90> { using type = compiled::Sm90ForwardHeadDims; };
-template <>
-struct CompiledHeadDimsOf<Direction::kBackward, KernelPath::kSm80> { using type = compiled::Sm80BackwardHeadDims; };
-template <>
-struct CompiledHeadDimsOf<Direction::kBackward, KernelPath::kSm90> { using type = compiled::Sm90BackwardHeadDims; };
-
 // Calls run(std::integral_constant<decltype(kValue), kValue>{}) for the entry of the list equal to
 // value; cudaErrorNotSupported when none is.
 template <auto... kValues, class Value, class Run>
@@ -41,32 +28,10 @@ cudaError_t with_value(compiled::List<kValues...>, Value value, Run&& run) {
 }
 
 template <auto... kValues>
-constexpr int smallest_at_least(compiled::List<kValues...>, int head_dim) {
-  int found = 0;
-  ((found == 0 && kValues >= head_dim ? found = kValues : 0), ...);
-  return found;
-}
-
-template <auto... kValues>
 std::vector<int64_t> values_of(compiled::List<kValues...>) {
   return {static_cast<int64_t>(kValues)...};
 }
 }  // namespace detail
-
-template <Direction kDirection, KernelPath kPath>
-using CompiledHeadDims = typename detail::CompiledHeadDimsOf<kDirection, kPath>::type;
-
-// The smallest compiled head dim of a path that holds head_dim (a call runs there), or 0.
-template <Direction kDirection, KernelPath kPath>
-constexpr int kernel_head_dim(int head_dim) {
-  return detail::smallest_at_least(CompiledHeadDims<kDirection, kPath>{}, head_dim);
-}
-
-// Whether a path compiled any head dim of a direction.
-template <Direction kDirection, KernelPath kPath>
-constexpr bool has_compiled_head_dims() {
-  return kernel_head_dim<kDirection, kPath>(1) != 0;
-}
 
 template <Direction kDirection, KernelPath kPath>
 std::vector<int64_t> compiled_head_dims() {

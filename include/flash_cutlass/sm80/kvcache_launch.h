@@ -8,7 +8,7 @@
 
 #include "flash_cutlass/common/per_device.h"
 #include "flash_cutlass/common/utils.h"
-#include "flash_cutlass/dispatch.h"
+#include "flash_cutlass/compiled_head_dims.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm80/kvcache_kernel.h"
 

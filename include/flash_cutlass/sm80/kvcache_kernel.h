@@ -618,7 +618,7 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kTh
 }
 
 // The same attention with K and V by TMA (KVCacheTraits' kTma): Hopper, head dims in 64s, a chunk's
-// rows in one page (the host's kvcache_tma_eligible). Built into the sm_90a code only.
+// rows in one page (KVCacheTmaKernel::takes, kvcache_launch.h). Built into the sm_90a code only.
 template <int kHeadDim, int kStages, class Element>
 __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, true>::kThreads)
     flash_kvcache_tma_sm90(__grid_constant__ const KVCacheParams params,

@@ -585,12 +585,16 @@ KVCacheDevice kvcache_device(int index) {
     const cudaError_t status = cudaDeviceGetAttribute(&value, which, index);
     return status == cudaSuccess ? value : -int(status);
   };
-  static PerDeviceValue sm_counts, smem_limits;
+  static PerDeviceValue sm_counts, smem_limits, majors, minors;
   const int sm_count = sm_counts.get(index, [&] { return attribute(cudaDevAttrMultiProcessorCount); });
   if (sm_count < 0) C10_CUDA_CHECK(cudaError_t(-sm_count));
   const int smem = smem_limits.get(index, [&] { return attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); });
   if (smem < 0) C10_CUDA_CHECK(cudaError_t(-smem));
-  return {index, sm_count, smem};
+  const int major = majors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMajor); });
+  if (major < 0) C10_CUDA_CHECK(cudaError_t(-major));
+  const int minor = minors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMinor); });
+  if (minor < 0) C10_CUDA_CHECK(cudaError_t(-minor));
+  return {index, sm_count, smem, major, minor};
 }
 
 // Whether a KV-cache call runs as chunked prefill through the Hopper forward (select.h,
@@ -603,10 +607,9 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
       2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size();
   if (!kvcache_prefill_may_gather(params.seqlen_q, params.capacity, gather_bytes, num_splits)) return false;
   if (params.batch > 65535 || params.heads_k > 65535) return false;  // the gather's grid
-  int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-  const KernelSelection kernel = select_kernel<Direction::kForward>(params.head_dim, KernelChoice::kAuto, major, minor);
+  const KVCacheDevice device = kvcache_device(q.get_device());
+  const KernelSelection kernel =
+      select_kernel<Direction::kForward>(params.head_dim, KernelChoice::kAuto, device.major, device.minor);
   if (!kernel.error.empty() || kernel.path != KernelPath::kSm90) return false;
   const bool alibi = options.alibi_slopes.has_value() && options.alibi_slopes->defined();
   if (options.softcap > 0 || alibi) return (options.softcap == 0 || compiled::kSoftcap) && (!alibi || compiled::kAlibi);

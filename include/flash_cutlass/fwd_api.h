@@ -24,6 +24,8 @@ struct KVCacheDevice {
   int index;
   int sm_count;
   int smem_per_block;
+  int major;  // compute capability
+  int minor;
 };
 
 namespace sm90 {

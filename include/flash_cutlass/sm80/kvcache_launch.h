@@ -69,13 +69,7 @@ struct KVCacheTmaKernel {
     if constexpr (!has_compiled_head_dims<Direction::kForward, KernelPath::kSm90>()) {
       return false;
     } else {
-      static PerDeviceValue hopper;
-      const bool on_hopper = hopper.get(device.index, [&] {
-        int major = 0, minor = 0;
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device.index);
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device.index);
-        return major == 9 && minor == 0 ? 1 : 0;
-      }) == 1;
+      const bool on_hopper = device.major == 9 && device.minor == 0;
       auto aligned = [](int64_t elements) { return elements * int64_t(sizeof(Element)) % 16 == 0; };
       auto pointer_aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
       return on_hopper && Traits::kSmemBytes <= device.smem_per_block && params.num_pages >= 1 &&
@@ -140,17 +134,16 @@ cudaError_t run_kvcache(KVCacheParams const& params, KVCacheDevice const& device
     return cudaErrorInvalidConfiguration;
   }
   const dim3 grid(unsigned(kv_heads), unsigned(row_blocks), unsigned(params.num_splits));
-  cudaError_t status = cudaSuccess;
-  if constexpr (kHeadDim % 64 == 0) {
-    if (KVCacheTmaKernel<kHeadDim, Element>::takes(params, device)) {
-      status = KVCacheTmaKernel<kHeadDim, Element>::launch(params, device.index, grid, stream);
-    } else {
-      status = with_kvcache_kernel<kHeadDim, Element>(
-          device, [&](auto kernel) { return kernel.launch(params, device.index, grid, stream); });
-    }
-  } else {
-    status = with_kvcache_kernel<kHeadDim, Element>(
+  auto launch_cp_async = [&] {
+    return with_kvcache_kernel<kHeadDim, Element>(
         device, [&](auto kernel) { return kernel.launch(params, device.index, grid, stream); });
+  };
+  cudaError_t status = cudaSuccess;
+  if constexpr (kHeadDim % 64 == 0) {  // the TMA kernel's head dims
+    using Tma = KVCacheTmaKernel<kHeadDim, Element>;
+    status = Tma::takes(params, device) ? Tma::launch(params, device.index, grid, stream) : launch_cp_async();
+  } else {
+    status = launch_cp_async();
   }
   if (status != cudaSuccess || params.num_splits == 1) return status;
   const int64_t rows = int64_t(params.batch) * params.heads * params.seqlen_q;

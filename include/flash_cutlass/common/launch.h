@@ -38,6 +38,28 @@ cudaError_t launch_cooperative_kernel(void (*kernel)(Params), int num_ctas, int 
                                      args, size_t(smem_bytes), stream);
 }
 
+// Launches kernel(args...) on `grid`; with `after_previous` (a GPU of compute capability 9.0 or
+// more) as a programmatic dependent launch: it may start while the previous kernel in the stream
+// still runs, and must call wait_for_previous_grid() (common/grid_dependency.h) before it reads
+// what that kernel writes. Captured into CUDA graphs as a programmatic edge.
+template <class... Params, class... Args>
+cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, int threads, int smem_bytes,
+                                  cudaStream_t stream, bool after_previous, Args const&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  if (after_previous) {
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 // The current device's number of SMs: the size of a persistent grid.
 inline cudaError_t multiprocessor_count(int* count) {
   int device = 0;

@@ -26,6 +26,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "flash_cutlass/common/copy.h"
+#include "flash_cutlass/common/grid_dependency.h"
 #include "flash_cutlass/common/kvcache.h"
 #include "flash_cutlass/common/mask.h"
 #include "flash_cutlass/common/score_mods.h"
@@ -605,6 +606,9 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kTh
   } else
 #endif
   {
+    // After the append (launched to overlap its end), and the merge may launch meanwhile.
+    wait_for_previous_grid();
+    allow_next_grid();
     extern __shared__ __align__(128) char smem[];
     const int kv_head = int(blockIdx.x % unsigned(params.heads_k));
     const int batch = int(blockIdx.x / unsigned(params.heads_k));
@@ -626,6 +630,8 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, true
                            __grid_constant__ const KVCacheTmaCopy<KVCacheTraits<kHeadDim, kStages, Element, true>> tma_v) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Traits = KVCacheTraits<kHeadDim, kStages, Element, true>;
+  wait_for_previous_grid();
+  allow_next_grid();
   extern __shared__ __align__(1024) char tma_smem[];
   const int kv_head = int(blockIdx.x % unsigned(params.heads_k));
   const int batch = int(blockIdx.x / unsigned(params.heads_k));
@@ -646,6 +652,7 @@ __global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constan
   // A lane's columns of one partial row, loaded at once where their bytes are a power of two.
   constexpr bool kVector = (kColsPerLane & (kColsPerLane - 1)) == 0;
   using LaneColumns = cutlass::AlignedArray<float, kColsPerLane, kVector ? 4 * kColsPerLane : 4>;
+  wait_for_previous_grid();  // the attention kernel's partial outputs
   const int lane = threadIdx.x % 32;
   const int64_t rows = int64_t(params.batch) * params.heads * params.seqlen_q;
   const int64_t index = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;  // (batch, head, query)
@@ -761,6 +768,7 @@ __device__ __forceinline__ void rotate_and_store(KVCacheParams const& params, co
 // Reads the same clamped lengths and pages as the attention kernel (common/kvcache.h).
 template <class Element>
 __global__ void __launch_bounds__(128) flash_kvcache_append_sm80(__grid_constant__ const KVCacheParams params) {
+  allow_next_grid();  // the attention kernel waits for this grid's end before it reads
   const int chunks_per_row = params.head_dim / 8;
   const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t row = index / chunks_per_row;

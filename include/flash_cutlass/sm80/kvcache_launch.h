@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/common/per_device.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/compiled_head_dims.h"
@@ -49,11 +50,13 @@ struct KVCacheKernel {
     }), 0);
   }
 
-  static cudaError_t launch(KVCacheParams const& params, int device, dim3 grid, cudaStream_t stream) {
+  // after_previous: a programmatic dependent launch (launch_after_previous).
+  static cudaError_t launch(KVCacheParams const& params, int device, dim3 grid, cudaStream_t stream,
+                            bool after_previous) {
     const cudaError_t status = prepare(device);
     if (status != cudaSuccess) return status;
-    flash_kvcache_sm80<kHeadDim, kStages, Element><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
-    return cudaGetLastError();
+    return launch_after_previous(&flash_kvcache_sm80<kHeadDim, kStages, Element>, grid, Traits::kThreads,
+                                 Traits::kSmemBytes, stream, after_previous, params);
   }
 };
 
@@ -80,7 +83,8 @@ struct KVCacheTmaKernel {
     }
   }
 
-  static cudaError_t launch(KVCacheParams const& params, int device, dim3 grid, cudaStream_t stream) {
+  static cudaError_t launch(KVCacheParams const& params, int device, dim3 grid, cudaStream_t stream,
+                            bool after_previous) {
     using namespace cute;
     static PerDeviceValue prepared;
     const int result = prepared.get(device, [] {
@@ -102,9 +106,8 @@ struct KVCacheTmaKernel {
     const auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, cache(params.v, params.v_batch_stride, params.v_row_stride,
                                                             params.v_head_stride),
                                      typename Traits::SmemLayoutKV{}, typename Traits::TileKV{}, _1{});
-    flash_kvcache_tma_sm90<kHeadDim, Traits::kStages, Element>
-        <<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params, tma_k, tma_v);
-    return cudaGetLastError();
+    return launch_after_previous(&flash_kvcache_tma_sm90<kHeadDim, Traits::kStages, Element>, grid, Traits::kThreads,
+                                 Traits::kSmemBytes, stream, after_previous, params, tma_k, tma_v);
   }
 };
 
@@ -134,14 +137,19 @@ cudaError_t run_kvcache(KVCacheParams const& params, KVCacheDevice const& device
     return cudaErrorInvalidConfiguration;
   }
   const dim3 grid(unsigned(kv_heads), unsigned(row_blocks), unsigned(params.num_splits));
+  // On Hopper both kernels launch while the kernel before them (the append, the attention) still
+  // runs, and wait for it on the GPU (programmatic dependent launch): the launch gaps of a small
+  // decoding call are a large part of it.
+  const bool after_previous = device.major >= 9;
   auto launch_cp_async = [&] {
     return with_kvcache_kernel<kHeadDim, Element>(
-        device, [&](auto kernel) { return kernel.launch(params, device.index, grid, stream); });
+        device, [&](auto kernel) { return kernel.launch(params, device.index, grid, stream, after_previous); });
   };
   cudaError_t status = cudaSuccess;
   if constexpr (kHeadDim % 64 == 0) {  // the TMA kernel's head dims
     using Tma = KVCacheTmaKernel<kHeadDim, Element>;
-    status = Tma::takes(params, device) ? Tma::launch(params, device.index, grid, stream) : launch_cp_async();
+    status = Tma::takes(params, device) ? Tma::launch(params, device.index, grid, stream, after_previous)
+                                        : launch_cp_async();
   } else {
     status = launch_cp_async();
   }
@@ -149,8 +157,8 @@ cudaError_t run_kvcache(KVCacheParams const& params, KVCacheDevice const& device
   const int64_t rows = int64_t(params.batch) * params.heads * params.seqlen_q;
   const int64_t combine_ctas = (rows + 3) / 4;
   if (combine_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  flash_kvcache_combine_sm80<kHeadDim, Element><<<unsigned(combine_ctas), 128, 0, stream>>>(params);
-  return cudaGetLastError();
+  return launch_after_previous(&flash_kvcache_combine_sm80<kHeadDim, Element>, dim3(unsigned(combine_ctas)), 128, 0,
+                               stream, after_previous, params);
 }
 
 // CTAs of the attention kernel one SM of `device` holds at once (for the split heuristic, select.h).

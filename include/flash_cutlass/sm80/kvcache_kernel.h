@@ -606,7 +606,8 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kTh
   } else
 #endif
   {
-    // After the append (launched to overlap its end), and the merge may launch meanwhile.
+    // Launched under the kernel before it (the append, or the caller's): wait for its writes; the
+    // split merge may launch meanwhile.
     wait_for_previous_grid();
     allow_next_grid();
     extern __shared__ __align__(128) char smem[];
@@ -630,7 +631,7 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, true
                            __grid_constant__ const KVCacheTmaCopy<KVCacheTraits<kHeadDim, kStages, Element, true>> tma_v) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Traits = KVCacheTraits<kHeadDim, kStages, Element, true>;
-  wait_for_previous_grid();
+  wait_for_previous_grid();  // as flash_kvcache_sm80
   allow_next_grid();
   extern __shared__ __align__(1024) char tma_smem[];
   const int kv_head = int(blockIdx.x % unsigned(params.heads_k));

@@ -597,15 +597,29 @@ KVCacheDevice kvcache_device(int index) {
   return {index, sm_count, smem, major, minor};
 }
 
+// Whether chunked prefill's forward reads a contiguous cache in place: its rows are the sequences
+// (no cache_batch_idx, rows capacity positions apart) and ALiBi's slopes are not per sequence
+// (kvcache_prefill_forward's in-place numbering interleaves sequences of no queries).
+bool kvcache_prefill_in_place(KVCacheParams const& params, AttentionOptions const& options, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache) {
+  const bool alibi_per_sequence =
+      options.alibi_slopes.has_value() && options.alibi_slopes->defined() && options.alibi_slopes->dim() == 2;
+  return params.block_table == nullptr && params.cache_batch_idx == nullptr && !alibi_per_sequence &&
+         k_cache.stride(0) == params.capacity * k_cache.stride(1) &&
+         v_cache.stride(0) == params.capacity * v_cache.stride(1);
+}
+
 // Whether a KV-cache call runs as chunked prefill through the Hopper forward (select.h,
 // kvcache_prefill_may_gather): the shapes allow it, the Hopper forward runs the head dim on this
 // GPU without padding, and the build holds the forward kernels of the call's mask and score options
 // (set_mask_params and set_extended_params decide them as below).
 bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions const& options, const at::Tensor& q,
-                                  int64_t num_splits) {
+                                  bool in_place, int64_t num_splits) {
   const int64_t gather_bytes =
       2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size();
-  if (!kvcache_prefill_may_gather(params.seqlen_q, params.capacity, gather_bytes, num_splits)) return false;
+  if (!kvcache_prefill_may_gather(params.batch, params.seqlen_q, params.capacity, gather_bytes, in_place, num_splits)) {
+    return false;
+  }
   if (params.batch > 65535 || params.heads_k > 65535) return false;  // the gather's grid
   const KVCacheDevice device = kvcache_device(q.get_device());
   const KernelSelection kernel =
@@ -632,16 +646,12 @@ struct PrefillGather {
 // The forward's operands, or none where the GPU's memory cannot hold the gather's copy: the
 // KV-cache kernel then runs the call, as it did before the route (a server that filled the memory
 // with its caches keeps working).
-std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, AttentionOptions const& options,
+std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, bool in_place,
                                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                     const at::Tensor& q) {
   const int64_t rows = int64_t(params.batch) * params.capacity;
-  const bool alibi_per_sequence =
-      options.alibi_slopes.has_value() && options.alibi_slopes->defined() && options.alibi_slopes->dim() == 2;
   PrefillGather gather;
-  gather.in_place = params.block_table == nullptr && params.cache_batch_idx == nullptr && !alibi_per_sequence &&
-                    k_cache.stride(0) == params.capacity * k_cache.stride(1) &&
-                    v_cache.stride(0) == params.capacity * v_cache.stride(1);
+  gather.in_place = in_place;
   try {
     if (gather.in_place) {
       gather.k = k_cache.view({1, rows, params.heads_k, params.head_dim});
@@ -847,9 +857,10 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const cudaError_t status = run_kvcache_append_kernel(params, dtype, stream);
     FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
   };
+  const bool prefill_in_place = kvcache_prefill_in_place(params, options, k_cache, v_cache);
   const std::optional<PrefillGather> gather =
-      kvcache_prefill_runs_forward(params, options, q, num_splits)
-          ? prefill_gather_buffers(params, options, k_cache, v_cache, q)
+      kvcache_prefill_runs_forward(params, options, q, prefill_in_place, num_splits)
+          ? prefill_gather_buffers(params, prefill_in_place, k_cache, v_cache, q)
           : std::nullopt;
   if (gather.has_value()) {
     append();

@@ -410,6 +410,20 @@ def packed_for_forward(call, seqlen_new):
     return torch.cat(keys), torch.cat(values), cu_seqlens_k
 
 
+def forward_route_and_kvcache_call(call, causal):
+    """The call's (out, lse) and flash_forward_varlen's over the caches the call left (after its
+    append of seqlen_q new tokens)."""
+    seqlen_new = call["q"].shape[1]
+    out, lse = run(call, causal=causal)
+    k, v, cu_seqlens_k = packed_for_forward(call, seqlen_new)
+    batch, seqlen_q, heads, head_dim = call["q"].shape
+    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device="cuda")
+    expected_out, expected_lse = flash_cutlass.flash_forward_varlen(
+        call["q"].reshape(batch * seqlen_q, heads, head_dim), k, v, cu_seqlens_q, cu_seqlens_k, seqlen_q, 1024,
+        causal=causal, kernel="sm90")
+    return out, lse, expected_out.view(out.shape), expected_lse.view(heads, batch, seqlen_q).transpose(0, 1)
+
+
 @pytest.mark.parametrize("page_size,cache_batch_idx",
                          [(None, False), (None, True), (1, False), (16, False), (256, False)],
                          ids=["contiguous_in_place", "contiguous_batch_idx", "p1", "p16", "p256"])
@@ -422,15 +436,36 @@ def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cach
     requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = prefill_call(gen, page_size, PREFILL_SEQLEN_Q, cache_batch_idx=cache_batch_idx)
-    out, lse = run(call, causal=causal)
-    k, v, cu_seqlens_k = packed_for_forward(call, PREFILL_SEQLEN_Q)
-    batch, seqlen_q, heads, head_dim = call["q"].shape
-    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device="cuda")
-    expected_out, expected_lse = flash_cutlass.flash_forward_varlen(
-        call["q"].reshape(batch * seqlen_q, heads, head_dim), k, v, cu_seqlens_q, cu_seqlens_k, seqlen_q, 1024,
-        causal=causal, kernel="sm90")
-    assert torch.equal(out, expected_out.view(out.shape))
-    assert torch.equal(lse, expected_lse.view(heads, batch, seqlen_q).transpose(0, 1))
+    out, lse, expected_out, expected_lse = forward_route_and_kvcache_call(call, causal)
+    assert torch.equal(out, expected_out)
+    assert torch.equal(lse, expected_lse)
+
+
+# Below PREFILL_SEQLEN_Q the route depends on the batch (select.h, kvcache_prefill_may_gather): a
+# contiguous cache read in place from 32 queries and 128 over the batch, a gathered one from 64
+# queries and 256 over the batch; other calls run the KV-cache kernel.
+BATCHED_SEQLENS = (0, 5, 300, 700, 1, 64, 511, 980)
+
+
+@pytest.mark.parametrize("batch,seqlen_q,page_size,routed",
+                         [(4, 32, None, True), (2, 32, None, False), (4, 32, 16, False), (8, 32, 16, False),
+                          (4, 64, 16, True), (4, 64, 1, True), (2, 64, 16, False)],
+                         ids=["b4_q32_in_place", "b2_q32_in_place_kernel", "b4_q32_p16_kernel", "b8_q32_p16_kernel",
+                              "b4_q64_p16", "b4_q64_p1", "b2_q64_p16_kernel"])
+def test_chunked_prefill_route_below_its_seqlen_depends_on_the_batch(cuda_gen, batch, seqlen_q, page_size, routed):
+    """The forward's result to the bit where the call reaches the route's thresholds, the KV-cache
+    kernel's (which rounds differently, and is checked against the reference) below them."""
+    requires_prefill_forward()
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    seqlens = BATCHED_SEQLENS[:batch]
+    assert max(seqlens) + seqlen_q <= 1024
+    call = make_call(gen, batch=batch, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=PREFILL_HEAD_DIM,
+                     seqlens=seqlens, seqlen_new=seqlen_q, page_size=page_size, capacity=1024, device="cuda")
+    reference_call = cloned(call)
+    out, lse, expected_out, expected_lse = forward_route_and_kvcache_call(call, True)
+    assert torch.equal(out, expected_out) == routed
+    if not routed:
+        check_against_reference(reference_call, call["q"].dtype, causal=True)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])

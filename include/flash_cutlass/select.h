@@ -124,20 +124,39 @@ constexpr int kvcache_num_splits(int64_t tiles, int64_t max_keys, int64_t slots)
 static_assert(kvcache_num_splits(64, 32768, 264) == 4 && kvcache_num_splits(8, 8192, 264) == 33 &&
               kvcache_num_splits(8, 1024, 264) == 8 && kvcache_num_splits(256, 32768, 264) == 1);
 
-// Chunked prefill: a KV-cache call of at least kKVCachePrefillMinSeqlenQ queries that leaves the
-// split to us runs the Hopper forward over its caches gathered into packed sequences
-// (csrc/flash_api.cpp, kvcache_forward), where the GPU, the head dim and the build's options allow
-// and the gathered keys and values take at most kKVCachePrefillMaxGatherBytes (batch x capacity
-// positions: the lengths are not read on the host). The KV-cache kernel's CTAs take 16 packed
-// query rows and each reads its kv head's whole cache: at 512 queries on a 16k cache (H200, head
-// dim 128, 32/8 heads) it ran 70-79 TFLOPS, the forward on the same shapes 395-598.
+// Chunked prefill: a KV-cache call that leaves the split to us runs the Hopper forward over its
+// caches (csrc/flash_api.cpp, kvcache_forward) where the GPU, the head dim and the build's options
+// allow, and the gathered keys and values take at most kKVCachePrefillMaxGatherBytes (batch x
+// capacity positions: the lengths are not read on the host). The KV-cache kernel's CTAs take 16
+// packed query rows and each reads its kv head's whole cache, so its time grows with batch x
+// queries; the forward's few CTAs at batch 1 each walk the whole context. From
+// kKVCachePrefillMinSeqlenQ queries the forward runs at any batch (512 queries on a 16k cache:
+// 70-79 TFLOPS in the KV-cache kernel, 395-598 in the forward). Below it (H200, head dim 128,
+// 32/8 heads, 4k and 16k keys, batch 1-16, graph timing): over a contiguous cache read in place
+// the route ran 1.1-3.9x faster than the KV-cache kernel from 32 queries and batch x queries >=
+// 128 (below, the forward alone took 1.2-2.5x the KV-cache kernel's time); a cache gathered first
+// (pages, cache_batch_idx) adds a copy that grows with batch x capacity, not with the queries: at
+// 32 queries the route ran 0.82-1.23x the KV-cache kernel's speed, at 64 queries and batch x
+// queries >= 256 1.5-2.6x.
 inline constexpr int kKVCachePrefillMinSeqlenQ = 128;
+inline constexpr int kKVCachePrefillMinSeqlenQInPlace = 32;
+inline constexpr int kKVCachePrefillMinSeqlenQGathered = 64;
+inline constexpr int64_t kKVCachePrefillMinBatchQueriesInPlace = 128;
+inline constexpr int64_t kKVCachePrefillMinBatchQueriesGathered = 256;
 inline constexpr int64_t kKVCachePrefillMaxGatherBytes = int64_t(2) << 30;
 
-constexpr bool kvcache_prefill_may_gather(int64_t seqlen_q, int64_t capacity, int64_t gather_bytes,
-                                          int64_t num_splits) {
-  return num_splits == 0 && seqlen_q >= kKVCachePrefillMinSeqlenQ && capacity > 0 &&
+constexpr bool kvcache_prefill_may_gather(int64_t batch, int64_t seqlen_q, int64_t capacity, int64_t gather_bytes,
+                                          bool in_place, int64_t num_splits) {
+  const bool batched = in_place ? seqlen_q >= kKVCachePrefillMinSeqlenQInPlace &&
+                                      batch * seqlen_q >= kKVCachePrefillMinBatchQueriesInPlace
+                                : seqlen_q >= kKVCachePrefillMinSeqlenQGathered &&
+                                      batch * seqlen_q >= kKVCachePrefillMinBatchQueriesGathered;
+  return num_splits == 0 && (seqlen_q >= kKVCachePrefillMinSeqlenQ || batched) && capacity > 0 &&
          gather_bytes <= kKVCachePrefillMaxGatherBytes;
 }
+static_assert(kvcache_prefill_may_gather(1, 128, 4096, 1, false, 0) && !kvcache_prefill_may_gather(1, 64, 4096, 1, true, 0) &&
+              kvcache_prefill_may_gather(4, 32, 4096, 1, true, 0) && !kvcache_prefill_may_gather(16, 32, 4096, 1, false, 0) &&
+              kvcache_prefill_may_gather(4, 64, 4096, 1, false, 0) && !kvcache_prefill_may_gather(2, 64, 4096, 1, false, 0) &&
+              !kvcache_prefill_may_gather(16, 16, 4096, 1, true, 0) && !kvcache_prefill_may_gather(4, 64, 4096, 1, false, 1));
 
 }  // namespace flash_cutlass

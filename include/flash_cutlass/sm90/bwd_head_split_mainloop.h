@@ -89,7 +89,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
                                decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, typename Traits::TileDq{}))>,
                 "Fp32TileOffsets is the closed form of this layout");
   float* sdq = storage.dq.data();
-  constexpr int kDqThreads = 128 + 32;  // a warpgroup and the dQ warp
+  constexpr int kDqThreads = Traits::dq_staging_threads(kExtended) + 32;  // a warpgroup and the dQ warp
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
   for (int i = 0; i < work.num_m_blocks(); ++i) {

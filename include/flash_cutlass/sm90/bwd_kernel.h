@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else if (warp == 1) {
       for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
           params, [&](auto const& work, KeyWalkPosition const& position) {
-            write_dq<Traits, kMaskKind, kRotatedWalk>(kernel_params, work, position, storage, lane);
+            write_dq<Traits, kMaskKind, kExtension, kRotatedWalk>(kernel_params, work, position, storage, lane);
           });
     } else if (warp == 2) {
       const float score_unit = lse_score_unit<carries_score_mods(kExtension)>(params);

@@ -5,7 +5,8 @@
 //                                             the LSE's offset per query: probability_exponent)
 //   dS^T = P^T (dP^T - D)                    (registers)
 //   dV += P^T dO                             (wgmma, P^T straight from the accumulators)
-//   dQ = dS K                                (wgmma from both warpgroups' dS^T in shared memory)
+//   dQ = dS K                                (wgmma from both warpgroups' dS^T in shared memory; at
+//                                             head dim 64 the whole block by one warpgroup, in turns)
 //   dK += dS^T Q                             (wgmma, dS^T from the accumulators; at head dim 64
 //                                             issued before dQ)
 // and each block's dQ goes to shared memory (past head dim 64 while dK runs) for the dQ warp's TMA
@@ -240,8 +241,10 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   using TileQ = typename Traits::TileQ;
   using TileKV = typename Traits::TileKV;
   using TileSt = typename Traits::TileSt;
-  constexpr int kDqThreads = Traits::kConsumerThreads + 32;  // the consumers and the dQ warp
+  constexpr bool kDqInTurns = Traits::dq_in_turns(kExtended);
+  constexpr int kDqThreads = Traits::dq_staging_threads(kExtended) + 32;  // with the dQ warp
   constexpr bool kDqUnderDk = Traits::kHeadDim > 64;
+  static_assert(!(kDqUnderDk && kDqInTurns), "dQ in turns waits for dK before it stages dQ");
 
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
                                                                    work.sequence.seqlen_q, work.sequence.seqlen_k);
@@ -251,10 +254,11 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
 
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKV mma_dkv;
-  typename Traits::TiledMmadQ mma_dq;
+  typename Traits::template TiledMmadQFor<kExtended> mma_dq;
+  const int warpgroup = consumer_idx / 128;
   auto thr_sdp = mma_sdp.get_thread_slice(consumer_idx);
   auto thr_dkv = mma_dkv.get_thread_slice(consumer_idx);
-  auto thr_dq = mma_dq.get_thread_slice(consumer_idx);
+  auto thr_dq = mma_dq.get_thread_slice(kDqInTurns ? consumer_idx % 128 : consumer_idx);
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // descriptors
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, MMA_N, MMA_K, stage)
   Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
@@ -304,40 +308,49 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
     Tensor tdKrdSt = make_tensor(dst.data(), acc_layout_as_operand_a(dst.layout()));
 
     // dQ = dS K once both warpgroups' dS^T is in shared memory (dV, and at head dim 64 dK, run
-    // meanwhile). The other dS buffer may still be read by the step before's dQ GEMM of the other
-    // warpgroup until it reaches this barrier. Past head dim 64 dK comes after dQ, and dQ goes to
-    // shared memory while dK runs (+2-3% at 128, -2% at 64).
+    // meanwhile): the warpgroups each take half the head dim, or in turns by step the whole block
+    // (Traits::dq_in_turns; the other runs on into the next block's S^T and dP^T). The other dS
+    // buffer may still be read by the step before's dQ GEMM until its warpgroup reaches this
+    // barrier. Past head dim 64 dK comes after dQ, and dQ goes to shared memory while dK runs
+    // (+2-3% at 128, -2% at 64).
     if constexpr (!kDqUnderDk) issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
-    Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
-    issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt, acc_dq);
-    if constexpr (kDqUnderDk) {
-      issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
-      warpgroup_wait<1>();  // dV and dQ
-    } else {
-      warpgroup_wait<0>();
-    }
-    warpgroup_fence_operand(acc_dv);
-    warpgroup_fence_operand(acc_dq);
-    warpgroup_fence_operand(pt);
     auto release_stage = [&] {
       warpgroup_fence_operand(acc_dk);
       warpgroup_fence_operand(dst);
       // This thread's GEMMs are done with the stage's Q and dO.
       storage.pipeline.query_empty[stage].arrive();
     };
-    if constexpr (!kDqUnderDk) release_stage();
+    if (!kDqInTurns || (step & 1) == warpgroup) {
+      Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
+      issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt, acc_dq);
+      if constexpr (kDqUnderDk) {
+        issue_gemm_wgmma<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
+        warpgroup_wait<1>();  // dV and dQ
+      } else {
+        warpgroup_wait<0>();
+      }
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dq);
+      warpgroup_fence_operand(pt);
+      if constexpr (!kDqUnderDk) release_stage();
 
-    // The dQ warp has read the block before's dQ out of shared memory; this block's goes in.
-    if (step > 0) named_barrier_sync<BwdBarrier::kDqEmpty, 0, kDqThreads>();
-    store_fp32_tile<Traits::kBlockM>(sdq, acc_dq, tdQcdQ, 0);
-    if constexpr (kDqUnderDk) {
-      warpgroup_wait<0>();  // dK, under which dQ was stored
+      // The dQ warp has read the block before's dQ out of shared memory; this block's goes in.
+      if (step > 0) named_barrier_sync<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+      store_fp32_tile<Traits::kBlockM>(sdq, acc_dq, tdQcdQ, 0);
+      if constexpr (kDqUnderDk) {
+        warpgroup_wait<0>();  // dK, under which dQ was stored
+        release_stage();
+      }
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_arrive<BwdBarrier::kDqFull, 0, kDqThreads>();
+    } else {
+      warpgroup_wait<0>();  // dV and dK
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(pt);
       release_stage();
     }
-    cutlass::arch::fence_view_async_shared();
-    named_barrier_arrive<BwdBarrier::kDqFull, 0, kDqThreads>();
   }
 
   // The loader may bring the next tile's K and V while dK and dV go out.

@@ -192,7 +192,7 @@ __device__ __forceinline__ void stage_query_statistics(
 // tensor are not written; in a variable-length call the rows past a sequence are the next one's:
 // the last block's are zeroed first (0 in exact arithmetic, but not when this sequence holds a NaN
 // or an Inf).
-template <class Traits, MaskKind kMaskKind, bool kRotatedWalk>
+template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kRotatedWalk>
 __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_params,
                                          KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
                                          KeyWalkPosition const& position, typename Traits::SharedStorage& storage,
@@ -200,7 +200,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   using namespace cute;
   // The consumers that stage one tile, and this warp.
   constexpr int kParts = Traits::kHeadSplit ? Traits::kConsumerWarpgroups : 1;
-  constexpr int kDqThreads = Traits::kConsumerThreads / kParts + 32;
+  constexpr int kDqThreads = Traits::dq_staging_threads(kExtension != Extension::kNone) + 32;
   using TileDq = typename Traits::TileDq;
   constexpr int kDqColumns = size<1>(TileDq{});
   BwdParams const& params = kernel_params.call;

@@ -177,6 +177,22 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
       cute::GMMA::rs_op_selector<Element, Element, float, TileShapedKV, cute::GMMA::Major::K,
                                  cute::GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
+  // dQ = dS K: (queries, head dim, keys). Up to head dim 64 the whole block by one warpgroup, the
+  // warpgroups taking turns by step (wgmmas of N = 64 where halves of the head dim would be N = 32:
+  // 1-2.5% faster at 64 on the H200; at 128, halves of N = 64 against a whole of N = 128 that
+  // needs dV waited first for registers, 1.5-3.4% slower), past it half the head dim each. The
+  // extended kernels (score mods, dropout) keep the halves: turns cost them 150 B more spills.
+  static constexpr bool dq_in_turns(bool extended) { return kHeadDim <= 64 && !extended; }
+  using TiledMmadQWhole = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
+  template <bool kExtended>
+  using TiledMmadQFor = std::conditional_t<dq_in_turns(kExtended), TiledMmadQWhole, typename Base::TiledMmadQ>;
+  // The consumer threads that stage one dQ tile for the dQ warp.
+  static constexpr int dq_staging_threads(bool extended) {
+    return dq_in_turns(extended) ? 128 : Base::kConsumerThreads;
+  }
   // A query block's dQ in fp32, 128-byte swizzled (columns in chunks of 32): the layout the TMA
   // reduce-add reads, on which a warp's 64-bit stores of an accumulator (8 rows of 32 bytes) hit
   // every bank once per 128 bytes; unswizzled rows of kHeadDim floats put all 8 rows on the same
@@ -219,6 +235,7 @@ struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_,
   using typename Base::WarpgroupsAlongN;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages, Base::kConsumerWarpgroups;
   static constexpr bool kHeadSplit = true;
+  static constexpr int dq_staging_threads(bool) { return 128; }  // a warpgroup stages its half
   static_assert(kBlockN == 64, "the keys are the M of S^T and dP^T: one 64-row wgmma");
   static_assert(kBlockM % (8 * kConsumerWarpgroups) == 0, "query halves of whole swizzle atoms");
   static_assert((kHeadDim / kConsumerWarpgroups) % 32 == 0,

@@ -410,7 +410,7 @@ def packed_for_forward(call, seqlen_new):
     return torch.cat(keys), torch.cat(values), cu_seqlens_k
 
 
-def forward_route_and_kvcache_call(call, causal):
+def call_and_forward_over_its_caches(call, causal):
     """The call's (out, lse) and flash_forward_varlen's over the caches the call left (after its
     append of seqlen_q new tokens)."""
     seqlen_new = call["q"].shape[1]
@@ -436,7 +436,7 @@ def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cach
     requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = prefill_call(gen, page_size, PREFILL_SEQLEN_Q, cache_batch_idx=cache_batch_idx)
-    out, lse, expected_out, expected_lse = forward_route_and_kvcache_call(call, causal)
+    out, lse, expected_out, expected_lse = call_and_forward_over_its_caches(call, causal)
     assert torch.equal(out, expected_out)
     assert torch.equal(lse, expected_lse)
 
@@ -462,7 +462,7 @@ def test_chunked_prefill_route_below_its_seqlen_depends_on_the_batch(cuda_gen, b
     call = make_call(gen, batch=batch, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=PREFILL_HEAD_DIM,
                      seqlens=seqlens, seqlen_new=seqlen_q, page_size=page_size, capacity=1024, device="cuda")
     reference_call = cloned(call)
-    out, lse, expected_out, expected_lse = forward_route_and_kvcache_call(call, True)
+    out, lse, expected_out, expected_lse = call_and_forward_over_its_caches(call, True)
     assert torch.equal(out, expected_out) == routed
     if not routed:
         check_against_reference(reference_call, call["q"].dtype, causal=True)

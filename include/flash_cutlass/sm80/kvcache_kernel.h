@@ -118,7 +118,11 @@ struct KVCacheTraits {
   using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
                                                 GmemLayout{}));
   // The merge reuses the warps' K/V storage for their fp32 outputs, and Q's for their row statistics.
-  static_assert(kWarps * kRows * kHeadDim * 4 <= kWarps * kSmemElemsWarp * int(sizeof(Element)));
+  // The outputs' rows are padded by 16 bytes: a warp's float2 stores of an accumulator (8 rows, 4
+  // lanes a row) then hit each bank twice, the fewest for 256 bytes, where rows of kHeadDim floats
+  // (a multiple of 32) put all 8 rows on the same 8 banks.
+  static constexpr int kMergeRowFloats = kHeadDim + 4;
+  static_assert(kWarps * kRows * kMergeRowFloats * 4 <= kWarps * kSmemElemsWarp * int(sizeof(Element)));
   static_assert(2 * kWarps * kRows * 4 <= kSmemElemsQ * int(sizeof(Element)));
   static_assert(kSmemBytes <= 227 * 1024);
 };
@@ -523,7 +527,8 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
       if (m != -INFINITY) sum += warp_sum[w * kRows + row] * exp2f((m - max) * scale_log2);
     }
   };
-  float* warp_out = reinterpret_cast<float*>(smem_kv);  // (kWarps, kRows, kHeadDim)
+  float* warp_out = reinterpret_cast<float*>(smem_kv);  // (kWarps, kRows, kMergeRowFloats)
+  constexpr int kMergeRowFloats = Traits::kMergeRowFloats;
   Tensor tOcO = as_rows_cols(thr_mma.partition_C(make_identity_tensor(typename Traits::TileQ{})));
   CUTE_UNROLL
   for (int r = 0; r < kRowsPerThread; ++r) {
@@ -535,7 +540,7 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     CUTE_UNROLL
     for (int c = 0; c < size<1>(acc_o_rc); c += 2) {
       const int col = get<1>(tOcO(r, c));  // columns c and c + 1 are neighbours
-      *reinterpret_cast<float2*>(&warp_out[(warp * kRows + row) * kHeadDim + col]) =
+      *reinterpret_cast<float2*>(&warp_out[(warp * kRows + row) * kMergeRowFloats + col]) =
           make_float2(acc_o_rc(r, c) * factor, acc_o_rc(r, c + 1) * factor);
     }
   }
@@ -560,7 +565,7 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     for (int e = 0; e < 8; ++e) sum[e] = 0.f;
     CUTE_UNROLL
     for (int w = 0; w < kWarps; ++w) {
-      const float4* src = reinterpret_cast<const float4*>(&warp_out[(w * kRows + row) * kHeadDim + col]);
+      const float4* src = reinterpret_cast<const float4*>(&warp_out[(w * kRows + row) * kMergeRowFloats + col]);
       const float4 a = src[0], b = src[1];
       sum[0] += a.x; sum[1] += a.y; sum[2] += a.z; sum[3] += a.w;
       sum[4] += b.x; sum[5] += b.y; sum[6] += b.z; sum[7] += b.w;

@@ -6,7 +6,8 @@
 //   dS^T = P^T (dP^T - D)                    (registers)
 //   dV += P^T dO                             (wgmma, P^T straight from the accumulators)
 //   dQ = dS K                                (wgmma from both warpgroups' dS^T in shared memory; at
-//                                             head dim 64 the whole block by one warpgroup, in turns)
+//                                             head dim 64 without score mods or dropout the whole
+//                                             block by one warpgroup, in turns)
 //   dK += dS^T Q                             (wgmma, dS^T from the accumulators; at head dim 64
 //                                             issued before dQ)
 // and each block's dQ goes to shared memory (past head dim 64 while dK runs) for the dQ warp's TMA
@@ -244,7 +245,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   constexpr bool kDqInTurns = Traits::dq_in_turns(kExtended);
   constexpr int kDqThreads = Traits::dq_staging_threads(kExtended) + 32;  // with the dQ warp
   constexpr bool kDqUnderDk = Traits::kHeadDim > 64;
-  static_assert(!(kDqUnderDk && kDqInTurns), "dQ in turns waits for dK before it stages dQ");
+  static_assert(!(kDqUnderDk && kDqInTurns), "dQ in turns is written for dK issued before the dS barrier");
 
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
                                                                    work.sequence.seqlen_q, work.sequence.seqlen_k);

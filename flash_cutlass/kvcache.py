@@ -25,7 +25,7 @@ import torch
 from flash_cutlass import backend, reference
 from flash_cutlass.options import AttentionOptions, check_bool
 
-# At most this many splits of the keys (include/flash_cutlass/select.h, kKVCacheMaxSplits).
+# At most this many splits of the keys (include/flash_cutlass/params.h, kKVCacheMaxSplits).
 MAX_NUM_SPLITS = 128
 
 

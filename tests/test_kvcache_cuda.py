@@ -243,11 +243,12 @@ def test_lengths_zero_and_one(cuda_gen, seqlens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [33, 70])
-def test_more_splits_than_a_warp_match_reference(cuda_gen, dtype, num_splits):
-    """The merge holds 32 splits' weights at a time: more splits take further groups (33: one left
-    over; 70: the last group short and several splits without keys), as batch-1 decoding over a
-    long cache does with num_splits=0."""
+@pytest.mark.parametrize("num_splits", [33, 70, 128])
+def test_many_splits_match_reference(cuda_gen, dtype, num_splits):
+    """The merge's warps load 64 splits' partial rows at a time: more splits take further groups
+    (33: some warps one split more than others; 70: a short second group and several splits
+    without keys; 128: the most, two full groups), as batch-1 decoding over a long cache does with
+    num_splits=0."""
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     head_dim = 128 if 128 in KVCACHE_HEAD_DIMS else KVCACHE_HEAD_DIMS[-1]
     call = make_call(gen, batch=2, heads=8, heads_k=2, head_dim=head_dim, seqlens=(1500, 2046), page_size=16,

@@ -217,6 +217,10 @@ inline constexpr int kKVCacheGatherRows = 64;
 // Packed query rows one CTA of the KV-cache attention takes: one MMA tile high.
 inline constexpr int kKVCacheTileRows = 16;
 
+// At most this many splits of a KV-cache call's keys (num_splits; the split merge holds every
+// split's log-sum-exp in registers).
+inline constexpr int kKVCacheMaxSplits = 128;
+
 // Blocks of packed query rows of one (batch, kv head): seqlen_q times the query heads per kv head.
 inline int64_t kvcache_row_blocks(KVCacheParams const& params) {
   const int64_t packed_rows = int64_t(params.seqlen_q) * (params.heads / params.heads_k);

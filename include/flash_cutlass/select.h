@@ -109,7 +109,6 @@ KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int 
 // 256 in one.)
 inline constexpr double kKVCacheFullWave = 0.8;
 inline constexpr int kKVCacheMinKeysPerSplit = 128;
-inline constexpr int kKVCacheMaxSplits = 128;
 
 constexpr int kvcache_num_splits(int64_t tiles, int64_t max_keys, int64_t slots) {
   if (tiles <= 0 || slots <= 0 || double(tiles) >= kKVCacheFullWave * double(slots)) return 1;

@@ -645,37 +645,74 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, true
 #endif
 }
 
-// Merges the splits' partial outputs: one warp per (batch, head, query) row. With the splits'
+// Merges the splits' partial outputs: one CTA per (batch, head, query) row. With the splits'
 // log-sum-exps lse_s, lse = log(sum_s exp(lse_s)) and out = sum_s exp(lse_s - lse) * out_s; a row
-// no split saw keys for gets out 0 and lse -inf. Lane l holds the weight of split l of each group
-// of 32, and the partial rows of kSplitsInFlight splits are loaded before any is summed (a loop of
-// one split at a time waited a memory latency per split: batch-1 decoding at 32k runs 33).
+// no split saw keys for gets out 0 and lse -inf. The CTA has combine_warps(splits) warps; warp w
+// sums splits w, w + warps, ... and the warps' sums meet in shared memory. Every load of a row, up
+// to kCombineWarps x kCombineSplitsInFlight splits, is issued before any is used, so that the merge
+// waits one memory latency: each partial row with its split's lse, and every split's lse for the
+// row's total (one warp a row that loaded the lses before the partial rows waited two, and a loop
+// of 8 splits at a time one more each 8 splits).
+constexpr int kCombineWarps = 8;
+constexpr int kCombineSplitsInFlight = 8;  // a warp's partial rows in flight at once
+constexpr int combine_warps(int splits) {
+  const int warps = (splits + kCombineSplitsInFlight - 1) / kCombineSplitsInFlight;
+  return warps < 1 ? 1 : warps > kCombineWarps ? kCombineWarps : warps;
+}
 template <int kHeadDim, class Element>
-__global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constant__ const KVCacheParams params) {
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    flash_kvcache_combine_sm80(__grid_constant__ const KVCacheParams params) {
   constexpr int kColsPerLane = kHeadDim / 32;
-  constexpr int kSplitsInFlight = 8;
-  static_assert(32 % kSplitsInFlight == 0);
+  constexpr int kLsePerLane = (kKVCacheMaxSplits + 31) / 32;
   // A lane's columns of one partial row, loaded at once where their bytes are a power of two.
   constexpr bool kVector = (kColsPerLane & (kColsPerLane - 1)) == 0;
   using LaneColumns = cutlass::AlignedArray<float, kColsPerLane, kVector ? 4 * kColsPerLane : 4>;
+  __shared__ float warp_out[kCombineWarps][kHeadDim];
   wait_for_previous_grid();  // the attention kernel's partial outputs
   const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
   const int64_t rows = int64_t(params.batch) * params.heads * params.seqlen_q;
-  const int64_t index = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;  // (batch, head, query)
-  if (index >= rows) return;
+  const int64_t index = blockIdx.x;  // (batch, head, query)
   const int query = int(index % params.seqlen_q);
   const int head = int((index / params.seqlen_q) % params.heads);
   const int batch = int(index / (int64_t(params.seqlen_q) * params.heads));
-  const int splits = params.num_splits;
+  const int splits = min(params.num_splits, kKVCacheMaxSplits);
   const float* split_lse = params.lse_accum + index;  // split s at s * rows
+  const float* split_out = params.out_accum + index * kHeadDim + lane * kColsPerLane;  // at s * rows * kHeadDim
+
+  // This warp's splits of group g: (g x kCombineSplitsInFlight + j) x warps + warp, each partial
+  // row with its lse (-inf past the last split: weight 0, nothing read).
+  LaneColumns partial[kCombineSplitsInFlight];
+  float partial_lse[kCombineSplitsInFlight];
+  auto load_group = [&](int group) __attribute__((always_inline)) {
+    CUTE_UNROLL
+    for (int j = 0; j < kCombineSplitsInFlight; ++j) {
+      const int s = (group * kCombineSplitsInFlight + j) * warps + warp;
+      partial_lse[j] = -INFINITY;
+      if (s < splits) {
+        partial[j] = *reinterpret_cast<const LaneColumns*>(split_out + int64_t(s) * rows * kHeadDim);
+        partial_lse[j] = split_lse[int64_t(s) * rows];
+      }
+    }
+  };
+  load_group(0);
+  float lanes_lse[kLsePerLane];
+  CUTE_UNROLL
+  for (int i = 0; i < kLsePerLane; ++i) {
+    const int s = i * 32 + lane;
+    lanes_lse[i] = s < splits ? split_lse[int64_t(s) * rows] : -INFINITY;
+  }
 
   float max = -INFINITY;
-  for (int s = lane; s < splits; s += 32) max = fmaxf(max, split_lse[s * rows]);
+  CUTE_UNROLL
+  for (int i = 0; i < kLsePerLane; ++i) max = fmaxf(max, lanes_lse[i]);
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, offset));
   float sum = 0.f;
   if (max != -INFINITY) {
-    for (int s = lane; s < splits; s += 32) sum += __expf(split_lse[s * rows] - max);
+    CUTE_UNROLL
+    for (int i = 0; i < kLsePerLane; ++i) sum += __expf(lanes_lse[i] - max);  // exp(-inf) = 0
   }
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -684,39 +721,37 @@ __global__ void __launch_bounds__(128) flash_kvcache_combine_sm80(__grid_constan
   float out[kColsPerLane];
   CUTE_UNROLL
   for (int c = 0; c < kColsPerLane; ++c) out[c] = 0.f;
-  if (sum != 0.f) {
-    for (int first = 0; first < splits; first += 32) {
-      const int count = min(32, splits - first);
-      const float own_lse = lane < count ? split_lse[(first + lane) * rows] : -INFINITY;
-      const float own_weight = own_lse == -INFINITY ? 0.f : __expf(own_lse - lse);
-      for (int group = 0; group < count; group += kSplitsInFlight) {
-        LaneColumns partial[kSplitsInFlight];
+  const int groups = (splits + warps * kCombineSplitsInFlight - 1) / (warps * kCombineSplitsInFlight);
+  for (int group = 0; group < groups; ++group) {
+    if (group > 0) load_group(group);
+    CUTE_UNROLL
+    for (int j = 0; j < kCombineSplitsInFlight; ++j) {
+      const float weight = partial_lse[j] == -INFINITY || sum == 0.f ? 0.f : __expf(partial_lse[j] - lse);
+      if (weight != 0.f) {
         CUTE_UNROLL
-        for (int j = 0; j < kSplitsInFlight; ++j) {
-          // Past the group's last split the last one is read again, with weight 0.
-          const int64_t s = first + min(group + j, count - 1);
-          partial[j] = *reinterpret_cast<const LaneColumns*>(params.out_accum + (s * rows + index) * kHeadDim +
-                                                             lane * kColsPerLane);
-        }
-        CUTE_UNROLL
-        for (int j = 0; j < kSplitsInFlight; ++j) {
-          const float weight = __shfl_sync(0xffffffffu, own_weight, group + j);
-          if (weight != 0.f) {
-            CUTE_UNROLL
-            for (int c = 0; c < kColsPerLane; ++c) out[c] += weight * partial[j][c];
-          }
-        }
+        for (int c = 0; c < kColsPerLane; ++c) out[c] += weight * partial[j][c];
       }
     }
   }
   Element* dst = static_cast<Element*>(params.out) + int64_t(batch) * params.out_batch_stride +
                  int64_t(query) * params.out_row_stride + int64_t(head) * params.out_head_stride;
-  CUTE_UNROLL
-  for (int c = 0; c < kColsPerLane; ++c) {
-    const int col = lane * kColsPerLane + c;
-    if (col < params.head_dim) dst[col] = Element(out[c]);
+  if (warps == 1) {
+    CUTE_UNROLL
+    for (int c = 0; c < kColsPerLane; ++c) {
+      const int col = lane * kColsPerLane + c;
+      if (col < params.head_dim) dst[col] = Element(out[c]);
+    }
+  } else {
+    CUTE_UNROLL
+    for (int c = 0; c < kColsPerLane; ++c) warp_out[warp][lane * kColsPerLane + c] = out[c];
+    __syncthreads();
+    for (int col = threadIdx.x; col < params.head_dim; col += warps * 32) {
+      float total = 0.f;
+      for (int w = 0; w < warps; ++w) total += warp_out[w][col];
+      dst[col] = Element(total);
+    }
   }
-  if (lane == 0) params.lse[index] = lse;
+  if (threadIdx.x == 0) params.lse[index] = lse;
 }
 
 // fp32 a * b, a - b and a + b rounded to nearest, each on its own: PTX without .ftz, which neither

@@ -155,10 +155,9 @@ cudaError_t run_kvcache(KVCacheParams const& params, KVCacheDevice const& device
   }
   if (status != cudaSuccess || params.num_splits == 1) return status;
   const int64_t rows = int64_t(params.batch) * params.heads * params.seqlen_q;
-  const int64_t combine_ctas = (rows + 3) / 4;
-  if (combine_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  return launch_after_previous(&flash_kvcache_combine_sm80<kHeadDim, Element>, dim3(unsigned(combine_ctas)), 128, 0,
-                               stream, after_previous, params);
+  if (rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  return launch_after_previous(&flash_kvcache_combine_sm80<kHeadDim, Element>, dim3(unsigned(rows)),
+                               combine_warps(params.num_splits) * 32, 0, stream, after_previous, params);
 }
 
 // CTAs of the attention kernel one SM of `device` holds at once (for the split heuristic, select.h).

@@ -106,22 +106,38 @@ KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int 
 // keys, page 16: 128 was the fastest or within 4% of it at every shape, 512 up to 1.6x slower),
 // and at most kKVCacheMaxSplits. (Splitting until the CTAs filled the slots left a partial second
 // wave: at 64 tiles on 264 slots, 5 splits ran 320 CTAs, 56 of them in a second wave, where 4 run
-// 256 in one.)
+// 256 in one.) Two refinements, measured at head dim 128, 32 / 8 heads, page 16 (graph timing,
+// forced split counts, us): caches of at most kKVCacheShortKeys run unsplit from
+// kKVCacheShortWave of the slots, the split merge costing more than the second CTA an SM gains
+// (batch 16 / 1k, 128 tiles: 22.2 unsplit, 24.2 in 2; batch 12, 96 tiles: 19.8 / 19.6); from
+// kKVCacheLongKeys keys a call below kKVCacheFullWave splits in at least 2, as more CTAs than the
+// slots stream faster than fewer than an SM each (batch 24, 192 tiles: 8k 227.5 -> 206.6 us, 32k
+// 882.9 -> 806.1).
 inline constexpr double kKVCacheFullWave = 0.8;
 inline constexpr int kKVCacheMinKeysPerSplit = 128;
+inline constexpr double kKVCacheShortWave = 0.45;
+inline constexpr int64_t kKVCacheShortKeys = 1024;
+inline constexpr int64_t kKVCacheLongKeys = 8192;
 
 constexpr int kvcache_num_splits(int64_t tiles, int64_t max_keys, int64_t slots) {
   if (tiles <= 0 || slots <= 0 || double(tiles) >= kKVCacheFullWave * double(slots)) return 1;
+  if (max_keys <= kKVCacheShortKeys && double(tiles) >= kKVCacheShortWave * double(slots)) return 1;
   int64_t splits = slots / tiles;
+  if (max_keys >= kKVCacheLongKeys && splits < 2) splits = 2;
   const int64_t by_keys = max_keys / kKVCacheMinKeysPerSplit;
   if (splits > by_keys) splits = by_keys;
   if (splits > kKVCacheMaxSplits) splits = kKVCacheMaxSplits;
   return splits < 1 ? 1 : int(splits);
 }
 // 132 SMs x 2 CTAs: batch 8 x 8 kv heads at 32k keys splits in 4 (256 CTAs, one wave; 5 left a
-// second wave of 56), batch 1 at 8k in 33, at 1k in 8 (by the keys), batch 32 not at all.
+// second wave of 56), batch 1 at 8k in 33, at 1k in 8 (by the keys), batch 32 not at all; batch 16
+// at 1k not at all, at 8k in 2; batch 24 at 1k not at all, at 8k in 2.
 static_assert(kvcache_num_splits(64, 32768, 264) == 4 && kvcache_num_splits(8, 8192, 264) == 33 &&
               kvcache_num_splits(8, 1024, 264) == 8 && kvcache_num_splits(256, 32768, 264) == 1);
+static_assert(kvcache_num_splits(64, 1024, 264) == 4 && kvcache_num_splits(96, 1024, 264) == 2 &&
+              kvcache_num_splits(128, 1024, 264) == 1 && kvcache_num_splits(128, 8192, 264) == 2 &&
+              kvcache_num_splits(192, 1024, 264) == 1 && kvcache_num_splits(192, 8192, 264) == 2 &&
+              kvcache_num_splits(192, 32768, 264) == 2 && kvcache_num_splits(212, 32768, 264) == 1);
 
 // Chunked prefill: a KV-cache call that leaves the split to us runs the Hopper forward over its
 // caches (csrc/flash_api.cpp, kvcache_forward) where the GPU, the head dim and the build's options

@@ -117,13 +117,14 @@ struct KVCacheTraits {
                                   cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
   using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
                                                 GmemLayout{}));
-  // The merge reuses the warps' K/V storage for their fp32 outputs, and Q's for their row statistics.
-  // The outputs' rows are padded by 16 bytes: a warp's float2 stores of an accumulator (8 rows, 4
-  // lanes a row) then hit each bank twice, the fewest for 256 bytes, where rows of kHeadDim floats
-  // (a multiple of 32) put all 8 rows on the same 8 banks.
+  // The merge reuses each warp's own K/V storage for its fp32 output and row statistics (16-byte
+  // aligned). The outputs' rows are padded by 16 bytes: a warp's float2 stores of an accumulator (8
+  // rows, 4 lanes a row) then hit each bank twice, the fewest for 256 bytes, where rows of kHeadDim
+  // floats (a multiple of 32) put all 8 rows on the same 8 banks.
   static constexpr int kMergeRowFloats = kHeadDim + 4;
-  static_assert(kWarps * kRows * kMergeRowFloats * 4 <= kWarps * kSmemElemsWarp * int(sizeof(Element)));
-  static_assert(2 * kWarps * kRows * 4 <= kSmemElemsQ * int(sizeof(Element)));
+  static_assert((kRows * kMergeRowFloats + 2 * kRows) * 4 <= kSmemElemsWarp * int(sizeof(Element)));
+  static_assert(kMergeRowFloats * 4 % 16 == 0 && kSmemElemsWarp * sizeof(Element) % 16 == 0 &&
+                kSmemElemsQ * sizeof(Element) % 16 == 0);
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
@@ -499,52 +500,62 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // every warp is done with Q and its K/V storage
+  __syncwarp();  // every lane of this warp is done with its K/V storage
 
-  // Merge the warps: each row's maximum M over the warps, the sum L of their sums rescaled to M,
-  // and each warp's O scaled by exp2((m_w - M) * scale) / L; the fp32 outputs go to the K/V storage.
-  float* warp_max = reinterpret_cast<float*>(smem_q);  // (kWarps, kRows)
-  float* warp_sum = warp_max + kWarps * kRows;
-  CUTE_UNROLL
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const float sum = quad_sum(softmax.row_sum[r]);
-    if (get<1>(tScS(r, 0)) == 0) {
-      warp_max[warp * kRows + get<0>(tScS(r, 0))] = softmax.row_max[r];
-      warp_sum[warp * kRows + get<0>(tScS(r, 0))] = sum;
+  // Merge the warps with one barrier: each warp leaves its unnormalized O (relative to its own row
+  // maxima) and its rows' maxima and sums in its own K/V storage, which no other warp touches; after
+  // the barrier each row's total rescales every warp's part (merged_row, below).
+  const float scale_log2 = params.exp2_scale;
+  constexpr int kMergeRowFloats = Traits::kMergeRowFloats;
+  // Warp w's (kRows, kMergeRowFloats) outputs, then its kRows maxima and kRows sums.
+  auto warp_merge_area = [&](int w) {
+    return reinterpret_cast<float*>(smem_kv + w * Traits::kSmemElemsWarp);
+  };
+  auto warp_max = [&](int w, int row) -> float& { return warp_merge_area(w)[kRows * kMergeRowFloats + row]; };
+  auto warp_sum = [&](int w, int row) -> float& {
+    return warp_merge_area(w)[kRows * kMergeRowFloats + kRows + row];
+  };
+  {
+    float* own_out = warp_merge_area(warp);
+    Tensor tOcO = as_rows_cols(thr_mma.partition_C(make_identity_tensor(typename Traits::TileQ{})));
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int row = get<0>(tOcO(r, 0));
+      const float sum = quad_sum(softmax.row_sum[r]);
+      if (get<1>(tScS(r, 0)) == 0) {
+        warp_max(warp, get<0>(tScS(r, 0))) = softmax.row_max[r];
+        warp_sum(warp, get<0>(tScS(r, 0))) = sum;
+      }
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(acc_o_rc); c += 2) {
+        const int col = get<1>(tOcO(r, c));  // columns c and c + 1 are neighbours
+        *reinterpret_cast<float2*>(&own_out[row * kMergeRowFloats + col]) = make_float2(acc_o_rc(r, c), acc_o_rc(r, c + 1));
+      }
     }
   }
   __syncthreads();
-  const float scale_log2 = params.exp2_scale;
-  // Row `row`'s M and L.
-  auto merged_row = [&](int row, float& max, float& sum) __attribute__((always_inline)) {
+  // Row `row`'s maximum M over the warps and the sum L of their sums rescaled to M; with `weights`,
+  // each warp's factor exp2((m_w - M) * scale) / L (0 for a warp that saw no key of the row).
+  auto merged_row = [&](int row, float& max, float& sum, float* weights) __attribute__((always_inline)) {
+    float warp_maxima[kWarps];
     max = -INFINITY;
     CUTE_UNROLL
-    for (int w = 0; w < kWarps; ++w) max = fmaxf(max, warp_max[w * kRows + row]);
+    for (int w = 0; w < kWarps; ++w) {
+      warp_maxima[w] = warp_max(w, row);
+      max = fmaxf(max, warp_maxima[w]);
+    }
     sum = 0.f;
     CUTE_UNROLL
     for (int w = 0; w < kWarps; ++w) {
-      const float m = warp_max[w * kRows + row];
-      if (m != -INFINITY) sum += warp_sum[w * kRows + row] * exp2f((m - max) * scale_log2);
+      const float m = warp_maxima[w];
+      warp_maxima[w] = m == -INFINITY ? 0.f : exp2f((m - max) * scale_log2);
+      sum += warp_sum(w, row) * warp_maxima[w];
+    }
+    if (weights != nullptr) {
+      CUTE_UNROLL
+      for (int w = 0; w < kWarps; ++w) weights[w] = sum == 0.f ? 0.f : warp_maxima[w] / sum;
     }
   };
-  float* warp_out = reinterpret_cast<float*>(smem_kv);  // (kWarps, kRows, kMergeRowFloats)
-  constexpr int kMergeRowFloats = Traits::kMergeRowFloats;
-  Tensor tOcO = as_rows_cols(thr_mma.partition_C(make_identity_tensor(typename Traits::TileQ{})));
-  CUTE_UNROLL
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int row = get<0>(tOcO(r, 0));
-    float max, sum;
-    merged_row(row, max, sum);
-    const float own_max = softmax.row_max[r];
-    const float factor = own_max == -INFINITY || sum == 0.f ? 0.f : exp2f((own_max - max) * scale_log2) / sum;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(acc_o_rc); c += 2) {
-      const int col = get<1>(tOcO(r, c));  // columns c and c + 1 are neighbours
-      *reinterpret_cast<float2*>(&warp_out[(warp * kRows + row) * kMergeRowFloats + col]) =
-          make_float2(acc_o_rc(r, c) * factor, acc_o_rc(r, c + 1) * factor);
-    }
-  }
-  __syncthreads();
 
   // Sum the warps' outputs and store: 8 columns a thread at a time, into out in q's layout, or
   // into this split's fp32 partial output.
@@ -560,15 +571,18 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     const int col = (index % kChunksPerRow) * 8;
     if (first_row + row >= packed_rows) continue;
     const PackedRow packed = packed_row(first_row + row, group, kv_head);
+    float row_max, row_sum, weights[kWarps];
+    merged_row(row, row_max, row_sum, weights);
     float sum[8];
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) sum[e] = 0.f;
     CUTE_UNROLL
     for (int w = 0; w < kWarps; ++w) {
-      const float4* src = reinterpret_cast<const float4*>(&warp_out[(w * kRows + row) * kMergeRowFloats + col]);
+      const float4* src = reinterpret_cast<const float4*>(&warp_merge_area(w)[row * kMergeRowFloats + col]);
       const float4 a = src[0], b = src[1];
-      sum[0] += a.x; sum[1] += a.y; sum[2] += a.z; sum[3] += a.w;
-      sum[4] += b.x; sum[5] += b.y; sum[6] += b.z; sum[7] += b.w;
+      const float f = weights[w];
+      sum[0] += f * a.x; sum[1] += f * a.y; sum[2] += f * a.z; sum[3] += f * a.w;
+      sum[4] += f * b.x; sum[5] += f * b.y; sum[6] += f * b.z; sum[7] += f * b.w;
     }
     if (partial) {
       float4* dst = reinterpret_cast<float4*>(
@@ -586,7 +600,7 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   }
   if (tidx < kRows && first_row + tidx < packed_rows) {
     float max, sum;
-    merged_row(tidx, max, sum);
+    merged_row(tidx, max, sum, nullptr);
     const float lse = sum == 0.f ? -INFINITY : max * lse_score_unit<true>(params) + __logf(sum);
     const int64_t index = stats_index(packed_row(first_row + tidx, group, kv_head));
     if (partial) {
@@ -636,6 +650,11 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, true
                            __grid_constant__ const KVCacheTmaCopy<KVCacheTraits<kHeadDim, kStages, Element, true>> tma_v) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Traits = KVCacheTraits<kHeadDim, kStages, Element, true>;
+  // The descriptors are parameters, not the previous kernel's writes: fetched while it finishes.
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(tma_v.get_tma_descriptor());
+  }
   wait_for_previous_grid();  // as flash_kvcache_sm80
   allow_next_grid();
   extern __shared__ __align__(1024) char tma_smem[];

@@ -74,6 +74,16 @@ DType dtype_of(const at::Tensor& t) {
   return DType::kBFloat16;
 }
 
+// t's device made current for the launches of one call (restored after, as c10's CUDAGuard does),
+// with its primary context bound to this thread. PyTorch's autograd engine runs backward on
+// threads of its own, and c10 skips cudaSetDevice where the thread's device number already
+// matches, so such a thread may have no context yet; CUTLASS's TMA descriptor encoding (a driver
+// call, made before any launch) then fails. cudaSetDevice binds it (CUDA 12+).
+struct CallDevice {
+  explicit CallDevice(const at::Tensor& t) : guard(t.device()) { C10_CUDA_CHECK(cudaSetDevice(t.get_device())); }
+  c10::cuda::CUDAGuard guard;
+};
+
 // Refuses, before any launch, a kernel whose shared memory exceeds what q's GPU allows a block.
 void check_smem(int smem_needed, const char* direction, int64_t head_dim, int kernel_hdim, const at::Tensor& q) {
   int smem_limit = 0;
@@ -429,7 +439,7 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   FLASH_CHECK(params.seqlen_q > 0 && params.seqlen_k > 0 && params.batch > 0,
                "a variable-length call without queries or keys is handled by the caller");
   const KernelSelection kernel = selected_kernel<Direction::kForward>(shape, options, q);
-  const c10::cuda::CUDAGuard device_guard(q.device());
+  const CallDevice call_device(q);
   // Last before the launch (a call that fails a check draws nothing), on q's device (a capture is
   // per device and stream).
   set_philox_state(params, options, q, drawn_rng_state);
@@ -546,7 +556,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   }
   if (options.is_varlen()) params.dout_batch_stride = params.dq_batch_stride = params.dkv_batch_stride = 0;
 
-  const c10::cuda::CUDAGuard device_guard(q.device());
+  const CallDevice call_device(q);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const cudaError_t status =
       kernel.path == KernelPath::kSm90
@@ -850,7 +860,7 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                         : options.window_right < 0 ? unbounded
                                                    : static_cast<int>(std::min<int64_t>(options.window_right, unbounded));
 
-  const c10::cuda::CUDAGuard device_guard(q.device());
+  const CallDevice call_device(q);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   auto append = [&] {
     if (params.seqlen_new == 0 && params.rotary_cos == nullptr) return;

@@ -3,7 +3,7 @@ thread of its own, and serving code often runs the model on one. Such a thread m
 context bound (c10 skips cudaSetDevice where the device number already matches), which the TMA
 descriptors' encoding on the Hopper path needs; the calls must then give what the main thread
 gives. Each case runs in a fresh interpreter, so that no earlier test has bound a context to the
-autograd engine's thread and a crash fails the case instead of the session."""
+autograd engine's thread and a crash fails the case instead of the whole test run."""
 
 import subprocess
 import sys

@@ -11,7 +11,9 @@ Each sequence holds --context tokens; one new query token per sequence (seqlen_q
 end), then reported in TFLOPS too, next to flash_cutlass_prefill, the prefill forward
 (flash_forward) over the same tokens as contiguous tensors. SDPA and FlexAttention read a
 contiguous (batch, heads_k, context, head_dim) cache with GQA (and for N > 1 a bottom-right causal
-mask).
+mask); flash_cutlass_full is flash_cutlass over those same tensors without cache_seqlens (the whole
+cache, no length read on the GPU: the computation SDPA runs), where flash_cutlass (paged) and
+flash_cutlass_contiguous pass per-sequence lengths as a server does.
 
     python3 benchmarks/benchmark_decode.py --batch 1 --context 16384 --seqlen-q 512 \
         --impls flash_cutlass,flash_cutlass_prefill
@@ -36,8 +38,8 @@ import statistics
 
 import torch
 
-IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_prefill", "sdpa_flash", "sdpa_efficient",
-         "sdpa_cudnn", "flex")
+IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_full", "flash_cutlass_prefill", "sdpa_flash",
+         "sdpa_efficient", "sdpa_cudnn", "flex")
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, context: int, head_dim: int) -> float:
@@ -114,6 +116,9 @@ def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dt
     qt = q.transpose(1, 2)
     k = torch.randn(batch, heads_k, context, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
+    if impl == "flash_cutlass_full":
+        return lambda: flash_cutlass.flash_attention_with_kvcache(q, k.transpose(1, 2), v.transpose(1, 2),
+                                                                  causal=True, num_splits=num_splits)
     if impl == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

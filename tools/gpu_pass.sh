@@ -3,7 +3,8 @@
 # benchmark and an Nsight Compute profile, with every log under OUT_DIR.
 #
 # Usage: tools/gpu_pass.sh OUT_DIR [steps...]
-#   steps: any of build test bench bench_bwd profile profile_bwd (default: build test bench profile)
+#   steps: any of build test bench bench_bwd profile profile_bwd sanitize (default: build test bench profile)
+#   sanitize: compute-sanitizer memcheck and racecheck over tools/sanitize_calls.py (SANITIZE_ARGS: its options)
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
 #   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), PYTEST_ARGS.
 set -uo pipefail
@@ -58,6 +59,17 @@ for step in $steps; do
       bash benchmarks/profile_ncu.sh "$out_dir/ncu_bwd" --direction backward --seqlen 4096 --batch 4 \
         >"$out_dir/ncu_bwd_console.log" 2>&1
       status=$?
+      ;;
+    sanitize)
+      status=0
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tools/sanitize_calls.py ${SANITIZE_ARGS:-} \
+          >"$out_dir/sanitize_$tool.log" 2>&1
+        tool_status=$?
+        status=$(( status | tool_status ))
+        summary "sanitize $tool: exit $tool_status; $(grep -a -E "ERROR SUMMARY|RACECHECK SUMMARY|mismatches" \
+          "$out_dir/sanitize_$tool.log" | tr '\n' ' ')"
+      done
       ;;
     *)
       echo "unknown step: $step" >&2

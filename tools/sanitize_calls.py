@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Small calls of every kernel this build holds, for compute-sanitizer to watch (GPU).
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_calls.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_calls.py --head-dims 128,256
+
+For each compiled head dim (or --head-dims) and the first compiled dtype: the forward and backward
+of fixed-length calls with tails (seqlens that are no multiple of any tile, seqlen 1, more queries
+than keys and fewer), MHA and GQA 2:1, causal and not, one deterministic backward; a
+variable-length batch (lengths 1, 77 and 130); the window, soft cap, ALiBi and dropout kernels where
+the build has them; and KV-cache calls (paged, pages of 16 in shuffled order, lengths 0, 1 and 100
+with one appended token, split and unsplit; a contiguous cache; 4 queries a sequence). Each
+result is checked against the same call on CPU copies (the pure-PyTorch reference, fp32 inside),
+loosely: this is for the sanitizer, the tests check accuracy, but a kernel that ran and wrote
+garbage fails here too (dropout's results are only checked finite: test_dropout.py checks its
+mask). Prints a line a result and exits 1 on any mismatch. tools/gpu_pass.sh's `sanitize` step
+runs both tools over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import flash_cutlass
+
+TOLERANCE = 0.05  # of the largest reference value (at least 1): bf16 results of unit-scale inputs
+
+
+def _close(name: str, got, want, failures: list) -> None:
+    error = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    scale = max(1.0, want.float().abs().max().item()) if want.numel() else 1.0
+    ok = error <= TOLERANCE * scale and bool(torch.isfinite(got).all())
+    print(f"  {name:<70} max error {error:.3g} {'ok' if ok else 'MISMATCH'}", flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def _cpu(*tensors):
+    return [t.detach().cpu() for t in tensors]
+
+
+def _dense_case(name, head_dim, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, backward, failures, **options):
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_k, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    deterministic = options.pop("deterministic", False)
+    result = flash_cutlass.flash_forward(q, k, v, **options)
+    out, lse = result[0], result[1]
+    extra = {"rng_state": result[2]} if len(result) == 3 else {}
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options,
+                                         **extra) if backward else None
+    if extra:  # dropout: its mask is the tests' business (test_dropout.py); here only that it ran
+        for label, got in zip(("out", "dq", "dk", "dv"), (out, *(grads or ()))):
+            finite = bool(torch.isfinite(got).all())
+            print(f"  {name + ' ' + label:<70} {'finite' if finite else 'NOT FINITE'}", flush=True)
+            if not finite:
+                failures.append(f"{name} {label}")
+        return
+    cpu_options = {key: (value.cpu() if isinstance(value, torch.Tensor) else value) for key, value in options.items()}
+    q_cpu, k_cpu, v_cpu, dout_cpu = _cpu(q, k, v, dout)
+    ref_out, ref_lse = flash_cutlass.flash_forward(q_cpu, k_cpu, v_cpu, **cpu_options)
+    _close(f"{name} forward", out.cpu(), ref_out, failures)
+    if grads is None:
+        return
+    ref_grads = flash_cutlass.flash_backward(dout_cpu, q_cpu, k_cpu, v_cpu, ref_out, ref_lse, **cpu_options)
+    for label, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _close(f"{name} backward {label}", got.cpu(), want, failures)
+
+
+def _varlen_case(name, head_dim, dtype, heads, lengths, causal, backward, failures):
+    total = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(total, heads, head_dim, device="cuda", dtype=dtype)
+    k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    longest = max(lengths)
+    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu, cu, longest, longest, causal=causal)[:2]
+    grads = (flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu, cu, longest, longest, causal=causal)
+             if backward else None)
+    q_cpu, k_cpu, v_cpu, dout_cpu = _cpu(q, k, v, dout)
+    cu_cpu = cu.cpu()
+    ref_out, ref_lse = flash_cutlass.flash_forward_varlen(q_cpu, k_cpu, v_cpu, cu_cpu, cu_cpu, longest, longest,
+                                                          causal=causal)
+    _close(f"{name} forward", out.cpu(), ref_out, failures)
+    if grads is None:
+        return
+    ref_grads = flash_cutlass.flash_backward_varlen(dout_cpu, q_cpu, k_cpu, v_cpu, ref_out, ref_lse, cu_cpu, cu_cpu,
+                                                    longest, longest, causal=causal)
+    for label, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _close(f"{name} backward {label}", got.cpu(), want, failures)
+
+
+def _kvcache_cases(head_dim, dtype, failures):
+    batch, heads, heads_k, page = 3, 8, 2, 16
+    lengths = torch.tensor([0, 1, 100], dtype=torch.int32, device="cuda")
+    blocks = 8  # 128 positions a sequence
+    for seqlen_q, num_splits in ((1, 0), (1, 3), (4, 1)):
+        q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
+        new_k = torch.randn(batch, seqlen_q, heads_k, head_dim, device="cuda", dtype=dtype)
+        new_v = torch.randn_like(new_k)
+        for paged in (True, False):
+            if paged:
+                k_cache = torch.randn(batch * blocks, page, heads_k, head_dim, device="cuda", dtype=dtype)
+                table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
+            else:
+                k_cache = torch.randn(batch, blocks * page, heads_k, head_dim, device="cuda", dtype=dtype)
+                table = None
+            v_cache = torch.randn_like(k_cache)
+            ref_k, ref_v = k_cache.clone(), v_cache.clone()
+            out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
+                                                             block_table=table, causal=True, num_splits=num_splits)
+            ref_out = flash_cutlass.flash_attention_with_kvcache(
+                *_cpu(q, ref_k, ref_v, new_k, new_v), lengths.cpu(),
+                block_table=None if table is None else table.cpu(), causal=True)
+            name = (f"kvcache d{head_dim} {'paged' if paged else 'contiguous'} seqlen_q {seqlen_q} "
+                    f"num_splits {num_splits}")
+            _close(name, out.cpu(), ref_out, failures)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--head-dims", default="", help="comma-separated (default: every compiled head dim)")
+    parser.add_argument("--skip-kvcache", action="store_true", help="leave the KV-cache calls out")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    compiled = flash_cutlass.compiled_head_dims()
+    head_dims = [int(d) for d in args.head_dims.split(",") if d] or list(compiled)
+    missing = [d for d in head_dims if d not in compiled]
+    if missing:
+        parser.error(f"--head-dims {missing} are not in this build (it has {list(compiled)})")
+    dtype = flash_cutlass.compiled_dtypes()[0]
+    backward = flash_cutlass.compiled_backward()
+    torch.manual_seed(0)
+    failures: list = []
+    for head_dim in head_dims:
+        print(f"head dim {head_dim} ({dtype}, backward {'built' if backward else 'left out'})", flush=True)
+        shapes = ((1, 1, 4, 4), (77, 77, 4, 4), (130, 200, 4, 2), (200, 130, 4, 2))
+        for seqlen_q, seqlen_k, heads, heads_k in shapes:
+            for causal in (False, True):
+                _dense_case(f"d{head_dim} {seqlen_q}x{seqlen_k} heads {heads}/{heads_k} causal {causal}", head_dim,
+                            dtype, 2, heads, heads_k, seqlen_q, seqlen_k, backward, failures, causal=causal)
+        if backward:
+            _dense_case(f"d{head_dim} 130x200 heads 4/2 causal deterministic", head_dim, dtype, 2, 4, 2, 130, 200,
+                        True, failures, causal=True, deterministic=True)
+        for causal in (False, True):
+            _varlen_case(f"d{head_dim} varlen causal {causal}", head_dim, dtype, 4, (1, 77, 130), causal, backward,
+                         failures)
+        options = []
+        if flash_cutlass.compiled_window():
+            options.append(("window (32, 8)", dict(window_size=(32, 8))))
+        if flash_cutlass.compiled_softcap():
+            options.append(("softcap 5", dict(softcap=5.0)))
+        if flash_cutlass.compiled_alibi():
+            options.append(("alibi", dict(alibi_slopes=torch.rand(4, device="cuda"))))
+        if flash_cutlass.compiled_dropout():
+            options.append(("dropout 0.1", dict(dropout_p=0.1)))
+        for label, option in options:
+            _dense_case(f"d{head_dim} 130x200 heads 4/2 {label}", head_dim, dtype, 2, 4, 2, 130, 200, backward,
+                        failures, **option)
+        if (not args.skip_kvcache and flash_cutlass.compiled_kvcache()
+                and head_dim in flash_cutlass.compiled_kvcache_head_dims()):
+            _kvcache_cases(head_dim, dtype, failures)
+    torch.cuda.synchronize()
+    print(f"{len(failures)} mismatches" + (": " + ", ".join(failures) if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

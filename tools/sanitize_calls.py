@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's flash_cutlass, built in place
 import flash_cutlass  # noqa: E402
 
+DEVICE = "cuda"  # --device cpu runs the same calls on the reference (a check of this script)
 TOLERANCE = 0.05  # of the largest reference value (at least 1): bf16 results of unit-scale inputs
 
 
@@ -45,8 +46,8 @@ def _cpu(*tensors):
 
 
 def _dense_case(name, head_dim, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, backward, failures, **options):
-    q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
-    k = torch.randn(batch, seqlen_k, heads_k, head_dim, device="cuda", dtype=dtype)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_k, head_dim, device=DEVICE, dtype=dtype)
     v = torch.randn_like(k)
     dout = torch.randn_like(q)
     deterministic = options.pop("deterministic", False)
@@ -75,8 +76,8 @@ def _dense_case(name, head_dim, dtype, batch, heads, heads_k, seqlen_q, seqlen_k
 
 def _varlen_case(name, head_dim, dtype, heads, lengths, causal, backward, failures):
     total = sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    q = torch.randn(total, heads, head_dim, device="cuda", dtype=dtype)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(total, heads, head_dim, device=DEVICE, dtype=dtype)
     k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
     longest = max(lengths)
     out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu, cu, longest, longest, causal=causal)[:2]
@@ -97,18 +98,18 @@ def _varlen_case(name, head_dim, dtype, heads, lengths, causal, backward, failur
 
 def _kvcache_cases(head_dim, dtype, failures):
     batch, heads, heads_k, page = 3, 8, 2, 16
-    lengths = torch.tensor([0, 1, 100], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([0, 1, 100], dtype=torch.int32, device=DEVICE)
     blocks = 8  # 128 positions a sequence
     for seqlen_q, num_splits in ((1, 0), (1, 3), (4, 1)):
-        q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
-        new_k = torch.randn(batch, seqlen_q, heads_k, head_dim, device="cuda", dtype=dtype)
+        q = torch.randn(batch, seqlen_q, heads, head_dim, device=DEVICE, dtype=dtype)
+        new_k = torch.randn(batch, seqlen_q, heads_k, head_dim, device=DEVICE, dtype=dtype)
         new_v = torch.randn_like(new_k)
         for paged in (True, False):
             if paged:
-                k_cache = torch.randn(batch * blocks, page, heads_k, head_dim, device="cuda", dtype=dtype)
-                table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
+                k_cache = torch.randn(batch * blocks, page, heads_k, head_dim, device=DEVICE, dtype=dtype)
+                table = torch.randperm(batch * blocks, device=DEVICE).to(torch.int32).view(batch, blocks)
             else:
-                k_cache = torch.randn(batch, blocks * page, heads_k, head_dim, device="cuda", dtype=dtype)
+                k_cache = torch.randn(batch, blocks * page, heads_k, head_dim, device=DEVICE, dtype=dtype)
                 table = None
             v_cache = torch.randn_like(k_cache)
             ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -127,9 +128,13 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--head-dims", default="", help="comma-separated (default: every compiled head dim)")
     parser.add_argument("--skip-kvcache", action="store_true", help="leave the KV-cache calls out")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: the same calls on CPU tensors, against themselves (tests this script)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
+    global DEVICE
+    DEVICE = args.device
     compiled = flash_cutlass.compiled_head_dims()
     head_dims = [int(d) for d in args.head_dims.split(",") if d] or list(compiled)
     missing = [d for d in head_dims if d not in compiled]
@@ -158,7 +163,7 @@ def main(argv=None) -> int:
         if flash_cutlass.compiled_softcap():
             options.append(("softcap 5", dict(softcap=5.0)))
         if flash_cutlass.compiled_alibi():
-            options.append(("alibi", dict(alibi_slopes=torch.rand(4, device="cuda"))))
+            options.append(("alibi", dict(alibi_slopes=torch.rand(4, device=DEVICE))))
         if flash_cutlass.compiled_dropout():
             options.append(("dropout 0.1", dict(dropout_p=0.1)))
         for label, option in options:
@@ -167,7 +172,8 @@ def main(argv=None) -> int:
         if (not args.skip_kvcache and flash_cutlass.compiled_kvcache()
                 and head_dim in flash_cutlass.compiled_kvcache_head_dims()):
             _kvcache_cases(head_dim, dtype, failures)
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     print(f"{len(failures)} mismatches" + (": " + ", ".join(failures) if failures else ""))
     return 1 if failures else 0
 

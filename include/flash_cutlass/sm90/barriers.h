@@ -28,6 +28,9 @@ enum class BwdBarrier : int {
   // Every consumer thread, around the epilogue's shared-memory tiles of dK and dV (ids 4 and 5
   // are the head-split layout's second kDqFull / kDqEmpty).
   kConsumers = 6,
+  // The head-split layout's warpgroup 0 (which computes S^T and P^T) has stored a query block's
+  // P^T, which warpgroup 1 (which computes dP^T) reads for dS^T: 128 arrivals and 128 syncs.
+  kPReady = 7,
 };
 
 // bar.sync / bar.arrive with the id (a FwdBarrier or a BwdBarrier) as an immediate.

@@ -91,6 +91,18 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   float* sdq = storage.dq.data();
   constexpr int kDqThreads = Traits::dq_staging_threads(kExtended) + 32;  // a warpgroup and the dQ warp
 
+  // Without score modifications or dropout, S^T by warpgroup 0 and dP^T by warpgroup 1, each the
+  // whole tile (TiledMmaSdPByRole); warpgroup 1 reads P^T back for dS^T. The extended kernels need
+  // a score and its dP at once per element and keep the split by queries.
+  constexpr bool kByRole = !kExtended;
+  typename Traits::TiledMmaSdPByRole mma_role;
+  const int warpgroup_thread = consumer_idx % 128;
+  auto thr_role = mma_role.get_thread_slice(warpgroup_thread);
+  auto store_pt_role = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_role);
+  auto thr_store_pt_role = store_pt_role.get_thread_slice(warpgroup_thread);
+  auto load_pt_role = make_tiled_copy_C(typename Traits::SmemLoadAtomPt{}, mma_role);
+  auto thr_load_pt_role = load_pt_role.get_thread_slice(warpgroup_thread);
+
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
   for (int i = 0; i < work.num_m_blocks(); ++i) {
     const int m_block = work.m_block_at(i);
@@ -101,23 +113,69 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     const int row_start = m_block * Traits::kBlockM;
     storage.pipeline.query_full[stage].wait((step / Traits::kStages) & 1);
 
-    Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
-    Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
-    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, dout_stage), acc_s,
-                                  acc_dp, tScS, params, work, score_mods, dropout, row_start,
-                                  query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
-                                  [&] { storage.pipeline.dout_full[dout_stage].wait((step / Traits::kStagesdO) & 1); });
-    // This warpgroup's queries of P^T and dS^T to shared memory. The buffer's previous contents
-    // (two steps back) were read by GEMMs that both warpgroups waited for before the last barrier.
-    Tensor pt = convert_fragment<Element>(acc_s);
-    copy(smem_tiled_copy_pt, smem_thr_copy_pt.retile_S(pt), tPsPt(_, _, _, buffer));
-    Tensor dst = convert_fragment<Element>(acc_dp);
-    copy(smem_tiled_copy_pt, smem_thr_copy_pt.retile_S(dst), tdSsdSt(_, _, _, buffer));
-    cutlass::arch::fence_view_async_shared();
-    named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
-
-    // dV first (dO's stage then goes back to the loader), dQ, and dK, under which dQ is staged.
-    issue_gemm_wgmma<false>(mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, dout_stage), acc_dv);
+    auto wait_for_dout = [&] { storage.pipeline.dout_full[dout_stage].wait((step / Traits::kStagesdO) & 1); };
+    // P^T and dS^T of the block to shared memory (both warpgroups read all of them), then dV first
+    // (dO's stage then goes back to the loader), dQ, and dK, under which dQ is staged. A buffer's
+    // previous contents (two steps back) were read by GEMMs that both warpgroups waited for before
+    // the last kDsReady barrier.
+    if constexpr (kByRole) {
+      if (warpgroup == 0) {
+        Tensor acc_s = partition_fragment_C(mma_role, TileSt{});
+        issue_gemm_wgmma<true>(mma_role, thr_role.partition_fragment_A(sK), thr_role.partition_fragment_B(sQ)(_, _, _, stage),
+                               acc_s);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        Tensor st = as_rows_cols(acc_s);
+        Tensor coords = as_rows_cols(thr_role.partition_C(make_identity_tensor(TileSt{})));
+        const QueryExponents exponents = query_exponents(storage.pipeline, stage, params);
+        const bool needs_mask = work.mask.tile_needs_mask(row_start, Traits::kBlockM, work.key_start, Traits::kBlockN);
+        with_exponent_variant(needs_mask, exponents.exact_rows, [&](auto apply_mask, auto per_query_scale) {
+          probabilities_transposed<decltype(apply_mask)::value, decltype(per_query_scale)::value>(
+              st, coords, work.key_start, row_start, work.mask, exponents);
+        });
+        Tensor pt = convert_fragment<Element>(acc_s);
+        copy(store_pt_role, thr_store_pt_role.retile_S(pt), thr_store_pt_role.partition_D(sPt)(_, _, _, buffer));
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_arrive<BwdBarrier::kPReady, 0, Traits::kConsumerThreads>();
+        wait_for_dout();
+        issue_gemm_wgmma<false>(mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, dout_stage), acc_dv);
+      } else {
+        wait_for_dout();
+        Tensor acc_dp = partition_fragment_C(mma_role, TileSt{});
+        issue_gemm_wgmma<true>(mma_role, thr_role.partition_fragment_A(sV),
+                               thr_role.partition_fragment_B(sdO)(_, _, _, dout_stage), acc_dp);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dp);
+        named_barrier_sync<BwdBarrier::kPReady, 0, Traits::kConsumerThreads>();
+        // dV needs only P^T: it runs while this warpgroup forms dS^T.
+        issue_gemm_wgmma<false>(mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, dout_stage), acc_dv);
+        Tensor pt = make_fragment_like<Element>(acc_dp);
+        copy(load_pt_role, thr_load_pt_role.partition_S(sPt)(_, _, _, buffer), thr_load_pt_role.retile_D(pt));
+        Tensor pt_float = convert_fragment<float>(pt);
+        Tensor dpt = as_rows_cols(acc_dp);
+        ds_transposed(as_rows_cols(pt_float), dpt, as_rows_cols(thr_role.partition_C(make_identity_tensor(TileSt{}))),
+                      storage.pipeline.dsum[stage]);
+        Tensor dst = convert_fragment<Element>(acc_dp);
+        copy(store_pt_role, thr_store_pt_role.retile_S(dst), thr_store_pt_role.partition_D(sdSt)(_, _, _, buffer));
+        cutlass::arch::fence_view_async_shared();
+      }
+      named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
+    } else {
+      Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
+      probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, dout_stage), acc_s,
+                                    acc_dp, tScS, params, work, score_mods, dropout, row_start,
+                                    query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
+                                    wait_for_dout);
+      // This warpgroup's queries of P^T and dS^T.
+      Tensor pt = convert_fragment<Element>(acc_s);
+      copy(smem_tiled_copy_pt, smem_thr_copy_pt.retile_S(pt), tPsPt(_, _, _, buffer));
+      Tensor dst = convert_fragment<Element>(acc_dp);
+      copy(smem_tiled_copy_pt, smem_thr_copy_pt.retile_S(dst), tdSsdSt(_, _, _, buffer));
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_sync<BwdBarrier::kDsReady, 0, Traits::kConsumerThreads>();
+      issue_gemm_wgmma<false>(mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, dout_stage), acc_dv);
+    }
     Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
     issue_gemm_wgmma<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, acc_dq);
     issue_gemm_wgmma<false>(mma_dkv, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, stage), acc_dk);

@@ -48,6 +48,8 @@ struct BwdCommonTraits {
   using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
   using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileSt = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>;
+  // S^T and dP^T of the whole tile: (keys, queries, head dim).
+  using TileShapeSdPWhole = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::Int<kHeadDim>>;
   // dQ = dS K: (queries, head dim, keys), the warpgroups split the head dim.
   using TileShapedQPerWarpgroup =
       cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>>;
@@ -219,7 +221,8 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
 
 // The wide head dims (256): dK and dV of 64 keys x 256 do not fit one warpgroup's registers next
 // to S and dP, so the consumers split the head dim instead of the keys. Per query block:
-//   S^T = K Q^T, dP^T = V dO^T: (64 keys, kBlockM queries), each warpgroup half of the queries;
+//   S^T = K Q^T, dP^T = V dO^T: (64 keys, kBlockM queries), warpgroup 0 S^T and warpgroup 1 dP^T
+//   (TiledMmaSdPByRole; the soft-cap, ALiBi and dropout kernels split the queries instead);
 //   P^T and dS^T go to shared memory (keys, queries), where both warpgroups read all of them;
 //   dV += P^T dO and dK += dS^T Q: (64 keys, head dim), each warpgroup half of the head dim, both
 //   operands from shared memory;
@@ -255,6 +258,15 @@ struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_,
       cute::GMMA::ss_op_selector<Element, Element, float, TileShapedKV, cute::GMMA::Major::K,
                                  cute::GMMA::Major::MN>(),
       WarpgroupsAlongN{}));
+  // Without score modifications or dropout the warpgroups split S^T and dP^T by role instead:
+  // warpgroup 0 computes S^T, warpgroup 1 dP^T, each the whole (64 keys, kBlockM queries) tile, so
+  // that their wgmmas are of N = kBlockM (64) rather than kBlockM / 2: an m64n32k16 with both
+  // operands in shared memory reads 3 KB in its 16 cycles (192 B a cycle, where shared memory gives
+  // 128), an m64n64k16 4 KB in 32.
+  using TiledMmaSdPByRole = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, typename Base::TileShapeSdPWhole>()));
+  // P^T back from shared memory into the accumulator layout (the inverse of SmemCopyAtomdS).
+  using SmemLoadAtomPt = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
 
   // One warpgroup's half of a query block's dQ, fp32, 128-byte swizzled (as BwdKernelTraits's).
   using TileDq = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>>;

@@ -58,8 +58,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                         help="dtype of q, k and v (default: %(default)s)")
     parser.add_argument("--kernel", choices=("auto", "sm80", "sm90"), default="auto",
-                        help="flash_forward's kernel choice (default: %(default)s: the Hopper path "
-                             "on an H100/H200 for head dims 64/96/128/192/256, the sm80 path otherwise)")
+                        help="the kernel choice of the profiled call (default: %(default)s: the Hopper "
+                             "path on an H100/H200, the sm80 path otherwise)")
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward",
                         help="profile flash_forward, or flash_backward (its forward runs once, before "
                              "the warm-up; ncu's kernel filter then wants flash_bwd_sm) (default: %(default)s)")
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dout = torch.randn_like(out)
 
         def call():
-            flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=args.causal)
+            flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=args.causal, kernel=args.kernel)
     name = NVTX_RANGES[args.direction]
     for _ in range(args.warmup):
         call()

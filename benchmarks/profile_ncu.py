@@ -74,6 +74,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def profiled_call(args: argparse.Namespace, flash_cutlass, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor):
+    """The call to profile, with --causal and --kernel: flash_forward, or flash_backward after one
+    flash_forward (whose outputs it takes, with a random dout)."""
+    if args.direction == "forward":
+        return lambda: flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
+    dout = torch.randn_like(out)
+    return lambda: flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=args.causal, kernel=args.kernel)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -92,15 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     shape = (args.batch, args.seqlen, args.heads, args.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=DTYPES[args.dtype]) for _ in range(3))
-    if args.direction == "forward":
-        def call():
-            flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
-    else:
-        out, lse = flash_cutlass.flash_forward(q, k, v, causal=args.causal, kernel=args.kernel)
-        dout = torch.randn_like(out)
-
-        def call():
-            flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=args.causal, kernel=args.kernel)
+    call = profiled_call(args, flash_cutlass, q, k, v)
     name = NVTX_RANGES[args.direction]
     for _ in range(args.warmup):
         call()

@@ -1,7 +1,10 @@
 // The consumers of the Hopper-path backward past head dim 128 (BwdHeadSplitKernelTraits): two
 // warpgroups walk the query blocks that see their CTA's 64 keys. Per query block:
-//   S^T = K Q^T, then dP^T = V dO^T          (each warpgroup half of the queries)
-//   P^T, dS^T as in bwd_mainloop.h           (registers), then to shared memory in the inputs' dtype
+//   S^T = K Q^T and P^T                      (warpgroup 0, the whole tile; P^T to shared memory)
+//   dP^T = V dO^T and dS^T                   (warpgroup 1, the whole tile, from P^T read back in
+//                                            the inputs' dtype; dS^T to shared memory)
+//   (the soft-cap, ALiBi and dropout kernels: each warpgroup both for half of the queries, as in
+//   bwd_mainloop.h, since they need a score and its dP at once)
 //   dV += P^T dO                             (each warpgroup half of the head dim, both operands
 //                                            in shared memory: P^T of both warpgroups; dO's stage
 //                                            is released once it is done)
@@ -127,12 +130,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
         warpgroup_fence_operand(acc_s);
         Tensor st = as_rows_cols(acc_s);
         Tensor coords = as_rows_cols(thr_role.partition_C(make_identity_tensor(TileSt{})));
-        const QueryExponents exponents = query_exponents(storage.pipeline, stage, params);
-        const bool needs_mask = work.mask.tile_needs_mask(row_start, Traits::kBlockM, work.key_start, Traits::kBlockN);
-        with_exponent_variant(needs_mask, exponents.exact_rows, [&](auto apply_mask, auto per_query_scale) {
-          probabilities_transposed<decltype(apply_mask)::value, decltype(per_query_scale)::value>(
-              st, coords, work.key_start, row_start, work.mask, exponents);
-        });
+        probabilities_of_block(st, coords, work, row_start, query_exponents(storage.pipeline, stage, params));
         Tensor pt = convert_fragment<Element>(acc_s);
         copy(store_pt_role, thr_store_pt_role.retile_S(pt), thr_store_pt_role.partition_D(sPt)(_, _, _, buffer));
         cutlass::arch::fence_view_async_shared();

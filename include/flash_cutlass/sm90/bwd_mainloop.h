@@ -182,6 +182,19 @@ __device__ __forceinline__ void with_exponent_variant(bool apply_mask, bool per_
   }
 }
 
+// A query block's S^T (st, rows x columns view; coords: each element's (key, query) in the tile)
+// turned in place into P^T, with the mask only where the block needs it.
+template <int kBlockM, int kBlockN, MaskKind kMaskKind, class TensorS, class Coords>
+__device__ __forceinline__ void probabilities_of_block(TensorS& st, Coords const& coords,
+                                                       KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
+                                                       int row_start, QueryExponents const& exponents) {
+  const bool needs_mask = work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN);
+  with_exponent_variant(needs_mask, exponents.exact_rows, [&](auto apply_mask, auto per_query_scale) {
+    probabilities_transposed<decltype(apply_mask)::value, decltype(per_query_scale)::value>(
+        st, coords, work.key_start, row_start, work.mask, exponents);
+  });
+}
+
 // A query block's S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), turned in place
 // into P^T and dS^T: the exponentials while dP^T is still computed (the extended kernels, which
 // need both at once, wait for both). Both consumer layouts run it on their part of the tile;
@@ -199,8 +212,8 @@ __device__ __forceinline__ void probabilities_and_ds_of_block(
   issue_gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO, acc_dp);
   Tensor st = as_rows_cols(acc_s);
   Tensor dpt = as_rows_cols(acc_dp);
-  const bool needs_mask = work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN);
   if constexpr (kExtended) {
+    const bool needs_mask = work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
     warpgroup_fence_operand(acc_dp);
@@ -216,10 +229,7 @@ __device__ __forceinline__ void probabilities_and_ds_of_block(
   } else {
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc_s);
-    with_exponent_variant(needs_mask, exponents.exact_rows, [&](auto apply_mask, auto per_query_scale) {
-      probabilities_transposed<decltype(apply_mask)::value, decltype(per_query_scale)::value>(
-          st, tScS, work.key_start, row_start, work.mask, exponents);
-    });
+    probabilities_of_block(st, tScS, work, row_start, exponents);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dp);
     ds_transposed(st, dpt, tScS, dsum);

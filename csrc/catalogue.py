@@ -22,7 +22,7 @@ HEAD_DIMS: Dict[Tuple[str, str], Tuple[int, ...]] = {
     ("forward", "sm80"): (32, 64, 96, 128, 192, 256),
     ("forward", "sm90"): (64, 96, 128, 192, 256),
     ("backward", "sm80"): (32, 64, 96, 128, 192, 256),
-    ("backward", "sm90"): (64, 128, 192, 256),
+    ("backward", "sm90"): (64, 96, 128, 192, 256),
 }
 # Head dims of the KV-cache kernels (sm80 path, built for every target).
 KVCACHE_HEAD_DIMS: Tuple[int, ...] = (32, 64, 96, 128, 192, 256)

@@ -58,8 +58,8 @@ std::string sm90_unavailable_reason(int head_dim, int major, int minor) {
 
 // Head dims the Hopper backward runs padded in its next compiled one, faster than the sm80 backward
 // in the call's own: on the H200 (bf16, seqlen 1k-16k, causal and not) 96 in 128 ran 1.34-1.52x
-// the sm80 path's 96 (docs/PERFORMANCE.md; 192 has its own Hopper backward). Other pairs (32 in
-// 64, say) were not measured and keep the sm80 path.
+// the sm80 path's 96 (docs/PERFORMANCE.md; 96 and 192 have Hopper backwards of their own where
+// built). Other pairs (32 in 64, say) were not measured and keep the sm80 path.
 constexpr bool sm90_backward_pads_faster(int sm80_hdim, int sm90_hdim) {
   return sm80_hdim == 96 && sm90_hdim == 128;
 }

@@ -145,9 +145,11 @@ __device__ __forceinline__ void write_dk_dv(BwdKernelParams<Traits> const& kerne
       store_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
       return;
     }
-    if (adds_dk_dv_with_tma(kernel_params, work)) {
-      add_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, coords, storage, consumer_idx);
-      return;
+    if constexpr (Traits::kAddsDkvWithTma) {
+      if (adds_dk_dv_with_tma(kernel_params, work)) {
+        add_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, coords, storage, consumer_idx);
+        return;
+      }
     }
   }
   store_dk_dv<typename Traits::Element, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN, kMaskKind, true>(

@@ -74,7 +74,7 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   // A GQA call's dK and dV added to their K/V head's fp32 accumulators by TMA where the atomics
   // path would add them ((rows, kHeadDim, heads_k): bwd_epilogue.h). Otherwise built over dq_accum.
   const int64_t accum_rows = key_accum_rows(params);
-  const bool add_dkv_with_tma = params.dk == nullptr && params.dk_accum != nullptr &&
+  const bool add_dkv_with_tma = Traits::kAddsDkvWithTma && params.dk == nullptr && params.dk_accum != nullptr &&
                                 params.dkv_accum_heads == params.heads_k && accum_rows <= 0x7fffffff;
   auto accumulator = [&](float* accum) {
     if (!add_dkv_with_tma) return dq_accum;

@@ -254,7 +254,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   using TileSt = typename Traits::TileSt;
   constexpr bool kDqInTurns = Traits::dq_in_turns(kExtended);
   constexpr int kDqThreads = Traits::dq_staging_threads(kExtended) + 32;  // with the dQ warp
-  constexpr bool kDqUnderDk = Traits::kHeadDim > 64;
+  constexpr bool kDqUnderDk = Traits::kHeadDim > 64 && !kDqInTurns;
   static_assert(!(kDqUnderDk && kDqInTurns), "dQ in turns is written for dK issued before the dS barrier");
 
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,

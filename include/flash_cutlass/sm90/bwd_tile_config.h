@@ -29,8 +29,8 @@ struct BwdCommonTraits {
   // released after dV, its last GEMM, while Q waits for dK.
   static constexpr bool kSeparatedO = kStagesdO != kStages;
   static_assert(kStagesdO == kStages || kStagesdO == 1);
-  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 64 == 0,
-                "query rows, keys and head dim in 64s (rows of 128-byte swizzle atoms, 64-row wgmmas)");
+  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 32 == 0,
+                "query rows and keys in 64s (64-row wgmmas), the head dim in 32s (swizzle atoms)");
 
   // Warpgroup 0: warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory where the
   // consumers leave it in shared memory (TMA reduce-add), warp 2 stages LSE and D; the others exit
@@ -61,10 +61,11 @@ struct BwdCommonTraits {
       WarpgroupsAlongN{}));
 
   // 128-byte-swizzled rows of 64 elements, the head dim (or, for P^T and dS^T, the queries)
-  // contiguous: the layout TMA writes and wgmma reads. At head dim 192, 64-byte-swizzled rows of 32:
-  // the head-split consumers' head-dim halves (96) are then whole atoms, as a wgmma operand whose
-  // head dim is its M or N needs.
-  using SmemAtom = std::conditional_t<kHeadDim % 128 == 0 || kHeadDim < 128, cute::GMMA::Layout_K_SW128_Atom<Element>,
+  // contiguous: the layout TMA writes and wgmma reads. At head dims 96 and 192, 64-byte-swizzled
+  // rows of 32: the head dim (96), or the head-split consumers' halves of it (96), are then whole
+  // atoms, as a wgmma operand whose head dim is its M or N needs.
+  static constexpr bool kWideAtoms = kHeadDim % 64 == 0 && (kHeadDim <= 128 || (kHeadDim / 2) % 64 == 0);
+  using SmemAtom = std::conditional_t<kWideAtoms, cute::GMMA::Layout_K_SW128_Atom<Element>,
                                       cute::GMMA::Layout_K_SW64_Atom<Element>>;
   // Q and dO: one buffer a stage (of kStages and kStagesdO).
   template <int kBuffers>
@@ -120,11 +121,14 @@ struct BwdCommonTraits {
                                                 TileDq{}, cute::_1{}));
   // A GQA call's dK or dV added to its K/V head's fp32 accumulator by TMA's reduce-add
   // (bwd_epilogue.h): half the head dim at a time, 128-byte swizzled, staged in K's tile and V's
-  // (each as many bytes as one half).
-  using TileAccumHalf = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim / 2>>;
+  // (each as many bytes as one half). Where a half is no whole number of 32-float atoms (head dim
+  // 96), with atomics instead (the type below is then only a placeholder of the kernel's parameters).
+  static constexpr bool kAddsDkvWithTma = (kHeadDim / 2) % 32 == 0;
+  using TileAccumHalf = cute::Shape<cute::Int<kBlockN>, cute::Int<kAddsDkvWithTma ? kHeadDim / 2 : 32>>;
   using SmemLayoutAccumHalf =
       decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{}, TileAccumHalf{}));
-  static_assert(cute::cosize_v<SmemLayoutAccumHalf> * sizeof(float) == cute::cosize_v<SmemLayoutKV> * sizeof(Element));
+  static_assert(!kAddsDkvWithTma ||
+                cute::cosize_v<SmemLayoutAccumHalf> * sizeof(float) == cute::cosize_v<SmemLayoutKV> * sizeof(Element));
   using TmaAddKV = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutAccumHalf{},
                                                 TileAccumHalf{}, cute::_1{}));
 };
@@ -184,7 +188,8 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
   // 1-2.5% faster at 64 on the H200; at 128, halves of N = 64 against a whole of N = 128 that
   // needs dV waited first for registers, 1.5-3.4% slower), past it half the head dim each. The
   // extended kernels (score mods, dropout) keep the halves: turns cost them 150 B more spills.
-  static constexpr bool dq_in_turns(bool extended) { return kHeadDim <= 64 && !extended; }
+  // At head dim 96 always: its halves (48) are no whole swizzle atoms of an MN-major operand.
+  static constexpr bool dq_in_turns(bool extended) { return (kHeadDim <= 64 && !extended) || kHeadDim % 64 != 0; }
   using TiledMmadQWhole = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBlockN>>,

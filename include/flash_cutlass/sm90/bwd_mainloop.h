@@ -191,13 +191,13 @@ __device__ __forceinline__ void with_exponent_variant(bool apply_mask, bool per_
 // dP^T is waited for (fewer registers live across the wait).
 template <MaskKind kMaskKind, int kBlockM, int kBlockN, class TiledMma, class FragK, class FragQ, class FragV,
           class FragdO, class Acc, class Coords, bool kExtended, bool kDropout, class WaitForDout,
-          class RoundedPt = std::nullptr_t>
+          class RoundedPt = std::nullptr_t, class AfterPt = void (*)()>
 __device__ __forceinline__ void probabilities_and_ds_of_block(
     TiledMma& mma_sdp, FragK const& tSrK, FragQ const& tSrQ, FragV const& tdPrV, FragdO const& tdPrdO, Acc& acc_s,
     Acc& acc_dp, Coords const& tScS, BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
     ScoreMods<kExtended> const& score_mods, Dropout<kDropout> const& dropout, int row_start,
     QueryExponents const& exponents, const float* dsum, WaitForDout&& wait_for_dout,
-    RoundedPt rounded_pt = nullptr) {
+    RoundedPt rounded_pt = nullptr, AfterPt&& after_pt = [] {}) {
   using namespace cute;
   issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ, acc_s);
   wait_for_dout();
@@ -233,7 +233,8 @@ __device__ __forceinline__ void probabilities_and_ds_of_block(
       using Element = typename std::remove_pointer_t<RoundedPt>::value_type;
       Tensor pt = convert_fragment<Element>(acc_s);
       copy(pt, *rounded_pt);
-      warpgroup_wait<0>();
+      after_pt();  // may issue a GEMM of P^T: dP^T is then the one but last in flight
+      warpgroup_wait<1>();
       warpgroup_fence_operand(acc_dp);
       Tensor p = convert_fragment<float>(*rounded_pt);
       ds_transposed(as_rows_cols(p), dpt, tScS, dsum);
@@ -319,7 +320,10 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
       probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
                                     acc_dp, tScS, params, work, score_mods, dropout, row_start,
                                     query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
-                                    [] {}, &pt);
+                                    [] {}, &pt, [&] {
+                                      Tensor tdVrPt = make_tensor(pt.data(), acc_layout_as_operand_a(pt.layout()));
+                                      issue_gemm_wgmma<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
+                                    });
     } else {
       probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
                                     acc_dp, tScS, params, work, score_mods, dropout, row_start,
@@ -327,8 +331,10 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
                                     [] {});
       copy(convert_fragment<Element>(acc_s), pt);
     }
-    Tensor tdVrPt = make_tensor(pt.data(), acc_layout_as_operand_a(pt.layout()));
-    issue_gemm_wgmma<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
+    if constexpr (!kDsFromRoundedP) {
+      Tensor tdVrPt = make_tensor(pt.data(), acc_layout_as_operand_a(pt.layout()));
+      issue_gemm_wgmma<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
+    }
     Tensor dst = convert_fragment<Element>(acc_dp);
     copy(smem_tiled_copy_ds, smem_thr_copy_ds.retile_S(dst), tdSsdS(_, _, _, ds_buffer));
     Tensor tdKrdSt = make_tensor(dst.data(), acc_layout_as_operand_a(dst.layout()));

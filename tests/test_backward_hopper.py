@@ -81,10 +81,9 @@ def test_hopper_backward_pads_head_dims_it_lacks(cuda_gen, head_dim, causal):
 
 
 @pytest.mark.parametrize("head_dim", [96, 192])
-def test_automatic_backward_runs_padded_head_dims_on_the_hopper_kernel(cuda_gen, head_dim):
-    """Head dims 96 and 192 take their own Hopper backwards (or, where they are not built for it,
-    128's and 256's, padded: measured faster than the sm80 path's own): the automatic choice's dK
-    and dV (written once, no atomics) are kernel="sm90"'s, bitwise."""
+def test_automatic_backward_runs_head_dims_96_and_192_on_the_hopper_kernel(cuda_gen, head_dim):
+    """Head dims 96 and 192 take their own Hopper backwards: the automatic choice's dK and dV
+    (written once, no atomics) are kernel="sm90"'s, bitwise."""
     skip_unless_hopper_backward(head_dim)
     q, k, v, dout = random_inputs(cuda_gen, 2, 200, 300, HEADS, head_dim)
     out, lse = flash_cutlass.flash_forward(q, k, v)

@@ -56,18 +56,10 @@ std::string sm90_unavailable_reason(int head_dim, int major, int minor) {
   return "";
 }
 
-// Head dims the Hopper backward runs padded in its next compiled one, faster than the sm80 backward
-// in the call's own: on the H200 (bf16, seqlen 1k-16k, causal and not) 96 in 128 ran 1.34-1.52x
-// the sm80 path's 96 (docs/PERFORMANCE.md; 96 and 192 have Hopper backwards of their own where
-// built). Other pairs (32 in 64, say) were not measured and keep the sm80 path.
-constexpr bool sm90_backward_pads_faster(int sm80_hdim, int sm90_hdim) {
-  return sm80_hdim == 96 && sm90_hdim == 128;
-}
-
 // The kernel of a call: `head_dim` is the call's, rounded up to a multiple of 8. kAuto runs the
-// Hopper path where it can and its head dim is the one the sm80 path would run (no extra padding)
-// or, for the backward, a padding measured to pay (above); the sm80 path otherwise. kSm80 and
-// kSm90 force a path (an error where the forced one cannot run).
+// Hopper path where it can and its head dim is the one the sm80 path would run (no extra
+// padding); the sm80 path otherwise. kSm80 and kSm90 force a path (an error where the forced one
+// cannot run).
 template <Direction kDirection>
 KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int minor) {
   KernelSelection selection;
@@ -80,9 +72,7 @@ KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int 
                         (kDirection == Direction::kForward ? "call" : "backward") + ": " + reason;
       return selection;
     }
-    const bool padding_pays =
-        kDirection == Direction::kBackward && sm90_backward_pads_faster(sm80_hdim, sm90_hdim);
-    if (reason.empty() && (choice == KernelChoice::kSm90 || sm90_hdim == sm80_hdim || padding_pays)) {
+    if (reason.empty() && (choice == KernelChoice::kSm90 || sm90_hdim == sm80_hdim)) {
       selection.path = KernelPath::kSm90;
       selection.kernel_hdim = sm90_hdim;
       return selection;

@@ -18,6 +18,7 @@
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
 #include "flash_cutlass/sm90/fp32_tile_offsets.h"
+#include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/tma_views.h"
 
 namespace flash_cutlass::sm90 {
@@ -28,6 +29,19 @@ __device__ __forceinline__ bool stores_dk_dv_with_tma(BwdKernelParams<Traits> co
                                                       Work const& work) {
   return kernel_params.store_dkv_with_tma &&
          (kernel_params.call.cu_seqlens_q == nullptr || work.sequence.seqlen_k - work.key_start >= Traits::kBlockN);
+}
+
+// Persistent walks (kRotatedWalk): whether this tile's dK and dV go out by TMA staged in the
+// query stages of its walk's last kBlockN / kBlockM blocks (store_dk_dv_through_query_stages), so
+// that the next tile's K and V load while they go out.
+template <class Traits, class Work>
+__device__ __forceinline__ bool stages_dk_dv_in_query_stages(BwdKernelParams<Traits> const& kernel_params,
+                                                             Work const& work) {
+  if constexpr (Traits::kHeadSplit || Traits::kSeparatedO) {
+    return false;
+  } else {
+    return work.num_m_blocks() >= Traits::kHeldStages && stores_dk_dv_with_tma(kernel_params, work);
+  }
 }
 
 // Whether this tile's dK and dV are added by TMA (add_dk_dv_with_tma); otherwise with atomics.
@@ -131,16 +145,96 @@ __device__ __forceinline__ void store_dk_dv_with_tma(BwdKernelParams<Traits> con
   }
 }
 
-// A walked tile's dK and dV out: by TMA where the call allows it (except in rotated walks, whose
-// next tile's K and V load meanwhile), else from registers (store_dk_dv, common/bwd_key_block.h).
+// The persistent walks' epilogue (stages_dk_dv_in_query_stages): the consumers have held the query
+// stages of the walk's last kHeldStages blocks (the loader fills them for the next tile only once
+// they are released here). Each warpgroup writes its 64 keys of dK into a held stage's Q buffer and
+// of dV into its dO buffer (kBlockM rows a stage: one stage at head dim 64, two at 128), one thread
+// stores them by TMA in boxes of kBlockM rows, and the stages go back to the loader once the stores
+// have read them. K and V are free meanwhile: the next tile's load under this epilogue.
+template <class Traits, class Work, class Acc>
+__device__ __forceinline__ void store_dk_dv_through_query_stages(BwdKernelParams<Traits> const& kernel_params,
+                                                                 Work const& work, KeyWalkPosition const& position,
+                                                                 Acc& acc_dk, Acc const& acc_dv,
+                                                                 typename Traits::SharedStorage& storage,
+                                                                 int consumer_idx) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  using TileQ = typename Traits::TileQ;
+  constexpr int kHeld = Traits::kHeldStages;
+  BwdParams const& params = kernel_params.call;
+  const int first_step = position.steps + work.num_m_blocks() - kHeld;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+  Tensor dk = convert_fragment<Element>(acc_dk);
+  Tensor dv = convert_fragment<Element>(acc_dv);
+  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutdO{});
+  // This warpgroup's 64 keys: rows (64 w) % kBlockM of held stage (64 w) / kBlockM.
+  const int key_row = 64 * (consumer_idx / 128);
+  const int stage = (first_step + key_row / Traits::kBlockM) % Traits::kStages;
+  using WarpgroupRows = Shape<_64, Int<Traits::kHeadDim>>;
+  const auto rows = make_coord((key_row % Traits::kBlockM) / 64, _0{});
+  Tensor dk_rows = local_tile(sQ(_, _, stage), WarpgroupRows{}, rows);
+  Tensor dv_rows = local_tile(sdO(_, _, stage), WarpgroupRows{}, rows);
+  // Both warpgroups' GEMMs are done with the held stages.
+  named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
+  auto copy_rows = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmadKVWarpgroup{});
+  auto thr_copy_rows = copy_rows.get_thread_slice(consumer_idx % 128);
+  copy(copy_rows, thr_copy_rows.retile_S(dk), thr_copy_rows.partition_D(dk_rows));
+  copy(copy_rows, thr_copy_rows.retile_S(dv), thr_copy_rows.partition_D(dv_rows));
+  tma_store_fence();  // the writes above, visible to the TMA unit
+  named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
+  if (consumer_idx == 0) {
+    const TmaExtents extents = tma_extents(params);
+    const auto shape = make_shape(extents.rows_k, params.head_dim, params.heads, extents.batch);
+    const auto k_rows = make_coord(work.sequence.k_start, _0{});
+    const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
+    // (rows, columns, block of kBlockM keys)
+    Tensor gdK = local_tile(
+        domain_offset(k_rows, kernel_params.tma_dk_rows.get_tma_tensor(shape)(_, _, work.tile.head, tma_batch)),
+        TileQ{}, make_coord(_, _0{}));
+    Tensor gdV = local_tile(
+        domain_offset(k_rows, kernel_params.tma_dv_rows.get_tma_tensor(shape)(_, _, work.tile.head, tma_batch)),
+        TileQ{}, make_coord(_, _0{}));
+    CUTE_UNROLL
+    for (int held = 0; held < kHeld; ++held) {
+      const int held_stage = (first_step + held) % Traits::kStages;
+      const int key_block = work.tile.n_block * kHeld + held;
+      if (key_block * Traits::kBlockM >= work.sequence.seqlen_k) break;  // rows past the keys: nothing to store
+      auto [tdKgdK, tdKsK] = tma_partition(kernel_params.tma_dk_rows, _0{}, Layout<_1>{},
+                                           group_modes<0, 2>(sQ(_, _, held_stage)), group_modes<0, 2>(gdK));
+      auto [tdVgdV, tdVsV] = tma_partition(kernel_params.tma_dv_rows, _0{}, Layout<_1>{},
+                                           group_modes<0, 2>(sdO(_, _, held_stage)), group_modes<0, 2>(gdV));
+      copy(kernel_params.tma_dk_rows, tdKsK, tdKgdK(_, key_block));
+      copy(kernel_params.tma_dv_rows, tdVsV, tdVgdV(_, key_block));
+    }
+    tma_store_arrive();
+    tma_store_wait<0>();  // the stores have read the held stages
+  }
+  named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
+  CUTE_UNROLL
+  for (int held = 0; held < kHeld; ++held) storage.pipeline.query_empty[(first_step + held) % Traits::kStages].arrive();
+}
+
+// A walked tile's dK and dV out: by TMA where the call allows it (in persistent walks, whose next
+// tile's K and V load meanwhile, through the held query stages), else from registers (store_dk_dv,
+// common/bwd_key_block.h).
 template <class Traits, bool kRotatedWalk, MaskKind kMaskKind, class Acc, class TiledMma>
 __device__ __forceinline__ void write_dk_dv(BwdKernelParams<Traits> const& kernel_params,
                                             KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
-                                            Acc& acc_dk, Acc& acc_dv, TiledMma const& mma_dkv,
-                                            typename Traits::SharedStorage& storage, int consumer_idx) {
+                                            KeyWalkPosition const& position, Acc& acc_dk, Acc& acc_dv,
+                                            TiledMma const& mma_dkv, typename Traits::SharedStorage& storage,
+                                            int consumer_idx) {
   using namespace cute;
   Tensor coords = mma_dkv.get_thread_slice(consumer_idx).partition_C(make_identity_tensor(typename Traits::TileKV{}));
-  if constexpr (!kRotatedWalk) {
+  if constexpr (kRotatedWalk) {
+    if constexpr (!Traits::kHeadSplit) {
+      if (stages_dk_dv_in_query_stages(kernel_params, work)) {
+        store_dk_dv_through_query_stages(kernel_params, work, position, acc_dk, acc_dv, storage, consumer_idx);
+        return;
+      }
+    }
+  } else {
     if (stores_dk_dv_with_tma(kernel_params, work)) {
       store_dk_dv_with_tma(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
       return;

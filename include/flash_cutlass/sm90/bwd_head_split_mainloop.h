@@ -205,7 +205,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
 
   // The loader may bring the next tile's K and V while dK and dV go out.
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_empty.arrive();
-  write_dk_dv<Traits, kRotatedWalk>(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
+  write_dk_dv<Traits, kRotatedWalk>(kernel_params, work, position, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
 }
 
 }  // namespace flash_cutlass::sm90

@@ -17,6 +17,9 @@ struct BwdKernelParams {
   typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum from the staged dQ tile
   typename Traits::TmaStoreKV tma_dk;
   typename Traits::TmaStoreKV tma_dv;
+  // The same over boxes of a query block's rows (persistent walks: bwd_epilogue.h).
+  typename Traits::TmaStoreQRows tma_dk_rows;
+  typename Traits::TmaStoreQRows tma_dv_rows;
   // dK and dV by TMA (bwd_epilogue.h): calls that write them in the inputs' dtype. Otherwise
   // tma_dk and tma_dv are built over K and V and never used.
   bool store_dkv_with_tma;

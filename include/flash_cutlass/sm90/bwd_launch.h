@@ -51,10 +51,11 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads, extents.batch,
                                             int64_t(kHeadDim), dq_head_stride,
                                             varlen ? int64_t(0) : dq_head_stride * params.heads);
-  // The grid's walk (tile_scheduler.h): rotated walks of whole heads for deterministic calls
-  // without a mask or score modifications of at most kMaxRotatedKeyBlocks key blocks (a kernel of
-  // its own); otherwise one CTA per tile. (A persistent grid for the other calls, causal tiles in pairs,
-  // measured within +-1% at 1k and -2 to -3% causal at 16k: not taken.)
+  // The grid's walk (tile_scheduler.h): for calls without a mask or score modifications, rotated
+  // walks of whole heads (deterministic calls of at most kMaxRotatedKeyBlocks key blocks) or a
+  // persistent walk (non-deterministic ones up to head dim 128); otherwise one CTA per tile. (A
+  // persistent grid for causal calls, tiles in pairs, with dK/dV stored from registers, measured
+  // within +-1% at 1k and -2 to -3% at 16k: not taken.)
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t items = int64_t(params.batch) * params.heads * num_n_blocks;
   if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
@@ -94,6 +95,12 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_STORE{},
                     output(params.dv, params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
                     typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{},
+                    output(params.dk, params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride),
+                    smem_q_stage, TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{},
+                    output(params.dv, params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
+                    smem_q_stage, TileQ{}, _1{}),
       store_dkv_with_tma,
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, accumulator(params.dk_accum), typename Traits::SmemLayoutAccumHalf{},
                     typename Traits::TileAccumHalf{}, _1{}),
@@ -119,6 +126,15 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
                                                              Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
         if (status != cudaErrorCooperativeLaunchTooLarge) return status;
         (void)cudaGetLastError();
+      }
+      // Head dims up to 128: a persistent walk, dK/dV going out through the last query stages while
+      // the next tile's K and V load (bwd_epilogue.h), where the walk would store them by TMA (not
+      // GQA's accumulators) and has as many blocks as it holds stages.
+      if constexpr (!Traits::kHeadSplit) {
+        if (!params.deterministic && !varlen && store_dkv_with_tma && num_m_blocks >= Traits::kHeldStages) {
+          return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension, true>, std::min<int64_t>(items, sms),
+                               Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
+        }
       }
     }
     return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension, false>, items, Traits::kThreads,

@@ -253,8 +253,9 @@ __device__ __forceinline__ void probabilities_and_ds_of_block(
 }
 
 // The consumer warpgroups' whole walk over a CTA's query blocks, then dK and dV out (by TMA from
-// K's and V's tiles where the call allows, bwd_epilogue.h, except in rotated walks, whose next tile's
-// K and V load while dK and dV go out). consumer_idx: the thread's index among the consumer threads.
+// K's and V's tiles where the call allows, bwd_epilogue.h; in persistent walks, whose next tile's K
+// and V load while dK and dV go out, through the walk's last query stages, held for them).
+// consumer_idx: the thread's index among the consumer threads.
 template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kRotatedWalk>
 __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> const& kernel_params,
                                                      KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
@@ -312,6 +313,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
                 "Fp32TileOffsets is the closed form of this layout");
   float* sdq = storage.dq.data();
 
+  const bool holds_last_stages = kRotatedWalk && stages_dk_dv_in_query_stages(kernel_params, work);
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
   for (int i = 0; i < work.num_m_blocks(); ++i) {
     const int m_block = work.m_block_at(i);
@@ -366,8 +368,11 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
     auto release_stage = [&] {
       warpgroup_fence_operand(acc_dk);
       warpgroup_fence_operand(dst);
-      // This thread's GEMMs are done with the stage's Q and dO.
-      storage.pipeline.query_empty[stage].arrive();
+      // This thread's GEMMs are done with the stage's Q and dO (a persistent walk's last stages are
+      // held for dK and dV: store_dk_dv_through_query_stages).
+      if (!(holds_last_stages && i + Traits::kHeldStages >= work.num_m_blocks())) {
+        storage.pipeline.query_empty[stage].arrive();
+      }
     };
     if (!kDqInTurns || (step & 1) == warpgroup) {
       Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
@@ -402,7 +407,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
 
   // The loader may bring the next tile's K and V while dK and dV go out.
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_empty.arrive();
-  write_dk_dv<Traits, kRotatedWalk>(kernel_params, work, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
+  write_dk_dv<Traits, kRotatedWalk>(kernel_params, work, position, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
 }
 
 }  // namespace flash_cutlass::sm90

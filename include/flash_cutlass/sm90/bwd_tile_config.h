@@ -112,6 +112,9 @@ struct BwdCommonTraits {
                                                    GmemLayout{}));
   using TmaStoreKV = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutKV{},
                                                   TileKV{}, cute::_1{}));
+  // The same in boxes of kBlockM rows from query stages (the persistent walks' epilogue).
+  using TmaStoreQRows = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensorOut{},
+                                                     cute::take<0, 2>(SmemLayoutQ{}), TileQ{}, cute::_1{}));
   // dq_accum as (rows, kHeadDim, heads, batch) fp32, added to with TMA's reduce-add from a staged
   // tile of dQ.
   using GmemTensordQ =
@@ -172,6 +175,10 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
   static constexpr bool kHeadSplit = false;
   static_assert(kBlockN == 64 * Base::kConsumerWarpgroups && kHeadDim <= 128, "64 keys a warpgroup; registers");
+  // The query stages a persistent walk's epilogue stages dK and dV in (store_dk_dv_through_query_stages):
+  // kBlockN keys in stages of kBlockM rows, one left for the next tile's first block.
+  static constexpr int kHeldStages = kBlockN / kBlockM;
+  static_assert(kBlockN % kBlockM == 0 && kHeldStages < kStages && !Base::kSeparatedO);
 
   // S^T = K Q^T and dP^T = V dO^T: (keys, queries, head dim), the warpgroups split the keys.
   using TileShapeSdP = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::Int<kHeadDim>>;
@@ -183,6 +190,11 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
       cute::GMMA::rs_op_selector<Element, Element, float, TileShapedKV, cute::GMMA::Major::K,
                                  cute::GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
+  // One warpgroup's 64 keys of it (the same per-thread accumulator layout).
+  using TiledMmadKVWarpgroup = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockM>>, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>()));
   // dQ = dS K: (queries, head dim, keys). Up to head dim 64 the whole block by one warpgroup, the
   // warpgroups taking turns by step (wgmmas of N = 64 where halves of the head dim would be N = 32:
   // 1-2.5% faster at 64 on the H200; at 128, halves of N = 64 against a whole of N = 128 that

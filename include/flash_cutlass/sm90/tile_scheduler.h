@@ -52,14 +52,15 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
 }
 
 // The backward's walk over key tiles (key_tile_at). Usually one CTA per key tile, in the launch
-// order (deterministic calls: last key block first, ordered_reduce.h). Deterministic fixed-length
-// calls without a mask or score modifications of few key blocks (bwd_launch.h; no more than the
-// query blocks) walk rotated instead (a kernel of its own, kRotatedWalk): a persistent grid of
-// whole heads (a multiple of the key blocks, all resident at once) takes key tiles blockIdx.x,
-// blockIdx.x + gridDim.x, ..., key block n starting at query block n * m_blocks / n_blocks, so that
-// the adders of a query block arrive one after the other in the order of their turns rather than
-// all starting at block 0 and queueing behind the last one. (Variable-length calls, whose tails the
-// loader zeroes once per CTA, always walk one tile a CTA.)
+// order (deterministic calls: last key block first, ordered_reduce.h). Fixed-length calls without a
+// mask or score modifications walk persistently instead (a kernel of its own, kRotatedWalk: CTAs
+// take key tiles blockIdx.x, blockIdx.x + gridDim.x, ...; bwd_launch.h): non-deterministic ones at
+// head dims up to 128, and deterministic ones of few key blocks (no more than the query blocks),
+// rotated: a grid of whole heads (a multiple of the key blocks, all resident at once), key block n
+// starting at query block n * m_blocks / n_blocks, so that the adders of a query block arrive one
+// after the other in the order of their turns rather than all starting at block 0 and queueing
+// behind the last one. (Variable-length calls, whose tails the loader zeroes once per CTA, always
+// walk one tile a CTA.)
 
 // Where a backward CTA's walk stands in its pipelines: the query blocks (stages, phases) and the
 // key tiles that saw any (K/V's barriers) of the tiles walked before. Each role counts them alike.
@@ -92,7 +93,7 @@ __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& p
     for (int item = int(blockIdx.x); item < items; item += int(gridDim.x)) {
       auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, key_tile_at<kBlockN>(params, item, false));
       if (!key_block.in_sequence()) continue;
-      key_block.m_rotation = key_block.tile.n_block * key_block.num_m_blocks() / num_n_blocks;
+      if (params.deterministic) key_block.m_rotation = key_block.tile.n_block * key_block.num_m_blocks() / num_n_blocks;
       work(key_block, position);
       position.advance(key_block);
     }

@@ -6,8 +6,9 @@
 
 For each compiled head dim (or --head-dims) and the first compiled dtype: the forward and backward
 of fixed-length calls with tails (seqlens that are no multiple of any tile, seqlen 1, more queries
-than keys and fewer), MHA and GQA 2:1, causal and not, one deterministic backward; a
-variable-length batch (lengths 1, 77 and 130); the window, soft cap, ALiBi and dropout kernels where
+than keys and fewer), MHA and GQA 2:1, causal and not, one deterministic backward, backwards of
+more key tiles than SMs (72 heads), deterministic and not; a variable-length batch (lengths 1, 77
+and 130); the window, soft cap, ALiBi and dropout kernels where
 the build has them; and KV-cache calls (paged, pages of 16 in shuffled order, lengths 0, 1 and 100
 with one appended token, split and unsplit; a contiguous cache; 4 queries a sequence). Each
 result is checked against the same call on CPU copies (the pure-PyTorch reference, fp32 inside),
@@ -152,6 +153,10 @@ def main(argv=None) -> int:
                 _dense_case(f"d{head_dim} {seqlen_q}x{seqlen_k} heads {heads}/{heads_k} causal {causal}", head_dim,
                             dtype, 2, heads, heads_k, seqlen_q, seqlen_k, backward, failures, causal=causal)
         if backward:
+            # More key tiles than SMs: persistent and rotated walks take several tiles a CTA.
+            for deterministic in (False, True):
+                _dense_case(f"d{head_dim} 200x200 heads 72/72 deterministic {deterministic}", head_dim, dtype, 2, 72,
+                            72, 200, 200, True, failures, deterministic=deterministic)
             _dense_case(f"d{head_dim} 130x200 heads 4/2 causal deterministic", head_dim, dtype, 2, 4, 2, 130, 200,
                         True, failures, causal=True, deterministic=True)
         for causal in (False, True):

@@ -39,6 +39,8 @@ __device__ __forceinline__ bool stages_dk_dv_in_query_stages(BwdKernelParams<Tra
                                                              Work const& work) {
   if constexpr (Traits::kHeadSplit || Traits::kSeparatedO) {
     return false;
+  } else if constexpr (!Traits::kPersistentEpilogue) {
+    return false;
   } else {
     return work.num_m_blocks() >= Traits::kHeldStages && stores_dk_dv_with_tma(kernel_params, work);
   }

@@ -53,7 +53,7 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
                                             varlen ? int64_t(0) : dq_head_stride * params.heads);
   // The grid's walk (tile_scheduler.h): for calls without a mask or score modifications, rotated
   // walks of whole heads (deterministic calls of at most kMaxRotatedKeyBlocks key blocks) or a
-  // persistent walk (non-deterministic ones up to head dim 128); otherwise one CTA per tile. (A
+  // persistent walk (non-deterministic ones at head dim 64); otherwise one CTA per tile. (A
   // persistent grid for causal calls, tiles in pairs, with dK/dV stored from registers, measured
   // within +-1% at 1k and -2 to -3% at 16k: not taken.)
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
@@ -127,11 +127,11 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
         if (status != cudaErrorCooperativeLaunchTooLarge) return status;
         (void)cudaGetLastError();
       }
-      // Head dims up to 128: a persistent walk, dK/dV going out through the last query stages while
-      // the next tile's K and V load (bwd_epilogue.h), where the walk would store them by TMA (not
-      // GQA's accumulators) and has as many blocks as it holds stages.
+      // Head dim 64 (kPersistentEpilogue): a persistent walk, dK/dV going out through the last query
+      // stages while the next tile's K and V load (bwd_epilogue.h), where the walk would store them
+      // by TMA (not GQA's accumulators) and has as many blocks as it holds stages.
       if constexpr (!Traits::kHeadSplit) {
-        if (!params.deterministic && !varlen && store_dkv_with_tma && num_m_blocks >= Traits::kHeldStages) {
+        if (Traits::kPersistentEpilogue && !params.deterministic && !varlen && store_dkv_with_tma && num_m_blocks >= Traits::kHeldStages) {
           return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension, true>, std::min<int64_t>(items, sms),
                                Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
         }

@@ -55,7 +55,7 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
 // order (deterministic calls: last key block first, ordered_reduce.h). Fixed-length calls without a
 // mask or score modifications walk persistently instead (a kernel of its own, kRotatedWalk: CTAs
 // take key tiles blockIdx.x, blockIdx.x + gridDim.x, ...; bwd_launch.h): non-deterministic ones at
-// head dims up to 128, and deterministic ones of few key blocks (no more than the query blocks),
+// head dim 64 (kPersistentEpilogue), and deterministic ones of few key blocks (no more than the query blocks),
 // rotated: a grid of whole heads (a multiple of the key blocks, all resident at once), key block n
 // starting at query block n * m_blocks / n_blocks, so that the adders of a query block arrive one
 // after the other in the order of their turns rather than all starting at block 0 and queueing

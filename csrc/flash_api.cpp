@@ -107,6 +107,15 @@ struct AttentionOptions {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   KernelChoice kernel = KernelChoice::kAuto;
   bool deterministic = false;
+  // Chunked prefill over a paged KV cache (kvcache_prefill_forward), not a Python option: a
+  // variable-length call whose k and v are the cache's pages, (1, num_pages * page_size, heads_k,
+  // head_dim), read through this block table (params.h, FwdParams::block_table); each sequence
+  // holds up to paged_capacity positions.
+  const int* block_table = nullptr;
+  int64_t block_table_batch_stride = 0;
+  int page_size = 1;
+  int num_pages = 0;
+  int64_t paged_capacity = 0;
 
   bool is_varlen() const { return cu_seqlens_q.has_value() && cu_seqlens_q->defined(); }
 };
@@ -402,6 +411,17 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
   params.head_dim = static_cast<int>(shape.head_dim);
   params.softmax_scale = static_cast<float>(options.softmax_scale);
   if (options.is_varlen()) set_varlen_params(params, options, q);
+  if (options.block_table != nullptr) {
+    // The cumulative lengths count positions of up to paged_capacity per sequence, not k's rows.
+    FLASH_CHECK(options.is_varlen() && int64_t(params.batch) * options.paged_capacity < (int64_t(1) << 31),
+                "a paged forward is a variable-length call of fewer than 2^31 positions");
+    params.block_table = options.block_table;
+    params.block_table_batch_stride = options.block_table_batch_stride;
+    params.page_size = options.page_size;
+    params.num_pages = options.num_pages;
+    params.total_k = int64_t(params.batch) * options.paged_capacity;
+    params.seqlen_k = static_cast<int>(std::min(options.max_seqlen_k, options.paged_capacity));
+  }
   set_extended_params(params, options, q);
   set_mask_params(params, options);
 }
@@ -607,16 +627,33 @@ KVCacheDevice kvcache_device(int index) {
   return {index, sm_count, smem, major, minor};
 }
 
-// Whether chunked prefill's forward reads a contiguous cache in place: its rows are the sequences
-// (no cache_batch_idx, rows capacity positions apart) and ALiBi's slopes are not per sequence
-// (kvcache_prefill_forward's in-place numbering interleaves sequences of no queries).
-bool kvcache_prefill_in_place(KVCacheParams const& params, AttentionOptions const& options, const at::Tensor& k_cache,
-                              const at::Tensor& v_cache) {
-  const bool alibi_per_sequence =
-      options.alibi_slopes.has_value() && options.alibi_slopes->defined() && options.alibi_slopes->dim() == 2;
-  return params.block_table == nullptr && params.cache_batch_idx == nullptr && !alibi_per_sequence &&
-         k_cache.stride(0) == params.capacity * k_cache.stride(1) &&
-         v_cache.stride(0) == params.capacity * v_cache.stride(1);
+// How chunked prefill's forward reads the cache (KVCachePacked::Form): a contiguous cache in place
+// where its rows are the sequences (no cache_batch_idx, rows capacity positions apart) and ALiBi's
+// slopes are not per sequence (kvcache_prefill_forward's in-place numbering interleaves sequences
+// of no queries); a paged cache through its block table in a causal call without a window or
+// score options (the paged forward kernel's) where its pages are of a multiple of kPagedKeyRows
+// rows, each page's rows one after the other; otherwise gathered.
+using PrefillForm = KVCachePacked::Form;
+
+PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions const& options,
+                                 const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const bool alibi = options.alibi_slopes.has_value() && options.alibi_slopes->defined();
+  if (params.block_table != nullptr) {
+    const bool causal_only = options.causal && options.softcap == 0 && !alibi &&
+                             WindowReach(options, params.seqlen_q, params.capacity).mask_kind(true) == MaskKind::kCausal;
+    const bool rows_in_pages = k_cache.stride(0) == params.page_size * k_cache.stride(1) &&
+                               v_cache.stride(0) == params.page_size * v_cache.stride(1);
+    const bool positions_fit = int64_t(params.num_pages) * params.page_size < (int64_t(1) << 31) &&
+                               int64_t(params.batch) * params.capacity < (int64_t(1) << 31);
+    return causal_only && params.page_size % kPagedKeyRows == 0 && rows_in_pages && positions_fit
+               ? PrefillForm::kPaged
+               : PrefillForm::kGathered;
+  }
+  const bool alibi_per_sequence = alibi && options.alibi_slopes->dim() == 2;
+  const bool in_place = params.cache_batch_idx == nullptr && !alibi_per_sequence &&
+                        k_cache.stride(0) == params.capacity * k_cache.stride(1) &&
+                        v_cache.stride(0) == params.capacity * v_cache.stride(1);
+  return in_place ? PrefillForm::kInPlace : PrefillForm::kGathered;
 }
 
 // Whether a KV-cache call runs as chunked prefill through the Hopper forward (select.h,
@@ -624,10 +661,11 @@ bool kvcache_prefill_in_place(KVCacheParams const& params, AttentionOptions cons
 // GPU without padding, and the build holds the forward kernels of the call's mask and score options
 // (set_mask_params and set_extended_params decide them as below).
 bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions const& options, const at::Tensor& q,
-                                  bool in_place, int64_t num_splits) {
+                                  PrefillForm form, int64_t num_splits) {
+  const bool copies = form == PrefillForm::kGathered;
   const int64_t gather_bytes =
-      2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size();
-  if (!kvcache_prefill_may_gather(params.batch, params.seqlen_q, params.capacity, gather_bytes, in_place, num_splits)) {
+      copies ? 2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size() : 0;
+  if (!kvcache_prefill_may_gather(params.batch, params.seqlen_q, params.capacity, gather_bytes, !copies, num_splits)) {
     return false;
   }
   if (params.batch > 65535 || params.heads_k > 65535) return false;  // the gather's grid
@@ -642,35 +680,35 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
 }
 
 // What chunked prefill's forward reads: keys and values as (1, rows, heads_k, head_dim) and the
-// cumulative lengths, (2, sequences + 1). A contiguous cache whose rows are the sequences (no
-// cache_batch_idx, rows capacity positions apart) in place, each sequence followed by a sequence of
-// no queries holding the rest of its row (flash_kvcache_sequences_sm80; ALiBi slopes per sequence
-// would then be indexed by that numbering, so they take the copy); other caches gathered into
-// packed keys and values of batch x capacity rows (flash_kvcache_gather_sm80; no length is read on
-// the host).
+// cumulative lengths, (2, sequences + 1). In place, the contiguous cache's batch x capacity rows,
+// each sequence followed by a sequence of no queries holding the rest of its row
+// (flash_kvcache_sequences_sm80); paged, the cache's num_pages x page_size rows and the sequences'
+// lengths (flash_kvcache_gather_sm80 without the copy); gathered, packed keys and values of
+// batch x capacity rows (flash_kvcache_gather_sm80; no length is read on the host).
 struct PrefillGather {
   at::Tensor k, v, cu_seqlens;
-  bool in_place = false;
+  PrefillForm form = PrefillForm::kGathered;
 };
 
 // The forward's operands, or none where the GPU's memory cannot hold the gather's copy: the
 // KV-cache kernel then runs the call, as it did before the route (a server that filled the memory
 // with its caches keeps working).
-std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, bool in_place,
+std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, PrefillForm form,
                                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                     const at::Tensor& q) {
-  const int64_t rows = int64_t(params.batch) * params.capacity;
+  const int64_t rows = form == PrefillForm::kPaged ? int64_t(params.num_pages) * params.page_size
+                                                   : int64_t(params.batch) * params.capacity;
   PrefillGather gather;
-  gather.in_place = in_place;
+  gather.form = form;
   try {
-    if (gather.in_place) {
-      gather.k = k_cache.view({1, rows, params.heads_k, params.head_dim});
-      gather.v = v_cache.view({1, rows, params.heads_k, params.head_dim});
-    } else {
+    if (form == PrefillForm::kGathered) {
       gather.k = at::empty({1, rows, params.heads_k, params.head_dim}, q.options());
       gather.v = at::empty_like(gather.k);
+    } else {
+      gather.k = k_cache.view({1, rows, params.heads_k, params.head_dim});
+      gather.v = v_cache.view({1, rows, params.heads_k, params.head_dim});
     }
-    const int64_t sequences = gather.in_place ? 2 * int64_t(params.batch) : params.batch;
+    const int64_t sequences = form == PrefillForm::kInPlace ? 2 * int64_t(params.batch) : params.batch;
     gather.cu_seqlens = at::empty({2, sequences + 1}, q.options().dtype(at::kInt));
     return gather;
   } catch (const c10::OutOfMemoryError&) {
@@ -679,20 +717,28 @@ std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params,
 }
 
 // Chunked prefill through the Hopper forward, after the append: every sequence's cache gathered
-// into gather's packed keys and values (or its lengths alone, in place), then the variable-length
-// forward of q (queries_used: q, or its rotated copy) over them; out and lse (batch, heads,
-// seqlen_q) as the KV-cache kernel writes them.
+// into gather's packed keys and values (or its lengths alone, in place and paged), then the
+// variable-length forward of q (queries_used: q, or its rotated copy) over them; out and lse
+// (batch, heads, seqlen_q) as the KV-cache kernel writes them.
 void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& gather, const at::Tensor& queries_used,
                              at::Tensor& out, at::Tensor& lse, AttentionOptions options, DType dtype,
                              cudaStream_t stream) {
   const int64_t batch = params.batch, seqlen_q = params.seqlen_q, heads = params.heads;
   const int64_t head_dim = params.head_dim;
   const at::Tensor& cu_seqlens = gather.cu_seqlens;
-  const KVCachePacked packed{gather.in_place ? nullptr : gather.k.data_ptr(),
-                             gather.in_place ? nullptr : gather.v.data_ptr(), cu_seqlens.data_ptr<int>(),
+  const bool copies = gather.form == PrefillForm::kGathered;
+  const KVCachePacked packed{gather.form, copies ? gather.k.data_ptr() : nullptr,
+                             copies ? gather.v.data_ptr() : nullptr, cu_seqlens.data_ptr<int>(),
                              cu_seqlens.data_ptr<int>() + cu_seqlens.size(1)};
   const cudaError_t status = run_kvcache_gather_kernel(params, packed, dtype, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache gather launch failed: ", cudaGetErrorString(status));
+  if (gather.form == PrefillForm::kPaged) {
+    options.block_table = params.block_table;
+    options.block_table_batch_stride = params.block_table_batch_stride;
+    options.page_size = params.page_size;
+    options.num_pages = params.num_pages;
+    options.paged_capacity = params.capacity;
+  }
   options.cu_seqlens_q = cu_seqlens[0];
   options.cu_seqlens_k = cu_seqlens[1];
   options.max_seqlen_q = seqlen_q;
@@ -867,10 +913,10 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const cudaError_t status = run_kvcache_append_kernel(params, dtype, stream);
     FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
   };
-  const bool prefill_in_place = kvcache_prefill_in_place(params, options, k_cache, v_cache);
+  const PrefillForm prefill_form = kvcache_prefill_form(params, options, k_cache, v_cache);
   const std::optional<PrefillGather> gather =
-      kvcache_prefill_runs_forward(params, options, q, prefill_in_place, num_splits)
-          ? prefill_gather_buffers(params, prefill_in_place, k_cache, v_cache, q)
+      kvcache_prefill_runs_forward(params, options, q, prefill_form, num_splits)
+          ? prefill_gather_buffers(params, prefill_form, k_cache, v_cache, q)
           : std::nullopt;
   if (gather.has_value()) {
     append();

@@ -426,14 +426,15 @@ def call_and_forward_over_its_caches(call, causal):
 
 
 @pytest.mark.parametrize("page_size,cache_batch_idx",
-                         [(None, False), (None, True), (1, False), (16, False), (256, False)],
-                         ids=["contiguous_in_place", "contiguous_batch_idx", "p1", "p16", "p256"])
+                         [(None, False), (None, True), (1, False), (16, False), (48, False), (128, False),
+                          (256, False)],
+                         ids=["contiguous_in_place", "contiguous_batch_idx", "p1", "p16", "p48", "p128", "p256"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cache_batch_idx, causal):
     """On the Hopper path the call is flash_forward_varlen over the gathered caches, to the bit
     (the KV-cache kernel's other tiles round differently): the route is the one taken, whether it
-    reads a contiguous cache in place or gathers it (cache_batch_idx, pages of any size). With the
-    append."""
+    reads a contiguous cache in place, pages of a multiple of 128 rows through the block table
+    (causal calls), or gathers the cache first (cache_batch_idx, other pages). With the append."""
     requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = prefill_call(gen, page_size, PREFILL_SEQLEN_Q, cache_batch_idx=cache_batch_idx)
@@ -508,11 +509,12 @@ def poison_past_lengths(call, lengths):
         call[name][~used] = float("nan")
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 256], ids=["p1", "p16", "p256"])
+@pytest.mark.parametrize("page_size", [1, 16, 128, 256], ids=["p1", "p16", "p128", "p256"])
 def test_chunked_prefill_paged_nan_and_bad_ids_past_each_length(cuda_gen, page_size):
     """Rows past each sequence's length (inside its last page, its other pages, the spare pages) hold
-    NaN and its block-table entries past its pages point out of the cache: the gather reads neither,
-    and the output is the clean cache's, to the bit."""
+    NaN and its block-table entries past its pages point out of the cache: neither the gather (pages
+    of 1 and 16) nor the forward reading the pages (128, 256) takes them in, and the output is the
+    clean cache's, to the bit."""
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     seqlens = (5, 400, 0, 770)
     call = prefill_call(gen, page_size, 0, seqlens=seqlens)
@@ -601,6 +603,28 @@ def test_chunked_prefill_without_memory_for_the_gather_runs_the_kvcache_kernel(c
         torch.cuda.set_per_process_memory_fraction(1.0)
     torch.testing.assert_close(out.float(), expected[0].float(), atol=2e-3, rtol=0)
     torch.testing.assert_close(lse, expected[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page_size,causal,copies", [(128, True, False), (256, True, False), (16, True, True),
+                                                     (256, False, True)],
+                         ids=["p128", "p256", "p16", "p256_not_causal"])
+def test_chunked_prefill_reads_pages_of_128_rows_without_a_copy(cuda_gen, page_size, causal, copies):
+    """In a causal call, pages of a multiple of 128 rows reach the forward through the block table:
+    the call allocates nothing the size of the cache (smaller pages, and calls without the causal
+    mask, are gathered into a copy first)."""
+    requires_prefill_forward()
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=2, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=8, head_dim=PREFILL_HEAD_DIM,
+                     seqlens=(3000, 3900), seqlen_new=0, page_size=page_size, capacity=4096, device="cuda")
+    gathered_bytes = 2 * 2 * 4096 * 8 * PREFILL_HEAD_DIM * call["k_cache"].element_size()
+    run(cloned(call), causal=causal)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run(call, causal=causal)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - before
+    assert (grown >= gathered_bytes) == copies, f"peak grew by {grown} bytes; a gathered copy is {gathered_bytes}"
 
 
 def test_kernel_errors_name_the_argument(cuda_gen):

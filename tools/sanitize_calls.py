@@ -8,14 +8,14 @@ For each compiled head dim (or --head-dims) and the first compiled dtype: the fo
 of fixed-length calls with tails (seqlens that are no multiple of any tile, seqlen 1, more queries
 than keys and fewer), MHA and GQA 2:1, causal and not, one deterministic backward, backwards of
 more key tiles than SMs (72 heads), deterministic and not; a variable-length batch (lengths 1, 77
-and 130); the window, soft cap, ALiBi and dropout kernels where
-the build has them; and KV-cache calls (paged, pages of 16 in shuffled order, lengths 0, 1 and 100
-with one appended token, split and unsplit; a contiguous cache; 4 queries a sequence). Each
-result is checked against the same call on CPU copies (the pure-PyTorch reference, fp32 inside),
-loosely: this is for the sanitizer, the tests check accuracy, but a kernel that ran and wrote
-garbage fails here too (dropout's results are only checked finite: test_dropout.py checks its
-mask). Prints a line a result and exits 1 on any mismatch. tools/gpu_pass.sh's `sanitize` step
-runs both tools over it.
+and 130); the window, soft cap, ALiBi and dropout kernels where the build has them; and KV-cache
+calls (paged, pages of 16 in shuffled order, lengths 0, 1 and 100 with as many appended tokens as
+queries, split and unsplit; a contiguous cache; 4 queries a sequence; 128, chunked prefill, over
+pages of 128 that the Hopper forward reads through the block table). Each result is checked
+against the same call on CPU copies (the pure-PyTorch reference, fp32 inside), loosely: this is
+for the sanitizer, the tests check accuracy, but a kernel that ran and wrote garbage fails here too
+(dropout's results are only checked finite: test_dropout.py checks its mask). Prints a line a
+result and exits 1 on any mismatch. tools/gpu_pass.sh's `sanitize` step runs both tools over it.
 """
 
 from __future__ import annotations
@@ -98,10 +98,11 @@ def _varlen_case(name, head_dim, dtype, heads, lengths, causal, backward, failur
 
 
 def _kvcache_cases(head_dim, dtype, failures):
-    batch, heads, heads_k, page = 3, 8, 2, 16
+    batch, heads, heads_k = 3, 8, 2
     lengths = torch.tensor([0, 1, 100], dtype=torch.int32, device=DEVICE)
-    blocks = 8  # 128 positions a sequence
-    for seqlen_q, num_splits in ((1, 0), (1, 3), (4, 1)):
+    for seqlen_q, num_splits in ((1, 0), (1, 3), (4, 1), (128, 0)):
+        # 128 positions a sequence in pages of 16; chunked prefill 256 in pages of 128.
+        page, blocks = (16, 8) if seqlen_q < 128 else (128, 2)
         q = torch.randn(batch, seqlen_q, heads, head_dim, device=DEVICE, dtype=dtype)
         new_k = torch.randn(batch, seqlen_q, heads_k, head_dim, device=DEVICE, dtype=dtype)
         new_v = torch.randn_like(new_k)

@@ -101,7 +101,22 @@ struct FwdParams {
   // The Hopper forward of a variable-length call: device memory for one 128-byte TMA descriptor per
   // sequence (128-byte aligned), which its launcher fills (sm90/sequence_descriptors.h).
   void* sequence_descriptors = nullptr;
+  // Keys and values in pages (a KV cache, KVCacheParams; and chunked prefill's variable-length
+  // Hopper forward over a paged cache, sm90/fwd_producer.h): int32 (batch, max_blocks) page ids,
+  // rows block_table_batch_stride apart; position p of sequence b at page
+  // block_table[b][p / page_size], row p % page_size, ids clamped into [0, num_pages)
+  // (common/kvcache.h). The forward then sees k and v as the pages' num_pages * page_size rows (batch
+  // stride 0) and total_k as batch x the positions a sequence can hold, which bounds the cumulative
+  // lengths. nullptr: no pages.
+  const int* block_table = nullptr;
+  int64_t block_table_batch_stride = 0;
+  int page_size = 1;
+  int num_pages = 0;
 };
+
+// The Hopper forward reads paged keys and values a key block at a time, each block from one page
+// (sm90/fwd_producer.h): it takes pages of a multiple of this many rows, its largest key block.
+inline constexpr int kPagedKeyRows = 128;
 
 // Whether a call sets any option of the extended instantiations: a soft cap, ALiBi or dropout.
 inline bool uses_extension(FwdParams const& params) {
@@ -150,15 +165,10 @@ struct BwdParams : FwdParams {
 // (no host synchronization): the kernels clamp them (common/kvcache.h), so that wrong ones give
 // wrong results for the sequences concerned but no access outside the cache.
 struct KVCacheParams : FwdParams {
-  // Paged: int32 (batch, max_blocks) page ids, rows block_table_batch_stride apart, and the pages'
-  // rows; position p of sequence b at page block_table[b][p / page_size], row p % page_size.
-  // nullptr: a contiguous cache, sequence b in cache row cache_batch_idx[b] (or b without it) as
-  // one page of page_size = seqlen_cache rows.
-  const int* block_table = nullptr;
-  int64_t block_table_batch_stride = 0;
+  // The cache's pages: block_table, page_size and num_pages above (FwdParams). nullptr
+  // block_table: a contiguous cache, sequence b in cache row cache_batch_idx[b] (or b without it) as
+  // one page of page_size = seqlen_cache rows, num_pages the cache's rows.
   const int* cache_batch_idx = nullptr;
-  int page_size = 1;
-  int num_pages = 0;  // pages (paged) or cache rows (contiguous): page ids are clamped below it
   // Positions one sequence can hold: max_blocks * page_size, or seqlen_cache.
   int capacity = 0;
   // The tokens already in each sequence's cache: int32 (batch,) on the device, or, for nullptr,
@@ -202,9 +212,14 @@ struct KVCacheParams : FwdParams {
 // sequence's cache for the Hopper forward's variable-length call: keys and values as contiguous
 // (rows, heads_k, head_dim) tensors of at least batch * capacity rows, the sequences one after the
 // other, and int32 cumulative lengths (batch + 1 entries each) of the queries (b * seqlen_q) and
-// the keys (the running sum of the sequences' lengths after the append). With k and v null, the
-// in-place form's 2 batch + 1 entries each (flash_kvcache_sequences_sm80).
+// the keys (the running sum of the sequences' lengths after the append); the paged form writes the
+// lengths alone (k and v null); the in-place form 2 batch + 1 entries each
+// (flash_kvcache_sequences_sm80).
 struct KVCachePacked {
+  // How the forward reads the cache: gathered into k and v; in place (a contiguous cache); or
+  // through the block table (a paged cache, FwdParams::block_table), the lengths alone written.
+  enum class Form { kGathered, kInPlace, kPaged };
+  Form form = Form::kGathered;
   void* k = nullptr;
   void* v = nullptr;
   int* cu_seqlens_q = nullptr;

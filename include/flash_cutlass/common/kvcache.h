@@ -26,6 +26,31 @@ __device__ __forceinline__ CachedSequence cached_sequence(KVCacheParams const& p
   return {start, start + params.seqlen_new};
 }
 
+// Entry page_index of a block table row, clamped into [0, num_pages): an out-of-range id reads and
+// writes some page of the cache, never memory outside it.
+__device__ __forceinline__ int clamped_page(const int* table_row, int page_index, int num_pages) {
+  return min(max(table_row[page_index], 0), num_pages - 1);
+}
+
+// The keys of one sequence of a paged call (FwdParams::block_table): row_of(position) is the row,
+// among the pages' num_pages * page_size, holding a position below the positions the sequence's
+// block table row reaches (the same clamped page as SequencePages::page_of; below 2^31: the host's
+// bound on the pages' rows).
+struct PagedKeys {
+  const int* table;  // this sequence's block_table row
+  int num_pages;
+  int page_size;
+
+  __device__ __forceinline__ int row_of(int position) const {
+    const int page_index = position / page_size;
+    return clamped_page(table, page_index, num_pages) * page_size + (position - page_index * page_size);
+  }
+};
+
+__device__ __forceinline__ PagedKeys paged_keys(FwdParams const& params, int batch) {
+  return {params.block_table + int64_t(batch) * params.block_table_batch_stride, params.num_pages, params.page_size};
+}
+
 // The pages of one sequence. page_of(position) is the cache row (contiguous) or page (paged) that
 // holds a position below capacity, clamped to [0, num_pages): an out-of-range id in a block table
 // or cache_batch_idx reads and writes some page of the cache, never memory outside it.
@@ -42,7 +67,7 @@ struct SequencePages {
     }
     int page_index;
     page_size(page_index, row_in_page, position);
-    return min(max(table[page_index], 0), num_pages - 1);
+    return clamped_page(table, page_index, num_pages);
   }
 
   // Element offset of (position, head) in a cache of these strides; page and row_in_page are never

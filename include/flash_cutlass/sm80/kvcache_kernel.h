@@ -874,7 +874,8 @@ __global__ void __launch_bounds__(128) flash_kvcache_append_sm80(__grid_constant
 // pages, the sequences one after the other, with the cumulative lengths. One CTA per
 // (kKVCacheGatherRows positions, sequence, kv head), one thread per 8 columns of a row; reads the
 // same clamped lengths and pages as the attention kernel (common/kvcache.h), so both see the same
-// keys whatever the device holds.
+// keys whatever the device holds. The paged form (the forward reads the pages through the block
+// table) writes the cumulative lengths only, one CTA per sequence.
 template <class Element>
 __global__ void __launch_bounds__(128) flash_kvcache_gather_sm80(__grid_constant__ const KVCacheParams params,
                                                                  const KVCachePacked packed) {
@@ -898,6 +899,7 @@ __global__ void __launch_bounds__(128) flash_kvcache_gather_sm80(__grid_constant
     packed.cu_seqlens_q[batch + 1] = (batch + 1) * params.seqlen_q;
     if (batch == 0) packed.cu_seqlens_k[0] = packed.cu_seqlens_q[0] = 0;
   }
+  if (packed.form != KVCachePacked::Form::kGathered) return;  // the paged form: the lengths alone
   const SequencePages pages = sequence_pages(params, batch);
   const int chunks_per_row = params.head_dim / 8;
   const int rows = min(kKVCacheGatherRows, length - first);
@@ -920,7 +922,7 @@ __global__ void __launch_bounds__(128) flash_kvcache_gather_sm80(__grid_constant
   }
 }
 
-// The gather's in-place form (packed.k null: a contiguous cache whose sequence b is cache row b,
+// The gather's in-place form (Form::kInPlace: a contiguous cache whose sequence b is cache row b,
 // rows capacity positions apart): no copy, only the variable-length forward's cumulative lengths
 // over the cache viewed as batch x capacity rows, each sequence followed by a sequence of no queries
 // holding the rest of its row, so that every sequence starts where its row does: sequence 2 b has

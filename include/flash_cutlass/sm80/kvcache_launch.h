@@ -188,19 +188,21 @@ cudaError_t run_kvcache_append(KVCacheParams const& params, cudaStream_t stream)
   return cudaGetLastError();
 }
 
-// The gather of every sequence's cache into packed, after the append (flash_kvcache_gather_sm80),
-// or with packed.k null its in-place form (flash_kvcache_sequences_sm80).
+// The gather of every sequence's cache into packed, after the append (flash_kvcache_gather_sm80;
+// the paged form only its lengths, one CTA per sequence), or the in-place form's lengths
+// (flash_kvcache_sequences_sm80).
 template <DType kDType>
 cudaError_t run_kvcache_gather(KVCacheParams const& params, KVCachePacked const& packed, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  if (packed.k == nullptr) {
+  if (packed.form == KVCachePacked::Form::kInPlace) {
     flash_kvcache_sequences_sm80<Element><<<unsigned((params.batch + 127) / 128), 128, 0, stream>>>(params, packed);
     return cudaGetLastError();
   }
+  const bool copies = packed.form == KVCachePacked::Form::kGathered;
   const int64_t row_blocks =
-      std::max<int64_t>((int64_t(params.capacity) + kKVCacheGatherRows - 1) / kKVCacheGatherRows, 1);
+      copies ? std::max<int64_t>((int64_t(params.capacity) + kKVCacheGatherRows - 1) / kKVCacheGatherRows, 1) : 1;
   if (row_blocks > 0x7fffffff || params.batch > 65535 || params.heads_k > 65535) return cudaErrorInvalidConfiguration;
-  const dim3 grid(unsigned(row_blocks), unsigned(params.batch), unsigned(params.heads_k));
+  const dim3 grid(unsigned(row_blocks), unsigned(params.batch), unsigned(copies ? params.heads_k : 1));
   flash_kvcache_gather_sm80<Element><<<grid, 128, 0, stream>>>(params, packed);
   return cudaGetLastError();
 }

@@ -28,8 +28,10 @@
 
 namespace flash_cutlass::sm90 {
 
-// Warpgroup 0 is the producer (one thread issues the loads), the others the consumers.
-template <class Traits, MaskKind kMaskKind, Extension kExtension>
+// Warpgroup 0 is the producer (one thread issues the loads), the others the consumers. kPagedKV:
+// K and V through a block table (params.h; chunked prefill over a paged cache), a kernel of its own
+// so that the others' producer keeps its registers.
+template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kPagedKV = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto state = cutlass::make_producer_start_state<PipelineKV>();
       int q_loads = 0;
       Timeline timeline(true);
-      FwdProducer<Traits, kMaskKind, decltype(mQ), decltype(mK), decltype(sQ), decltype(sK)> producer{
+      FwdProducer<Traits, kMaskKind, kPagedKV, decltype(mQ), decltype(mK), decltype(sQ), decltype(sK)> producer{
           params, mQ, mK, mV, kernel_params, sQ, sK, sV, pipeline_k, state, timeline, storage, q_loads, pipeline_v};
       for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(
           params, kernel_params.persistent_work, [&](QueryTile tile) __attribute__((always_inline)) {

@@ -53,6 +53,16 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       PersistentWork{},
   };
 
+  // Paged K and V (params.h, block_table; chunked prefill over a paged KV cache): a variable-length
+  // causal call without score options over pages of a multiple of the key blocks, in a kernel of its
+  // own (fwd_producer.h, load_paged_tile).
+  constexpr bool kPagedKernel = kMaskKind == MaskKind::kCausal && kExtension == Extension::kNone;
+  const bool paged = params.block_table != nullptr;
+  if (paged && (!kPagedKernel || params.cu_seqlens_k == nullptr || params.page_size <= 0 ||
+                params.page_size % Traits::kBlockN != 0)) {
+    return cudaErrorInvalidValue;
+  }
+
   // A persistent grid (tile_config.h, per head dim): CTAs take tiles in turn, causal ones in pairs
   // whose costs add up to about the same and the pairs' last waves as single tiles (block_info.h:
   // the causal tail), one CTA per SM, each CTA's producer loading its next tile while the consumers
@@ -88,6 +98,12 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
                                        stream>>>(*kernel_params.tma_v.get_tma_descriptor(), params);
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
+  }
+  if constexpr (kPagedKernel) {
+    if (paged) {
+      return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension, true>, num_ctas, Traits::kThreads,
+                           Traits::kSmemBytes, kernel_params, stream);
+    }
   }
   return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,
                        kernel_params, stream);

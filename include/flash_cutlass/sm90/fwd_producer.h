@@ -2,12 +2,14 @@
 // Q and its K/V blocks into shared memory with TMA, through the K/V pipeline's stages and Q's
 // full/empty barrier pair, running ahead into the next tile while the consumers finish this one.
 // In a variable-length call V comes through its sequence's own descriptor (sequence_descriptors.h),
-// so that the rows a tile reads past the sequence arrive as zeros.
+// so that the rows a tile reads past the sequence arrive as zeros; paged K and V (chunked prefill
+// over a paged KV cache) a key block at a time from the page the block table names.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/kvcache.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/fwd_kernel_params.h"
 #include "flash_cutlass/sm90/sequence_descriptors.h"
@@ -20,7 +22,7 @@ namespace flash_cutlass::sm90 {
 // The loads of one tile at a time. The state that lives across tiles (the TMA views, the K/V
 // pipeline's write stage, the count of Q loads whose parity Q's barriers track, the timeline) is
 // the kernel's; FwdProducer refers to it, so that the kernel's loop over tiles owns it.
-template <class Traits, MaskKind kMaskKind, class ViewQ, class ViewKV, class SmemQ, class SmemKV>
+template <class Traits, MaskKind kMaskKind, bool kPagedKV, class ViewQ, class ViewKV, class SmemQ, class SmemKV>
 struct FwdProducer {
   using PipelineKV = typename Traits::PipelineKV;
   using TileShape = typename Traits::TileShape;
@@ -51,15 +53,9 @@ struct FwdProducer {
     timeline.stamp(0, kLoadStart);
     timeline.value(0, kKeyBlocks, work.key_blocks.end - work.key_blocks.begin);
     timeline.value(0, kQueryBlock, work.tile.m_block);
-    const int head = work.tile.head;
-    const int head_k = kv_head_of(head, params);
+    const int head_k = kv_head_of(work.tile.head, params);
     const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
-    Tensor gQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mQ(_, _, head, tma_batch)),
-                           select<0, 2>(TileShape{}), make_coord(work.tile.m_block, _0{}));
-    Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
-                           select<1, 2>(TileShape{}), make_coord(_, _0{}));
     const bool per_sequence_v = params.cu_seqlens_k != nullptr;
-    const int v_row_origin = per_sequence_v ? value_row_origin(params, work.sequence) : work.sequence.k_start;
     const TmaDescriptor* v_descriptor =
         per_sequence_v ? static_cast<TmaDescriptor const*>(params.sequence_descriptors) + work.tile.batch
                        : kernel_params.tma_v.get_tma_descriptor();
@@ -67,37 +63,108 @@ struct FwdProducer {
       tma_descriptor_fence_acquire(v_descriptor);
       prefetch_tma_descriptor(v_descriptor);
     }
+    if constexpr (kPagedKV) {
+      load_paged_tile(work, head_k, v_descriptor);
+      return;
+    }
+    Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
+                           select<1, 2>(TileShape{}), make_coord(_, _0{}));
+    const int v_row_origin = per_sequence_v ? value_row_origin(params, work.sequence) : work.sequence.k_start;
     Tensor gV = local_tile(domain_offset(make_coord(v_row_origin, _0{}), mV(_, _, head_k, tma_batch)),
                            select<1, 2>(TileShape{}), make_coord(_, _0{}));
-    auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(gQ));
     auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                       group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                       group_modes<0, 2>(gV));
+    load_blocks<false>(
+        work, [](int n_block) { return n_block; },
+        [&](int block, int, int stage, uint64_t& barrier) {
+          copy(kernel_params.tma_k.with(barrier), tKgK(_, block), tKsK(_, stage));
+        },
+        [&](int block, int, int stage, uint64_t& barrier) {
+          copy(kernel_params.tma_v.with(v_descriptor, barrier), tVgV(_, block), tVsV(_, stage));
+        });
+  }
+
+  // A paged call (kPagedKV; params.h, block_table): each key block from the page that holds it (pages of a
+  // multiple of kBlockN rows), at the pages' row block `block`. The block holding the sequence's
+  // last key takes V through the sequence's descriptor, whose extent ends at that key's row
+  // (sequence_descriptors.h), so that its rows past the sequence, which the block table may leave
+  // unwritten, arrive as zeros (P is 0 there, but 0 * NaN is not); K's rows there may hold
+  // anything: the consumers mask their scores.
+  template <class Work>
+  __device__ __forceinline__ void load_paged_tile(Work const& work, int head_k,
+                                                  cute::TmaDescriptor const* last_descriptor) {
+    using namespace cute;
+    const PagedKeys pages = paged_keys(params, work.tile.batch);
+    const int seqlen_k = work.sequence.seqlen_k;
+    // The sequence descriptor's row of a page row: its extent's last row is the last key's.
+    const int last_shift = tma_extents(params).rows_k - 1 - pages.row_of(seqlen_k - 1);
+    Tensor gK = local_tile(mK(_, _, head_k, _0{}), select<1, 2>(TileShape{}), make_coord(_, _0{}));
+    Tensor gV = local_tile(mV(_, _, head_k, _0{}), select<1, 2>(TileShape{}), make_coord(_, _0{}));
+    Tensor gVLast = local_tile(domain_offset(make_coord(last_shift, _0{}), mV(_, _, head_k, _0{})),
+                               select<1, 2>(TileShape{}), make_coord(_, _0{}));
+    auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(gV));
+    Tensor tVgVLast = get<0>(tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                           group_modes<0, 2>(gVLast)));
+    load_blocks<true>(
+        work, [&](int n_block) { return pages.row_of(n_block * kBlockN) / kBlockN; },
+        [&](int block, int, int stage, uint64_t& barrier) {
+          copy(kernel_params.tma_k.with(barrier), tKgK(_, block), tKsK(_, stage));
+        },
+        [&](int block, int n_block, int stage, uint64_t& barrier) {
+          if ((n_block + 1) * kBlockN > seqlen_k) {
+            copy(kernel_params.tma_v.with(last_descriptor, barrier), tVgVLast(_, block), tVsV(_, stage));
+          } else {
+            copy(kernel_params.tma_v.with(barrier), tVgV(_, block), tVsV(_, stage));
+          }
+        });
+  }
+
+  // The tile's Q and its K/V blocks: locate(key block) is where the block's rows lie (the index
+  // copy_k and copy_v take: (that, key block, stage, barrier)); kLooksAhead: found a block ahead of
+  // the loads, so that a lookup's latency passes while the producer waits for a free stage.
+  template <bool kLooksAhead, class Work, class Locate, class CopyK, class CopyV>
+  __device__ __forceinline__ void load_blocks(Work const& work, Locate const& locate, CopyK const& copy_k,
+                                              CopyV const& copy_v) {
+    using namespace cute;
+    const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
+    Tensor gQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mQ(_, _, work.tile.head, tma_batch)),
+                           select<0, 2>(TileShape{}), make_coord(work.tile.m_block, _0{}));
+    auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
 
     // The tile's first K block goes before its Q: it may load while the consumers still read
     // the previous tile's Q, which Q's load has to wait for.
+    const int first = work.key_blocks.begin;
     const int last = work.key_blocks.end - 1;
+    int block = locate(last);
+    int next_block = kLooksAhead && last > first ? locate(last - 1) : block;
     pipeline_k.producer_acquire(state);
     timeline.stamp(0, kFirstKStageAcquired);
-    copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, last), tKsK(_, state.index()));
+    copy_k(block, last, state.index(), *pipeline_k.producer_get_barrier(state));
     if (q_loads > 0) storage.q_empty.wait((q_loads - 1) & 1);
     timeline.stamp(0, kQBufferFree);
     storage.q_full.arrive_and_expect_tx(Traits::kBytesQ);
     copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(storage.q_full)), tQgQ, tQsQ);
     ++q_loads;
     pipeline_v.producer_acquire(state);
-    copy(kernel_params.tma_v.with(v_descriptor, *pipeline_v.producer_get_barrier(state)), tVgV(_, last),
-         tVsV(_, state.index()));
+    copy_v(block, last, state.index(), *pipeline_v.producer_get_barrier(state));
     ++state;
-    for (int n_block = last - 1; n_block >= work.key_blocks.begin; --n_block) {
+    for (int n_block = last - 1; n_block >= first; --n_block) {
+      if constexpr (kLooksAhead) {
+        block = next_block;
+        if (n_block > first) next_block = locate(n_block - 1);
+      } else {
+        block = locate(n_block);
+      }
       pipeline_k.producer_acquire(state);
-      copy(kernel_params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block),
-           tKsK(_, state.index()));
+      copy_k(block, n_block, state.index(), *pipeline_k.producer_get_barrier(state));
       pipeline_v.producer_acquire(state);
-      copy(kernel_params.tma_v.with(v_descriptor, *pipeline_v.producer_get_barrier(state)), tVgV(_, n_block),
-           tVsV(_, state.index()));
+      copy_v(block, n_block, state.index(), *pipeline_v.producer_get_barrier(state));
       ++state;
     }
     timeline.stamp(0, kLoadsIssued);

@@ -11,6 +11,7 @@
 #include <cute/arch/copy_sm90_desc.hpp>
 
 #include "flash_cutlass/common/block_info.h"
+#include "flash_cutlass/common/kvcache.h"
 #include "flash_cutlass/params.h"
 
 namespace flash_cutlass::sm90 {
@@ -27,7 +28,9 @@ __device__ __forceinline__ int value_row_origin(FwdParams const& params, Sequenc
 // One thread per sequence: copies value_descriptor (built over the packed V) into the sequence's
 // slot and moves its base address to row start + length - total_k, the rows of sequence_rows (the
 // lengths the forward kernel derives). The address may lie before V's allocation; TMA reads only
-// the rows of the extent's last `length` rows, the sequence's own.
+// the rows of the extent's last `length` rows, the sequence's own. Paged V (params.block_table;
+// value_descriptor built over the pages' rows): the extent ends at the page row of the sequence's
+// last key instead, for the key block that holds it (fwd_producer.h, load_paged_tile).
 template <class Element>
 __global__ void shift_value_descriptors(const __grid_constant__ cute::TmaDescriptor value_descriptor,
                                         const __grid_constant__ FwdParams params) {
@@ -37,7 +40,11 @@ __global__ void shift_value_descriptors(const __grid_constant__ cute::TmaDescrip
   const SequenceRows rows = sequence_rows(params.cu_seqlens_k, batch, params.total_k, params.seqlen_k);
   auto* descriptor = static_cast<cute::TmaDescriptor*>(params.sequence_descriptors) + batch;
   *descriptor = value_descriptor;
-  const int64_t first_row = int64_t(rows.start) + rows.length - params.total_k;
+  int64_t first_row = int64_t(rows.start) + rows.length - params.total_k;
+  if (params.block_table != nullptr) {
+    const int64_t page_rows = int64_t(params.num_pages) * params.page_size;
+    first_row = rows.length > 0 ? paged_keys(params, batch).row_of(rows.length - 1) + 1 - page_rows : 0;
+  }
   const auto* base = static_cast<Element const*>(params.v) + first_row * params.v_row_stride;
   cute::tma_descriptor_replace_addr_in_global_mem(descriptor, base);
   cute::tma_descriptor_fence_release();

@@ -1,6 +1,7 @@
 // The global tensors the Hopper path's TMA copies address: (rows, head_dim, heads, batch) views of
 // an operand, head_dim contiguous, and their extents for a call: (seqlen, batch) per sequence, or
-// (total rows, 1) in a variable-length call, each sequence's rows reached from its first one.
+// (total rows, 1) in a variable-length call, each sequence's rows reached from its first one (or,
+// paged, K and V as the pages' rows, reached through the block table).
 #pragma once
 
 #include <cstdint>
@@ -20,7 +21,9 @@ struct TmaExtents {
 
 __host__ __device__ inline TmaExtents tma_extents(FwdParams const& params) {
   if (params.cu_seqlens_q == nullptr) return {params.seqlen_q, params.seqlen_k, params.batch};
-  return {int(params.total_q), int(params.total_k), 1};
+  // Paged keys and values: the pages' rows (params.h, block_table).
+  const int64_t rows_k = params.block_table != nullptr ? int64_t(params.num_pages) * params.page_size : params.total_k;
+  return {int(params.total_q), int(rows_k), 1};
 }
 
 // (seqlen, head_dim, heads, batch) over base, head_dim contiguous: Element const* for the loads,

@@ -34,17 +34,27 @@ __device__ __forceinline__ int clamped_page(const int* table_row, int page_index
 
 // The keys of one sequence of a paged call (FwdParams::block_table): row_of(position) is the row,
 // among the pages' num_pages * page_size, holding a position below the positions the sequence's
-// block table row reaches (the same clamped page as SequencePages::page_of; below 2^31: the host's
-// bound on the pages' rows).
+// block table row reaches (the page clamped as clamped_page does; below 2^31: the host's bound on
+// the pages' rows).
 struct PagedKeys {
   const int* table;  // this sequence's block_table row
   int num_pages;
   int page_size;
 
-  __device__ __forceinline__ int row_of(int position) const {
+  // A position's block-table entry as read (unclamped) and its row in its page: what row_from
+  // takes, so that a caller can read the entry well before it needs the row.
+  struct Entry {
+    int page;
+    int row_in_page;
+  };
+  __device__ __forceinline__ Entry entry_of(int position) const {
     const int page_index = position / page_size;
-    return clamped_page(table, page_index, num_pages) * page_size + (position - page_index * page_size);
+    return {table[page_index], position - page_index * page_size};
   }
+  __device__ __forceinline__ int row_from(Entry entry) const {
+    return min(max(entry.page, 0), num_pages - 1) * page_size + entry.row_in_page;
+  }
+  __device__ __forceinline__ int row_of(int position) const { return row_from(entry_of(position)); }
 };
 
 __device__ __forceinline__ PagedKeys paged_keys(FwdParams const& params, int batch) {

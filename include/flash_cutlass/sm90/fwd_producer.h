@@ -110,12 +110,16 @@ struct FwdProducer {
                                       group_modes<0, 2>(gV));
     Tensor tVgVLast = get<0>(tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                            group_modes<0, 2>(gVLast)));
+    // The block's entry is read a block ahead and turned into its row only after the stage's wait,
+    // so that the read's latency passes while the producer waits (with the row computed at the
+    // read, ptxas placed that arithmetic, and the read's latency, before the wait).
     load_blocks<true>(
-        work, [&](int n_block) { return pages.row_of(n_block * kBlockN) / kBlockN; },
-        [&](int block, int, int stage, uint64_t& barrier) {
-          copy(kernel_params.tma_k.with(barrier), tKgK(_, block), tKsK(_, stage));
+        work, [&](int n_block) { return pages.entry_of(n_block * kBlockN); },
+        [&](PagedKeys::Entry entry, int, int stage, uint64_t& barrier) {
+          copy(kernel_params.tma_k.with(barrier), tKgK(_, pages.row_from(entry) / kBlockN), tKsK(_, stage));
         },
-        [&](int block, int n_block, int stage, uint64_t& barrier) {
+        [&](PagedKeys::Entry entry, int n_block, int stage, uint64_t& barrier) {
+          const int block = pages.row_from(entry) / kBlockN;
           if ((n_block + 1) * kBlockN > seqlen_k) {
             copy(kernel_params.tma_v.with(last_descriptor, barrier), tVgVLast(_, block), tVsV(_, stage));
           } else {
@@ -141,8 +145,8 @@ struct FwdProducer {
     // the previous tile's Q, which Q's load has to wait for.
     const int first = work.key_blocks.begin;
     const int last = work.key_blocks.end - 1;
-    int block = locate(last);
-    int next_block = kLooksAhead && last > first ? locate(last - 1) : block;
+    auto block = locate(last);
+    auto next_block = kLooksAhead && last > first ? locate(last - 1) : block;
     pipeline_k.producer_acquire(state);
     timeline.stamp(0, kFirstKStageAcquired);
     copy_k(block, last, state.index(), *pipeline_k.producer_get_barrier(state));

@@ -662,10 +662,14 @@ PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions c
 // (set_mask_params and set_extended_params decide them as below).
 bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions const& options, const at::Tensor& q,
                                   PrefillForm form, int64_t num_splits) {
-  const bool copies = form == PrefillForm::kGathered;
+  // A paged cache read through its table takes the gathered form's thresholds (measured with the
+  // copy, which it saves).
   const int64_t gather_bytes =
-      copies ? 2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size() : 0;
-  if (!kvcache_prefill_may_gather(params.batch, params.seqlen_q, params.capacity, gather_bytes, !copies, num_splits)) {
+      form == PrefillForm::kGathered
+          ? 2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size()
+          : 0;
+  if (!kvcache_prefill_may_gather(params.batch, params.seqlen_q, params.capacity, gather_bytes,
+                                  form == PrefillForm::kInPlace, num_splits)) {
     return false;
   }
   if (params.batch > 65535 || params.heads_k > 65535) return false;  // the gather's grid

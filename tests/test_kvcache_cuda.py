@@ -444,16 +444,18 @@ def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cach
 
 
 # Below PREFILL_SEQLEN_Q the route depends on the batch (select.h, kvcache_prefill_may_gather): a
-# contiguous cache read in place from 32 queries and 128 over the batch, a gathered one from 64
-# queries and 256 over the batch; other calls run the KV-cache kernel.
+# contiguous cache read in place from 32 queries and 128 over the batch, a gathered one (or pages
+# of 128 read through the table) from 64 queries and 256 over the batch; other calls run the
+# KV-cache kernel.
 BATCHED_SEQLENS = (0, 5, 300, 700, 1, 64, 511, 980)
 
 
 @pytest.mark.parametrize("batch,seqlen_q,page_size,routed",
                          [(4, 32, None, True), (2, 32, None, False), (4, 32, 16, False), (8, 32, 16, False),
-                          (4, 64, 16, True), (4, 64, 1, True), (2, 64, 16, False)],
+                          (4, 64, 16, True), (4, 64, 1, True), (2, 64, 16, False), (4, 32, 128, False),
+                          (4, 64, 128, True)],
                          ids=["b4_q32_in_place", "b2_q32_in_place_kernel", "b4_q32_p16_kernel", "b8_q32_p16_kernel",
-                              "b4_q64_p16", "b4_q64_p1", "b2_q64_p16_kernel"])
+                              "b4_q64_p16", "b4_q64_p1", "b2_q64_p16_kernel", "b4_q32_p128_kernel", "b4_q64_p128"])
 def test_chunked_prefill_route_below_its_seqlen_depends_on_the_batch(cuda_gen, batch, seqlen_q, page_size, routed):
     """The forward's result to the bit where the call reaches the route's thresholds, the KV-cache
     kernel's (which rounds differently, and is checked against the reference) below them."""

@@ -102,6 +102,14 @@ __device__ __forceinline__ void add_dk_dv_with_tma(BwdKernelParams<Traits> const
   add(acc_dv, kernel_params.tma_dv_accum, true);
 }
 
+// dK (scaled by softmax_scale, in place in acc_dk) and dV in the inputs' dtype, for the TMA stores.
+template <class Element, class Acc>
+__device__ __forceinline__ auto dk_dv_in_inputs_dtype(Acc& acc_dk, Acc const& acc_dv, float softmax_scale) {
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(acc_dk); ++i) acc_dk(i) *= softmax_scale;
+  return cute::make_tuple(convert_fragment<Element>(acc_dk), convert_fragment<Element>(acc_dv));
+}
+
 // acc_dk, acc_dv: the consumers' accumulators in mma_dkv's layout (dK not yet scaled). Every
 // consumer thread calls it; one issues the stores and waits until they have read shared memory.
 template <class Traits, class Work, class Acc, class TiledMma>
@@ -112,10 +120,7 @@ __device__ __forceinline__ void store_dk_dv_with_tma(BwdKernelParams<Traits> con
   using Element = typename Traits::Element;
   using TileKV = typename Traits::TileKV;
   BwdParams const& params = kernel_params.call;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
-  Tensor dk = convert_fragment<Element>(acc_dk);
-  Tensor dv = convert_fragment<Element>(acc_dv);
+  auto [dk, dv] = dk_dv_in_inputs_dtype<Element>(acc_dk, acc_dv, params.softmax_scale);
   Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
   // Both warpgroups' GEMMs are done with K and V.
@@ -150,9 +155,10 @@ __device__ __forceinline__ void store_dk_dv_with_tma(BwdKernelParams<Traits> con
 // The persistent walks' epilogue (stages_dk_dv_in_query_stages): the consumers have held the query
 // stages of the walk's last kHeldStages blocks (the loader fills them for the next tile only once
 // they are released here). Each warpgroup writes its 64 keys of dK into a held stage's Q buffer and
-// of dV into its dO buffer (kBlockM rows a stage: one stage at head dim 64, two at 128), one thread
-// stores them by TMA in boxes of kBlockM rows, and the stages go back to the loader once the stores
-// have read them. K and V are free meanwhile: the next tile's load under this epilogue.
+// of dV into its dO buffer (kBlockM rows a stage: one stage at head dim 64, the one head dim with
+// kPersistentEpilogue; two at 96/128), one thread stores them by TMA in boxes of kBlockM rows, and
+// the stages go back to the loader once the stores have read them. K and V are free meanwhile:
+// the next tile's load under this epilogue.
 template <class Traits, class Work, class Acc>
 __device__ __forceinline__ void store_dk_dv_through_query_stages(BwdKernelParams<Traits> const& kernel_params,
                                                                  Work const& work, KeyWalkPosition const& position,
@@ -165,10 +171,7 @@ __device__ __forceinline__ void store_dk_dv_through_query_stages(BwdKernelParams
   constexpr int kHeld = Traits::kHeldStages;
   BwdParams const& params = kernel_params.call;
   const int first_step = position.steps + work.num_m_blocks() - kHeld;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
-  Tensor dk = convert_fragment<Element>(acc_dk);
-  Tensor dv = convert_fragment<Element>(acc_dv);
+  auto [dk, dv] = dk_dv_in_inputs_dtype<Element>(acc_dk, acc_dv, params.softmax_scale);
   Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutdO{});
   // This warpgroup's 64 keys: rows (64 w) % kBlockM of held stage (64 w) / kBlockM.

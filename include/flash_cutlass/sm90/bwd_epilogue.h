@@ -110,6 +110,21 @@ __device__ __forceinline__ auto dk_dv_in_inputs_dtype(Acc& acc_dk, Acc const& ac
   return cute::make_tuple(convert_fragment<Element>(acc_dk), convert_fragment<Element>(acc_dv));
 }
 
+// dK and dV from registers (in tiled_mma's layout, thread's part) into shared-memory tiles by
+// stmatrix (8x8 blocks of 16-bit values, a row of each per lane, into the swizzled tiles), then
+// visible to the TMA unit, every consumer thread past the barrier.
+template <class Traits, class TiledMma, class Fragment, class TileK, class TileV>
+__device__ __forceinline__ void stage_dk_dv(TiledMma const& tiled_mma, int thread, Fragment const& dk,
+                                            Fragment const& dv, TileK&& dk_tile, TileV&& dv_tile) {
+  using namespace cute;
+  auto copy_kv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, typename Traits::Element>{}, tiled_mma);
+  auto thr_copy_kv = copy_kv.get_thread_slice(thread);
+  copy(copy_kv, thr_copy_kv.retile_S(dk), thr_copy_kv.partition_D(dk_tile));
+  copy(copy_kv, thr_copy_kv.retile_S(dv), thr_copy_kv.partition_D(dv_tile));
+  tma_store_fence();  // the writes above, visible to the TMA unit
+  named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
+}
+
 // acc_dk, acc_dv: the consumers' accumulators in mma_dkv's layout (dK not yet scaled). Every
 // consumer thread calls it; one issues the stores and waits until they have read shared memory.
 template <class Traits, class Work, class Acc, class TiledMma>
@@ -125,13 +140,7 @@ __device__ __forceinline__ void store_dk_dv_with_tma(BwdKernelParams<Traits> con
   Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
   // Both warpgroups' GEMMs are done with K and V.
   named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
-  // stmatrix: 8x8 blocks of 16-bit values, a row of each per lane, into the swizzled tiles.
-  auto copy_kv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
-  auto thr_copy_kv = copy_kv.get_thread_slice(consumer_idx);
-  copy(copy_kv, thr_copy_kv.retile_S(dk), thr_copy_kv.partition_D(sK));
-  copy(copy_kv, thr_copy_kv.retile_S(dv), thr_copy_kv.partition_D(sV));
-  tma_store_fence();  // the writes above, visible to the TMA unit
-  named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
+  stage_dk_dv<Traits>(mma_dkv, consumer_idx, dk, dv, sK, sV);
   if (consumer_idx == 0) {
     const TmaExtents extents = tma_extents(params);
     const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
@@ -183,12 +192,7 @@ __device__ __forceinline__ void store_dk_dv_through_query_stages(BwdKernelParams
   Tensor dv_rows = local_tile(sdO(_, _, stage), WarpgroupRows{}, rows);
   // Both warpgroups' GEMMs are done with the held stages.
   named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
-  auto copy_rows = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmadKVWarpgroup{});
-  auto thr_copy_rows = copy_rows.get_thread_slice(consumer_idx % 128);
-  copy(copy_rows, thr_copy_rows.retile_S(dk), thr_copy_rows.partition_D(dk_rows));
-  copy(copy_rows, thr_copy_rows.retile_S(dv), thr_copy_rows.partition_D(dv_rows));
-  tma_store_fence();  // the writes above, visible to the TMA unit
-  named_barrier_sync<BwdBarrier::kConsumers, 0, Traits::kConsumerThreads>();
+  stage_dk_dv<Traits>(typename Traits::TiledMmadKVWarpgroup{}, consumer_idx % 128, dk, dv, dk_rows, dv_rows);
   if (consumer_idx == 0) {
     const TmaExtents extents = tma_extents(params);
     const auto shape = make_shape(extents.rows_k, params.head_dim, params.heads, extents.batch);

@@ -86,9 +86,9 @@ struct FwdProducer {
         });
   }
 
-  // A paged call (kPagedKV; params.h, block_table): each key block from the page that holds it (pages of a
-  // multiple of kBlockN rows), at the pages' row block `block`. The block holding the sequence's
-  // last key takes V through the sequence's descriptor, whose extent ends at that key's row
+  // A paged call (kPagedKV; params.h, block_table): each key block from the page that holds it
+  // (pages of a multiple of kBlockN rows). The block holding the sequence's last key takes V
+  // through the sequence's descriptor, whose extent ends at that key's row
   // (sequence_descriptors.h), so that its rows past the sequence, which the block table may leave
   // unwritten, arrive as zeros (P is 0 there, but 0 * NaN is not); K's rows there may hold
   // anything: the consumers mask their scores.

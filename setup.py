@@ -24,7 +24,8 @@ Build options (environment variables; see README.md):
                             naming this flag).
   FLASH_CUTLASS_KVCACHE     1 (default) builds the KV-cache kernels (flash_attention_with_kvcache:
                             one attention instantiation per head dim and dtype, whose mask and
-                            score options are runtime values, and an append kernel per dtype);
+                            score options are runtime values, an append kernel per dtype, and
+                            the Hopper forward's causal kernel over paged caches per head dim);
                             0 leaves them out (a CUDA call then raises, naming this flag).
   CUTLASS_PATH              a CUTLASS checkout to use instead of the nvidia-cutlass wheel.
   MAX_JOBS / NVCC_THREADS   parallel compile jobs / nvcc threads per job; the defaults keep

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "flash_cutlass/common/launch.h"
+#include "flash_cutlass/compiled.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/select.h"
 #include "flash_cutlass/sm90/fwd_kernel.h"
@@ -55,8 +56,9 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
 
   // Paged K and V (params.h, block_table; chunked prefill over a paged KV cache): a variable-length
   // causal call without score options over pages of a multiple of the key blocks, in a kernel of its
-  // own (fwd_producer.h, load_paged_tile).
-  constexpr bool kPagedKernel = kMaskKind == MaskKind::kCausal && kExtension == Extension::kNone;
+  // own (fwd_producer.h, load_paged_tile), which builds without the KV-cache kernels leave out.
+  constexpr bool kPagedKernel =
+      compiled::kKVCache && kMaskKind == MaskKind::kCausal && kExtension == Extension::kNone;
   const bool paged = params.block_table != nullptr;
   if (paged && (!kPagedKernel || params.cu_seqlens_k == nullptr || params.page_size <= 0 ||
                 params.page_size % Traits::kBlockN != 0)) {

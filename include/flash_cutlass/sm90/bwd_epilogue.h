@@ -37,9 +37,7 @@ __device__ __forceinline__ bool stores_dk_dv_with_tma(BwdKernelParams<Traits> co
 template <class Traits, class Work>
 __device__ __forceinline__ bool stages_dk_dv_in_query_stages(BwdKernelParams<Traits> const& kernel_params,
                                                              Work const& work) {
-  if constexpr (Traits::kHeadSplit || Traits::kSeparatedO) {
-    return false;
-  } else if constexpr (!Traits::kPersistentEpilogue) {
+  if constexpr (!Traits::kPersistentEpilogue) {
     return false;
   } else {
     return work.num_m_blocks() >= Traits::kHeldStages && stores_dk_dv_with_tma(kernel_params, work);
@@ -237,7 +235,7 @@ __device__ __forceinline__ void write_dk_dv(BwdKernelParams<Traits> const& kerne
   using namespace cute;
   Tensor coords = mma_dkv.get_thread_slice(consumer_idx).partition_C(make_identity_tensor(typename Traits::TileKV{}));
   if constexpr (kRotatedWalk) {
-    if constexpr (!Traits::kHeadSplit) {
+    if constexpr (Traits::kPersistentEpilogue) {
       if (stages_dk_dv_in_query_stages(kernel_params, work)) {
         store_dk_dv_through_query_stages(kernel_params, work, position, acc_dk, acc_dv, storage, consumer_idx);
         return;

@@ -82,6 +82,15 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
     return gmem_tensor<Traits>(accum, int(accum_rows), kHeadDim, params.heads_k, 1,
                                int64_t(params.heads_k) * kHeadDim, int64_t(kHeadDim), int64_t(0));
   };
+  // The persistent walks' stores of dK/dV rows through held query stages (kPersistentEpilogue):
+  // built only for the traits that have that epilogue (the others never read them).
+  auto store_rows = [&](auto const& gmem) {
+    if constexpr (Traits::kPersistentEpilogue) {
+      return make_tma_copy(SM90_TMA_STORE{}, gmem, smem_q_stage, TileQ{}, _1{});
+    } else {
+      return typename Traits::TmaStoreQRows{};
+    }
+  };
   const BwdKernelParams<Traits> kernel_params{
       params,
       tma_q,
@@ -95,12 +104,8 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_STORE{},
                     output(params.dv, params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
                     typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),
-      make_tma_copy(SM90_TMA_STORE{},
-                    output(params.dk, params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride),
-                    smem_q_stage, TileQ{}, _1{}),
-      make_tma_copy(SM90_TMA_STORE{},
-                    output(params.dv, params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
-                    smem_q_stage, TileQ{}, _1{}),
+      store_rows(output(params.dk, params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride)),
+      store_rows(output(params.dv, params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride)),
       store_dkv_with_tma,
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, accumulator(params.dk_accum), typename Traits::SmemLayoutAccumHalf{},
                     typename Traits::TileAccumHalf{}, _1{}),
@@ -130,8 +135,8 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
       // Head dim 64 (kPersistentEpilogue): a persistent walk, dK/dV going out through the last query
       // stages while the next tile's K and V load (bwd_epilogue.h), where the walk would store them
       // by TMA (not GQA's accumulators) and has as many blocks as it holds stages.
-      if constexpr (!Traits::kHeadSplit) {
-        if (Traits::kPersistentEpilogue && !params.deterministic && !varlen && store_dkv_with_tma && num_m_blocks >= Traits::kHeldStages) {
+      if constexpr (Traits::kPersistentEpilogue) {
+        if (!params.deterministic && !varlen && store_dkv_with_tma && num_m_blocks >= Traits::kHeldStages) {
           return launch_kernel(&flash_bwd_sm90<Traits, kMaskKind, kExtension, true>, std::min<int64_t>(items, sms),
                                Traits::kThreads, Traits::kSmemBytes, kernel_params, stream);
         }

@@ -259,6 +259,7 @@ struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_,
   using typename Base::WarpgroupsAlongN;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages, Base::kConsumerWarpgroups;
   static constexpr bool kHeadSplit = true;
+  static constexpr bool kPersistentEpilogue = false;  // (the kernel traits': dK/dV through held query stages)
   static constexpr int dq_staging_threads(bool) { return 128; }  // a warpgroup stages its half
   static_assert(kBlockN == 64, "the keys are the M of S^T and dP^T: one 64-row wgmma");
   static_assert(kBlockM % (8 * kConsumerWarpgroups) == 0, "query halves of whole swizzle atoms");

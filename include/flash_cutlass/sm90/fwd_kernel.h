@@ -30,7 +30,7 @@ namespace flash_cutlass::sm90 {
 
 // Warpgroup 0 is the producer (one thread issues the loads), the others the consumers. kPagedKV:
 // K and V through a block table (params.h; chunked prefill over a paged cache), a kernel of its own
-// so that the others' producer keeps its registers.
+// so that the others' producer keeps its registers, with a register split of its own (tile_config.h).
 template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kPagedKV = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90(__grid_constant__ const FwdKernelParams<Traits> kernel_params) {
@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sVt = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutVt{});
 
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<kPagedKV ? Traits::kPagedProducerRegisters : Traits::kProducerRegisters>();
     if (producer_thread) {
       // TMA views of Q, K, V: (seqlen, head_dim, heads, batch), or (total, head_dim, heads, 1) in a
       // variable-length call, each sequence's rows from its first one on; rows and columns past the
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<kPagedKV ? Traits::kPagedConsumerRegisters : Traits::kConsumerRegisters>();
   const int consumer_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;

@@ -31,13 +31,22 @@ struct FwdKernelTraits {
   static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups >= 2 && kConsumerWarpgroups <= 3);
   // Registers per thread: what the CTA gets at launch (one CTA of kThreads per SM fills the 64K
   // file), and the budgets setmaxnreg sets after: the producer only issues copies, the consumers
-  // hold the S and O accumulators. setmaxnreg moves registers only within the CTA, so what the
-  // producer warpgroup frees must be exactly what the consumer warpgroups take.
+  // hold the S and O accumulators. setmaxnreg moves registers only within the CTA, so the consumer
+  // warpgroups can take at most what the producer warpgroup frees (here exactly that).
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
   static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
   static_assert(kLaunchRegisters - kProducerRegisters ==
                 kConsumerWarpgroups * (kConsumerRegisters - kLaunchRegisters));
+  // The paged kernel's (fwd_kernel.h) up to head dim 128: its producer's block-table walk spills
+  // 248 B at 24 registers (at 128; on the H200 its chunked prefill then ran 212 against 202 us at
+  // 40), its consumers fit in 224 (past 128 they spill there). The producer frees more than the
+  // consumers take.
+  static constexpr bool kWidePagedProducer = kConsumerWarpgroups == 2 && kHeadDim <= 128;
+  static constexpr int kPagedProducerRegisters = kWidePagedProducer ? 40 : kProducerRegisters;
+  static constexpr int kPagedConsumerRegisters = kWidePagedProducer ? 224 : kConsumerRegisters;
+  static_assert(kPagedProducerRegisters * 128 + kPagedConsumerRegisters * 128 * kConsumerWarpgroups <=
+                kLaunchRegisters * kThreads);
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "rows of 64- or 128-byte swizzle atoms");
   // The softmax of one key tile runs while P V of the tile before is in flight, its wait kept after
   // the exponentials (fwd_mainloop.h). At head dim 256 the O accumulator's 128 registers a thread

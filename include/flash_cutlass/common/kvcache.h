@@ -41,20 +41,10 @@ struct PagedKeys {
   int num_pages;
   int page_size;
 
-  // A position's block-table entry as read (unclamped) and its row in its page: what row_from
-  // takes, so that a caller can read the entry well before it needs the row.
-  struct Entry {
-    int page;
-    int row_in_page;
-  };
-  __device__ __forceinline__ Entry entry_of(int position) const {
+  __device__ __forceinline__ int row_of(int position) const {
     const int page_index = position / page_size;
-    return {table[page_index], position - page_index * page_size};
+    return clamped_page(table, page_index, num_pages) * page_size + position - page_index * page_size;
   }
-  __device__ __forceinline__ int row_from(Entry entry) const {
-    return min(max(entry.page, 0), num_pages - 1) * page_size + entry.row_in_page;
-  }
-  __device__ __forceinline__ int row_of(int position) const { return row_from(entry_of(position)); }
 };
 
 __device__ __forceinline__ PagedKeys paged_keys(FwdParams const& params, int batch) {

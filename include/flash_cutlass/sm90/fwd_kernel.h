@@ -73,7 +73,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kPagedKV ? Traits::kPagedProducerRegisters : Traits::kProducerRegisters>();
-    if (producer_thread) {
+    // The paged kernel's producer is warp 0 (its lanes read the block table together; lane 0
+    // issues: fwd_producer.h, load_paged_tile), the others' thread 0.
+    if (kPagedKV ? cutlass::canonical_warp_idx_sync() == 0 : producer_thread) {
       // TMA views of Q, K, V: (seqlen, head_dim, heads, batch), or (total, head_dim, heads, 1) in a
       // variable-length call, each sequence's rows from its first one on; rows and columns past the
       // tensor arrive as zeros (V through per-sequence descriptors in a packed batch: fwd_producer.h).
@@ -86,7 +88,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
       auto state = cutlass::make_producer_start_state<PipelineKV>();
       int q_loads = 0;
-      Timeline timeline(true);
+      Timeline timeline(producer_thread);
       FwdProducer<Traits, kMaskKind, kPagedKV, decltype(mQ), decltype(mK), decltype(sQ), decltype(sK)> producer{
           params, mQ, mK, mV, kernel_params, sQ, sK, sV, pipeline_k, state, timeline, storage, q_loads, pipeline_v};
       for_each_tile_of_this_cta<kBlockM, kPersistentGrid, kMaskKind>(

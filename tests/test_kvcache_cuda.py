@@ -546,13 +546,14 @@ def test_chunked_prefill_out_of_range_block_ids_are_clamped(cuda_gen, page_size)
     assert torch.equal(out_wild, out_clamped) and torch.equal(lse_wild, lse_clamped)
 
 
-@pytest.mark.parametrize("page_size,seqlens,capacity", [(16, (0, 5, 300, 700), 1024), (128, (5, 1100, 3900), 4096),
-                                                       (256, (0, 1500, 3900), 4096)],
+@pytest.mark.parametrize("page_size,seqlens,capacity", [(16, (0, 5, 300, 700), 1024), (128, (5, 1100, 7000), 8192),
+                                                       (256, (0, 1500, 7000), 8192)],
                          ids=["p16", "p128_long", "p256_long"])
 def test_chunked_prefill_paged_is_bitwise_contiguous(cuda_gen, page_size, seqlens, capacity):
     """Pages in shuffled order against the same rows in a contiguous cache, with the append: pages
-    of 16 gathered, of 128 and 256 rows read through the block table over more key blocks than its
-    producer reads the table ahead (include/flash_cutlass/sm90/fwd_producer.h, PagedKeyRing)."""
+    of 16 gathered, of 128 and 256 rows read through the block table, whose producer warp reads the
+    table 32 key blocks at a time (include/flash_cutlass/sm90/fwd_producer.h, load_paged_tile):
+    sequences of fewer and of more than 32 key blocks of 128."""
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     paged = make_call(gen, batch=len(seqlens), seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=2,
                       head_dim=PREFILL_HEAD_DIM, seqlens=seqlens, seqlen_new=PREFILL_SEQLEN_Q, page_size=page_size,

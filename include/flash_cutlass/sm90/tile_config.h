@@ -43,8 +43,8 @@ struct FwdKernelTraits {
   // The paged kernel's (fwd_kernel.h) up to head dim 128: 40 for its producer, whose block-table
   // walk, a block's entry read ahead by one thread, spilled 248 B at 24 (at 128 on the H200: 212
   // against 202 us at 40). The walk since, the warp's lanes reading the table together, compiles
-  // without spills at either and runs as fast at both (188-193 us). Its consumers fit in 224 (past 128 they
-  // spill there). The producer frees more than the consumers take.
+  // without spills at either and runs as fast at both (188-193 us). Its consumers fit in 224
+  // (past 128 they spill there). The producer frees more than the consumers take.
   static constexpr bool kWidePagedProducer = kConsumerWarpgroups == 2 && kHeadDim <= 128;
   static constexpr int kPagedProducerRegisters = kWidePagedProducer ? 40 : kProducerRegisters;
   static constexpr int kPagedConsumerRegisters = kWidePagedProducer ? 224 : kConsumerRegisters;

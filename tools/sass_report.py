@@ -2,7 +2,8 @@
 """Compile one kernel instantiation and summarize its SASS, without a GPU.
 
 Reads what usually answers a performance question before any GPU time is spent: registers and
-spills (ptxas), the matrix instructions (HMMA for the sm80 path, HGMMA for the Hopper path),
+spills (ptxas; for the Hopper path's warp-specialized kernels also whose they are, the consumers'
+code or the producer's), the matrix instructions (HMMA for the sm80 path, HGMMA for the Hopper path),
 shared-memory and global copies, local-memory traffic, and, for the Hopper path, the order of
 warpgroup MMA issue/wait points and softmax exponentials in the main loop (a block of MUFU.EX2
 between `WARPGROUP.DEPBAR.LE gsb0, 0x1` and `... 0x0` means the softmax overlaps an MMA).
@@ -66,6 +67,45 @@ def cuobjdump() -> str:
         if bundled.exists():
             return str(bundled)
     sys.exit("cuobjdump not found on PATH or in Triton's package")
+
+
+def function_label(mangled: str) -> str:
+    """A kernel's name and template arguments as the ptxas lines above print them."""
+    entry = re.search(r"_ZN13flash_cutlass4sm[89]0\d+(flash_\w+?)I", mangled)
+    kinds = re.findall(r"MaskKindE(\d)E", mangled)
+    details = [f"mask kind {', '.join(kinds)}"] if kinds else []
+    flags = re.findall(r"Lb([01])E", mangled)
+    if flags:
+        details.append(f"bool template arguments {', '.join(flags)}")
+    name = entry.group(1) if entry else mangled[:40]
+    return name + (f" ({'; '.join(details)})" if details else "")
+
+
+def local_memory_by_role(sass: str) -> list:
+    """Per warp-specialized kernel (one with setmaxnreg), its local-memory stores and loads (spills)
+    in the consumers' code and in the producer's: the instructions between the consumers'
+    `USETMAXREG.TRY_ALLOC` and the producer's `USETMAXREG.DEALLOC` and those after the latter (or
+    the other way round), as ptxas laid them out. ptxas's spill totals do not say whose they are."""
+    found = []
+    for function in re.split(r"\n\s*Function : ", sass)[1:]:
+        mangled, _, body = function.partition("\n")
+        lines = body.splitlines()
+        alloc = next((i for i, line in enumerate(lines) if "USETMAXREG.TRY_ALLOC" in line or
+                      re.search(r"USETMAXREG\.ALLOC", line)), None)
+        dealloc = next((i for i, line in enumerate(lines) if "USETMAXREG.DEALLOC" in line), None)
+        if alloc is None or dealloc is None:
+            continue
+
+        def count(section):
+            text = "\n".join(section)
+            return len(re.findall(r"\bSTL(?:\.\w+)*\b", text)), len(re.findall(r"\bLDL(?:\.\w+)*\b", text))
+
+        if alloc < dealloc:
+            consumers, producer = count(lines[alloc:dealloc]), count(lines[dealloc:])
+        else:
+            producer, consumers = count(lines[dealloc:alloc]), count(lines[alloc:])
+        found.append((function_label(mangled.strip()), consumers, producer))
+    return found
 
 
 def main(argv=None) -> int:
@@ -171,6 +211,9 @@ def main(argv=None) -> int:
             else:
                 runs.append([token, 1])
         print("  issue/wait/softmax order: " + " | ".join(f"{t} x{n}" if n > 1 else t for t, n in runs))
+        for label, consumers, producer in local_memory_by_role(sass):
+            print(f"  {label}: local memory instructions, consumers STL {consumers[0]} / LDL {consumers[1]}, "
+                  f"producer STL {producer[0]} / LDL {producer[1]}")
     return 0
 
 

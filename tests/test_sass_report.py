@@ -38,6 +38,6 @@ def test_local_memory_is_split_between_the_consumers_and_the_producer():
     plain = _function("_ZN13flash_cutlass20flash_bwd_preprocessILi128EEEvv", ["STL [R1], R2", "EXIT"])
     found = sass_report.local_memory_by_role("code for sm_90a" + consumers_first + producer_first + plain)
     assert found == [
-        ("flash_bwd_sm90 (mask kind 1; bool template arguments 0)", (1, 2), (1, 0)),
-        ("flash_fwd_sm90 (mask kind 0; bool template arguments 1)", (0, 0), (1, 1)),
+        ("flash_bwd_sm90 (mask kind 1; extension 0; bool template arguments 0)", (1, 2), (1, 0)),
+        ("flash_fwd_sm90 (mask kind 0; extension 0; bool template arguments 1)", (0, 0), (1, 1)),
     ]

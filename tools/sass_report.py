@@ -69,16 +69,23 @@ def cuobjdump() -> str:
     sys.exit("cuobjdump not found on PATH or in Triton's package")
 
 
-def function_label(mangled: str) -> str:
-    """A kernel's name and template arguments as the ptxas lines above print them."""
-    entry = re.search(r"_ZN13flash_cutlass4sm[89]0\d+(flash_\w+?)I", mangled)
-    kinds = re.findall(r"MaskKindE(\d)E", mangled)
-    details = [f"mask kind {', '.join(kinds)}"] if kinds else []
-    flags = re.findall(r"Lb([01])E", mangled)
-    if flags:
-        details.append(f"bool template arguments {', '.join(flags)}")
-    name = entry.group(1) if entry else mangled[:40]
-    return name + (f" ({'; '.join(details)})" if details else "")
+def function_label(text: str) -> str | None:
+    """The name and template arguments of the kernel whose mangled name `text` holds (a ptxas line
+    or a SASS function header), or None when it holds none of ours."""
+    entry = re.search(r"_ZN13flash_cutlass4sm[89]0\d+(flash_\w+?)I", text)
+    if not entry:
+        return None
+    flags = re.findall(r"Lb([01])E", text)
+    kinds = re.findall(r"MaskKindE(\d)E", text)
+    extensions = re.findall(r"ExtensionE(\d)E", text)
+    # The KV-cache attention has an instantiation per pipeline depth (kvcache_kernel.h's
+    # KVCacheStages): its int template arguments are the head dim and the stages.
+    stages = re.match(r"flash_kvcache_sm80ILi(\d+)ELi(\d+)E", text[entry.start(1):])
+    details = ([f"{stages.group(2)} stages"] if stages else []) + (
+        [f"mask kind {', '.join(kinds)}"] if kinds else []) + (
+        [f"extension {', '.join(extensions)}"] if extensions else []) + (
+        [f"bool template arguments {', '.join(flags)}"] if flags else [])
+    return entry.group(1) + (f" ({'; '.join(details)})" if details else "")
 
 
 def local_memory_by_role(sass: str) -> list:
@@ -90,8 +97,7 @@ def local_memory_by_role(sass: str) -> list:
     for function in re.split(r"\n\s*Function : ", sass)[1:]:
         mangled, _, body = function.partition("\n")
         lines = body.splitlines()
-        alloc = next((i for i, line in enumerate(lines) if "USETMAXREG.TRY_ALLOC" in line or
-                      re.search(r"USETMAXREG\.ALLOC", line)), None)
+        alloc = next((i for i, line in enumerate(lines) if re.search(r"USETMAXREG\.(TRY_)?ALLOC", line)), None)
         dealloc = next((i for i, line in enumerate(lines) if "USETMAXREG.DEALLOC" in line), None)
         if alloc is None or dealloc is None:
             continue
@@ -104,7 +110,7 @@ def local_memory_by_role(sass: str) -> list:
             consumers, producer = count(lines[alloc:dealloc]), count(lines[dealloc:])
         else:
             producer, consumers = count(lines[dealloc:alloc]), count(lines[alloc:])
-        found.append((function_label(mangled.strip()), consumers, producer))
+        found.append((function_label(mangled) or mangled.strip(), consumers, producer))
     return found
 
 
@@ -177,19 +183,9 @@ def main(argv=None) -> int:
 
     print(f"{name} ({target.rsplit('code=', 1)[1]})")
     for line in build.stderr.splitlines():
-        entry = re.search(r"Compiling entry function '_ZN13flash_cutlass4sm[89]0\d+(flash_\w+?)I", line)
-        if entry:
-            flags = re.findall(r"Lb([01])E", line)
-            kinds = re.findall(r"MaskKindE(\d)E", line)
-            extensions = re.findall(r"ExtensionE(\d)E", line)
-            # The KV-cache attention has an instantiation per pipeline depth (kvcache_kernel.h's
-            # KVCacheStages): its int template arguments are the head dim and the stages.
-            stages = re.match(r"flash_kvcache_sm80ILi(\d+)ELi(\d+)E", line[entry.start(1):])
-            details = ([f"{stages.group(2)} stages"] if stages else []) + (
-                [f"mask kind {', '.join(kinds)}"] if kinds else []) + (
-                [f"extension {', '.join(extensions)}"] if extensions else []) + (
-                [f"bool template arguments {', '.join(flags)}"] if flags else [])
-            print(f"  {entry.group(1)}" + (f" ({'; '.join(details)})" if details else ""))
+        label = function_label(line) if "Compiling entry function" in line else None
+        if label:
+            print(f"  {label}")
         elif "registers" in line or "spill" in line:
             print("    ptxas:", line.split(":", 1)[-1].strip())
         elif "Performance Loss" in line:

@@ -69,6 +69,16 @@ def cuobjdump() -> str:
     sys.exit("cuobjdump not found on PATH or in Triton's package")
 
 
+def opcodes(sass: str) -> list[str]:
+    """The opcodes of the instructions in a SASS listing (after any predicate)."""
+    return [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)", sass)]
+
+
+def is_opcode(opcode: str, name: str) -> bool:
+    """Whether `opcode` is instruction `name` with or without modifiers (LDL.LU is LDL)."""
+    return opcode == name or opcode.startswith(name + ".")
+
+
 def function_label(text: str) -> str | None:
     """The name and template arguments of the kernel whose mangled name `text` holds (a ptxas line
     or a SASS function header), or None when it holds none of ours."""
@@ -103,8 +113,9 @@ def local_memory_by_role(sass: str) -> list:
             continue
 
         def count(section):
-            text = "\n".join(section)
-            return len(re.findall(r"\bSTL(?:\.\w+)*\b", text)), len(re.findall(r"\bLDL(?:\.\w+)*\b", text))
+            found_opcodes = opcodes("\n".join(section))
+            return (sum(is_opcode(op, "STL") for op in found_opcodes),
+                    sum(is_opcode(op, "LDL") for op in found_opcodes))
 
         if alloc < dealloc:
             consumers, producer = count(lines[alloc:dealloc]), count(lines[dealloc:])
@@ -191,11 +202,11 @@ def main(argv=None) -> int:
         elif "Performance Loss" in line:
             # e.g. wgmma.mma_async serialized: every GEMM then waits for the one before.
             print("    ptxas warning:", line.split("(C", 1)[-1].split(") ", 1)[-1].strip())
-    instructions = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)", sass)]
+    instructions = opcodes(sass)
     counts = collections.Counter()
     for opcode in instructions:
         for name in COUNTED:
-            if opcode == name or opcode.startswith(name + "."):
+            if is_opcode(opcode, name):
                 counts[name] += 1
     print(f"  {len(instructions)} SASS instructions; " + ", ".join(f"{n} {counts[n]}" for n in COUNTED))
     if args.path == "sm90":

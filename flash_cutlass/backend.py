@@ -272,7 +272,9 @@ def forward(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Ten
     (heads, total_q). rng_state is None without dropout, else the int64 (seed, offset) of the mask:
     options.rng_state itself when given; else drawn from options.generator, by the extension for
     CUDA tensors (draws_in_kernel: a tensor on q's device that the kernel writes, graph-safe) or
-    on the host (a CPU tensor)."""
+    on the host (a CPU tensor). With options.sinks, out and lse are those of attention with the sinks:
+    the reference computes them so; the kernels run without them, and reference.fold_sinks folds
+    the sinks into their out and lse (one pass over out)."""
     if options.dropout_p > 0 and options.rng_state is None and not draws_in_kernel(q.device, options.generator):
         options = options.replace(rng_state=draw_rng_state(options.generator, q.device), generator=None)
     if options.is_varlen:
@@ -280,13 +282,13 @@ def forward(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Ten
         if q.device.type != "cuda":
             out, lse = reference.attention_forward_varlen(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k,
                                                           options.softmax_scale, options.causal,
-                                                          **_reference_options(options))
+                                                          sinks=options.sinks, **_reference_options(options))
             return out.contiguous(), lse.contiguous(), options.rng_state
         out, lse, rng_state = _forward_cuda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), options,
                                             without_work=_varlen_without_work(options))
         return out[0], lse[0], rng_state
     if q.device.type != "cuda":
-        out, lse = reference.attention_forward(q, k, v, options.softmax_scale, options.causal,
+        out, lse = reference.attention_forward(q, k, v, options.softmax_scale, options.causal, sinks=options.sinks,
                                                **_reference_options(options))
         return out.contiguous(), lse.contiguous(), options.rng_state
     return _forward_cuda(q, k, v, options)
@@ -309,12 +311,17 @@ def _forward_cuda(q, k, v, options: AttentionOptions, without_work: bool = False
             drawn_rng_state.zero_()  # no probabilities: no mask to draw
         if q.numel() == 0:
             return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse, rng_state
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse.fill_(-math.inf), rng_state
+        lse.fill_(-math.inf)
+        if options.sinks is not None:  # a row that sees no key: its lse is the sink's
+            lse.copy_(options.sinks.view(1, -1, 1).expand(lse.shape))
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse, rng_state
     q, k, v = _padded((q, k, v), head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _extension().forward(q, k, v, out, lse, drawn_rng_state, options)
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim].contiguous()
+    if options.sinks is not None:
+        out, lse = reference.fold_sinks(out, lse, options.sinks)
     return out, lse, rng_state
 
 
@@ -334,6 +341,14 @@ def backward(dout, q, k, v, out, lse, options: AttentionOptions):
                                              **_reference_options(options))
         return tuple(g.contiguous() for g in grads)
     return _backward_cuda(dout, q, k, v, out, lse, options)
+
+
+def sinks_gradient(dout, out, lse, options: AttentionOptions) -> torch.Tensor:
+    """The gradient of options.sinks from a backward call's dout and the forward's out and lse
+    (reference.sinks_gradient; a variable-length call leaves out the rows past its last sequence,
+    which the CUDA forward leaves unspecified)."""
+    rows = options.cu_seqlens_q[-1] if options.is_varlen else None
+    return reference.sinks_gradient(dout, out, lse, options.sinks, rows)
 
 
 def _backward_cuda(dout, q, k, v, out, lse, options: AttentionOptions):

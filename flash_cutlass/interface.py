@@ -153,7 +153,8 @@ def _with_rng_state(out, lse, rng_state, options):
 def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
                   kernel: Optional[str] = None, *, window_size: Tuple[int, int] = (-1, -1),
                   softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                  generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None):
+                  generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None,
+                  sinks: Optional[torch.Tensor] = None):
     """Exact attention forward: out = softmax(softmax_scale * q k^T) v, and its log-sum-exp.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), with
@@ -169,6 +170,12 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     (0, the default, leaves them as they are). alibi_slopes (float32, (heads,) or (batch, heads),
     on q's device) adds ALiBi after the soft cap and before any mask: the score of query i and
     key j gets -slope * |i + seqlen_k - seqlen_q - j| (FlashAttention-2's ALiBi).
+
+    sinks ((heads,), float32, float16 or bfloat16, on q's device) gives each query head an attention
+    sink (gpt-oss): a logit that joins every row's softmax after the scale, soft cap, ALiBi and mask
+    and attends to no value, so out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)); lse then
+    includes it (a row that sees no key gets out 0 and lse = sink; -inf is no sink). The CUDA
+    kernels run without it, and one elementwise pass folds it into their out and lse.
 
     dropout_p in [0, 1) drops each probability with that probability and scales the kept ones by
     1 / (1 - p) (lse stays that of the undropped softmax). The mask comes from Philox with a
@@ -189,8 +196,8 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     """
     check_forward_tensors(q, k, v)
     options = forward_options(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, generator=generator,
-                              rng_state=rng_state, kernel=kernel)
+                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                              generator=generator, rng_state=rng_state, kernel=kernel)
     return _with_rng_state(*backend.forward(q, k, v, options), options)
 
 
@@ -198,7 +205,8 @@ def flash_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                          softmax_scale: Optional[float] = None, causal: bool = False, kernel: Optional[str] = None, *,
                          window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                          alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                         generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None):
+                         generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None,
+                         sinks: Optional[torch.Tensor] = None):
     """flash_forward of a batch of sequences of different lengths, packed without padding.
 
     q: (total_q, heads, head_dim), k and v: (total_k, heads_k, head_dim); sequence b owns rows
@@ -219,7 +227,7 @@ def flash_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
     """
     options = _varlen_forward_options(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
                                       generator=generator, rng_state=rng_state, kernel=kernel)
     return _with_rng_state(*backend.forward(q, k, v, options), options)
 
@@ -237,12 +245,13 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
                    deterministic: bool = False, kernel: Optional[str] = None, *,
                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                    alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                   rng_state: Optional[torch.Tensor] = None):
-    """Gradients of flash_forward: returns (dq, dk, dv) in the dtypes and shapes of q, k and v.
+                   rng_state: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None):
+    """Gradients of flash_forward: returns (dq, dk, dv) in the dtypes and shapes of q, k and v, and
+    with sinks (dq, dk, dv, dsinks), dsinks in sinks' dtype.
 
     dout and out are shaped like q; out and lse are what flash_forward returned for these inputs.
-    softmax_scale, causal, window_size, softcap, alibi_slopes and dropout_p must be those of the
-    forward call, and with dropout_p > 0, rng_state the one it returned (the same mask). deterministic=True
+    softmax_scale, causal, window_size, softcap, alibi_slopes, sinks and dropout_p must be those of
+    the forward call, and with dropout_p > 0, rng_state the one it returned (the same mask). deterministic=True
     sums dQ in a fixed order (key blocks in turn on the Hopper backward, a second kernel pass on the
     sm80 path) instead of with atomics, and with GQA dK and dV per query head then over each group
     (the Hopper backward otherwise adds a group's with atomics), so two runs give bitwise identical
@@ -254,9 +263,17 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     """
     check_backward_tensors(dout, q, k, v, out, lse)
     options = backward_options(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
-                               kernel=kernel, deterministic=deterministic)
-    return backend.backward(dout, q, k, v, out, lse, options)
+                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                               rng_state=rng_state, kernel=kernel, deterministic=deterministic)
+    return _gradients(dout, q, k, v, out, lse, options)
+
+
+def _gradients(dout, q, k, v, out, lse, options):
+    """(dq, dk, dv) of a checked backward call, and dsinks after them with sinks."""
+    grads = backend.backward(dout, q, k, v, out, lse, options)
+    if options.sinks is None:
+        return grads
+    return (*grads, backend.sinks_gradient(dout, out, lse, options))
 
 
 def flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -264,8 +281,9 @@ def flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
                           deterministic: bool = False, kernel: Optional[str] = None, *,
                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                           alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                          rng_state: Optional[torch.Tensor] = None):
-    """Gradients of flash_forward_varlen: (dq, dk, dv) shaped like the packed q, k and v. dout and
+                          rng_state: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None):
+    """Gradients of flash_forward_varlen: (dq, dk, dv) shaped like the packed q, k and v (and dsinks
+    after them with sinks, as flash_backward). dout and
     out are shaped like q, lse is (heads, total_q) as flash_forward_varlen returned it; the other
     arguments are those of the forward call and of flash_backward. The lengths are read and
     checked as in flash_forward_varlen (on CUDA only with $FLASH_CUTLASS_CHECK_VARLEN=1)."""
@@ -273,21 +291,22 @@ def flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     _check_varlen_outputs(dout, out, lse, q)
     check_backward_tensors(*(t.unsqueeze(0) for t in (dout, q, k, v, out, lse)))
     options = backward_options(q.unsqueeze(0), softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
-                               kernel=kernel, deterministic=deterministic, batch=batch,
+                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                               rng_state=rng_state, kernel=kernel, deterministic=deterministic, batch=batch,
                                varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return backend.backward(dout, q, k, v, out, lse, options)
+    return _gradients(dout, q, k, v, out, lse, options)
 
 
 def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
                     deterministic: bool = False, return_lse: bool = False, kernel: Optional[str] = None, *,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                    generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None):
+                    generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None,
+                    sinks: Optional[torch.Tensor] = None):
     """Autograd-enabled attention: out = softmax(softmax_scale * q k^T) v, differentiable in q, k
-    and v (flash_backward is its gradient), and traceable by torch.compile.
+    and v (flash_backward is its gradient), and in sinks when given, and traceable by torch.compile.
 
-    Arguments as flash_forward's (window_size, softcap, alibi_slopes, dropout_p, generator and
+    Arguments as flash_forward's (window_size, softcap, alibi_slopes, sinks, dropout_p, generator and
     rng_state included; the slopes get no gradient; the backward reuses the forward's dropout
     mask; with a drawn mask, torch.compile keeps one graph and a captured CUDA graph draws a fresh
     mask on each replay);
@@ -296,8 +315,8 @@ def flash_attention(q, k, v, softmax_scale: Optional[float] = None, causal: bool
     """
     check_forward_tensors(q, k, v)
     options = forward_options(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, generator=generator,
-                              rng_state=rng_state, kernel=kernel, deterministic=deterministic)
+                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                              generator=generator, rng_state=rng_state, kernel=kernel, deterministic=deterministic)
     out, lse = ops.attention(q, k, v, options)
     return (out, lse) if return_lse else out
 
@@ -307,13 +326,14 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            return_lse: bool = False, kernel: Optional[str] = None, *,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                           generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None):
+                           generator: Optional[torch.Generator] = None, rng_state: Optional[torch.Tensor] = None,
+                           sinks: Optional[torch.Tensor] = None):
     """flash_attention of a variable-length batch: packed q (total_q, heads, head_dim), k and v
     (total_k, heads_k, head_dim) and cumulative lengths as flash_forward_varlen takes them.
     Returns out like q, or (out, lse) with return_lse, lse (heads, total_q)."""
     options = _varlen_forward_options(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
                                       generator=generator, rng_state=rng_state, kernel=kernel,
                                       deterministic=deterministic)
     out, lse = ops.attention(q, k, v, options)

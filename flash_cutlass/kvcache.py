@@ -72,7 +72,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seql
                                  window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                                  alibi_slopes: Optional[torch.Tensor] = None,
                                  rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
-                                 rotary_interleaved: bool = True, num_splits: int = 0, return_lse: bool = False):
+                                 rotary_interleaved: bool = True, num_splits: int = 0, return_lse: bool = False,
+                                 sinks: Optional[torch.Tensor] = None):
     """Attention of q over a KV cache after appending k and v to it in place.
 
     q: (batch, seqlen_q, heads, head_dim), seqlen_q from 1 (decoding) to thousands (chunked
@@ -88,6 +89,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seql
     batch entry. heads a multiple of heads_k (GQA/MQA). The full semantics, including rotary's
     positions: flash_cutlass.reference.attention_with_kvcache.
 
+    sinks ((heads,), on q's device): an attention sink a query head, as in flash_forward (lse then
+    includes it; on CUDA folded into the kernels' out and lse by one elementwise pass).
     num_splits: how many CTAs share one sequence's keys on CUDA (split-KV, merged by log-sum-exp);
     0 picks from the shapes and the GPU's SM count. CPU tensors ignore it.
     Returns out like q, or (out, lse) with return_lse, lse fp32 (batch, heads, seqlen_q).
@@ -103,7 +106,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seql
         q, k_cache, v_cache, k, v, cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved)
+        rotary_interleaved=rotary_interleaved, sinks=sinks)
     num_splits = _check_num_splits(num_splits)
     return_lse = check_bool(return_lse, "return_lse")
     op_args = _op_args(q, k_cache, v_cache, k, v, arguments, num_splits)
@@ -121,19 +124,19 @@ def _op_args(q, k_cache, v_cache, k, v, arguments: reference.KVCacheArguments, n
             seqlens if isinstance(seqlens, int) else None, arguments.block_table, arguments.cache_batch_idx,
             arguments.softmax_scale, arguments.causal, arguments.window_size[0], arguments.window_size[1],
             arguments.softcap, arguments.alibi_slopes, arguments.rotary_cos, arguments.rotary_sin,
-            arguments.rotary_interleaved, num_splits)
+            arguments.rotary_interleaved, num_splits, arguments.sinks)
 
 
 def _run(arguments: Optional[reference.KVCacheArguments], q, k_cache, v_cache, k, v, seqlens_tensor, seqlens_int,
          block_table, cache_batch_idx, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-         rotary_cos, rotary_sin, rotary_interleaved, num_splits):
+         rotary_cos, rotary_sin, rotary_interleaved, num_splits, sinks):
     """(out, lse) of a call given the op's arguments; `arguments` are their checked form, or None to
     check them again (the op's own entry, whose values came from checked ones)."""
     cache_seqlens = seqlens_tensor if seqlens_tensor is not None else seqlens_int
     options = dict(block_table=block_table, cache_batch_idx=cache_batch_idx, softmax_scale=softmax_scale,
                    causal=causal, window_size=(window_left, window_right), softcap=softcap,
                    alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                   rotary_interleaved=rotary_interleaved)
+                   rotary_interleaved=rotary_interleaved, sinks=sinks)
     if q.device.type != "cuda":
         return reference.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, **options)
     if arguments is None:
@@ -146,7 +149,7 @@ _LIBRARY.define("kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tenso
                 "Tensor? cache_seqlens, int? cache_seqlen, Tensor? block_table, Tensor? cache_batch_idx, "
                 "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
                 "Tensor? alibi_slopes, Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, "
-                "int num_splits) -> (Tensor, Tensor)")
+                "int num_splits, Tensor? sinks) -> (Tensor, Tensor)")
 
 
 @torch.library.impl(_LIBRARY, "kvcache", "CompositeExplicitAutograd")
@@ -180,4 +183,6 @@ def _forward_cuda(q, k_cache, v_cache, k, v, arguments: reference.KVCacheArgumen
         _aligned(q), k_cache, v_cache, _aligned(k), _aligned(v), contiguous[0],
         seqlens if isinstance(seqlens, int) else arguments.capacity, contiguous[1], contiguous[2], *rotary,
         arguments.rotary_interleaved, arguments.rotary_q_per_row, out, lse, num_splits, options)
+    if arguments.sinks is not None:
+        return reference.fold_sinks(out, lse, arguments.sinks)
     return out, lse

@@ -58,6 +58,8 @@ def _backward(dout, q, k, v, out, lse, *option_args):
 
 
 _NO_OPTION_GRADIENTS = (None,) * len(AttentionOptions().op_args())
+# Where the sinks are among the option arguments: the one option with a gradient.
+_SINKS_INDEX = AttentionOptions.schema().split(", ").index("Tensor? sinks")
 forward_op = torch.ops.flash_cutlass.forward.default
 backward_op = torch.ops.flash_cutlass.backward.default
 
@@ -121,10 +123,20 @@ def _backward_inputs(ctx):
     return (q, k, v, out, lse), _backward_options(ctx.options, rng_state)
 
 
+def _sinks_gradient(grad_out, tensors, options: AttentionOptions):
+    """The sinks' gradient (None without sinks) from the saved (q, k, v, out, lse)."""
+    if options.sinks is None:
+        return None
+    return backend.sinks_gradient(grad_out, tensors[3], tensors[4], options)
+
+
 def _gradients(ctx, grad_out, _grad_lse, _grad_rng_state):
     tensors, options = _backward_inputs(ctx)
-    dq, dk, dv = backward_op(grad_out.contiguous(), *tensors, *options.op_args())
-    return (dq, dk, dv) + _NO_OPTION_GRADIENTS
+    grad_out = grad_out.contiguous()
+    dq, dk, dv = backward_op(grad_out, *tensors, *options.op_args())
+    option_gradients = list(_NO_OPTION_GRADIENTS)
+    option_gradients[_SINKS_INDEX] = _sinks_gradient(grad_out, tensors, options)
+    return (dq, dk, dv, *option_gradients)
 
 
 torch.library.register_autograd("flash_cutlass::forward", _gradients, setup_context=_setup_context)
@@ -134,10 +146,12 @@ class _Attention(torch.autograd.Function):
     """The forward op and its gradient as an autograd.Function, for eager calls: the same
     context and formula as the op's registered autograd, calling the ops' implementations
     directly (the dispatcher's walk over the schemas, torch.library's autograd redispatch and the
-    options' round trip through op arguments cost about as much host time as the rest of a call)."""
+    options' round trip through op arguments cost about as much host time as the rest of a call).
+    The sinks, the one option with a gradient, come again as an input of their own."""
 
     @staticmethod
-    def forward(ctx, q, k, v, options: AttentionOptions):
+    def forward(ctx, q, k, v, _sinks, options: AttentionOptions):
+        # _sinks is options.sinks, passed on its own so that autograd sees it as an input.
         out, lse, rng_state = _forward_outputs(q, k, v, options)
         _save_for_backward(ctx, q, k, v, options, out, lse, rng_state)
         return out, lse, rng_state
@@ -145,8 +159,9 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse, _grad_rng_state):
         tensors, options = _backward_inputs(ctx)
-        dq, dk, dv = backend.backward(grad_out.contiguous(), *tensors, options)
-        return dq, dk, dv, None
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = backend.backward(grad_out, *tensors, options)
+        return dq, dk, dv, _sinks_gradient(grad_out, tensors, options), None
 
 
 def attention(q, k, v, options: AttentionOptions):
@@ -155,5 +170,5 @@ def attention(q, k, v, options: AttentionOptions):
     if torch.compiler.is_compiling():
         out, lse, _ = forward_op(q, k, v, *options.op_args())
     else:
-        out, lse, _ = _Attention.apply(q, k, v, options)
+        out, lse, _ = _Attention.apply(q, k, v, options.sinks, options)
     return out, lse

@@ -48,6 +48,9 @@ class AttentionOptions:
     softcap: float = _option("float", 0.0)
     # float32 (heads,) or (batch, heads), on q's device.
     alibi_slopes: Optional[torch.Tensor] = _option("Tensor?", None)
+    # An attention sink a query head: (heads,), a floating dtype, on q's device (reference.py's
+    # docstring). The kernels run without it; flash_cutlass.backend folds it into their out and lse.
+    sinks: Optional[torch.Tensor] = _option("Tensor?", None)
     dropout_p: float = _option("float", 0.0)
     # With dropout: the int64 (seed, offset) of the mask, on the CPU or on q's device (one a
     # forward returned); None in a forward that draws its mask from `generator` when it runs
@@ -159,6 +162,14 @@ def check_alibi_slopes(alibi_slopes, q: torch.Tensor, batch: int) -> Optional[to
     return alibi_slopes.contiguous()
 
 
+def check_sinks(sinks, q: torch.Tensor) -> Optional[torch.Tensor]:
+    """None, or a floating tensor of shape (heads,) on q's device."""
+    sinks = reference.check_sinks(sinks, q.shape[-2])
+    if sinks is not None:
+        reference.check_device_of_q(sinks, "sinks", q.device)
+    return sinks
+
+
 def check_dropout_p(dropout_p) -> float:
     """dropout_p as a float in [0, 1)."""
     value = _check_real(dropout_p, "dropout_p", "a float")
@@ -241,12 +252,13 @@ def draw_rng_state(generator: Optional[torch.Generator], device: torch.device) -
     return torch.tensor([seed, offset], dtype=torch.int64)
 
 
-def _checked(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_state, kernel,
-             deterministic, direction, varlen) -> dict:
+def _checked(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, dropout_p, rng_state,
+             kernel, deterministic, direction, varlen) -> dict:
     window_left, window_right = reference.check_window_size(window_size)
     fields = dict(softmax_scale=check_softmax_scale(softmax_scale, q.shape[-1]), causal=check_bool(causal, "causal"),
                   window_left=window_left, window_right=window_right, softcap=check_softcap(softcap),
-                  alibi_slopes=check_alibi_slopes(alibi_slopes, q, batch), dropout_p=check_dropout_p(dropout_p),
+                  alibi_slopes=check_alibi_slopes(alibi_slopes, q, batch), sinks=check_sinks(sinks, q),
+                  dropout_p=check_dropout_p(dropout_p),
                   rng_state=check_rng_state(rng_state, q), kernel=check_kernel(kernel, direction),
                   deterministic=check_bool(deterministic, "deterministic"))
     if varlen is not None:
@@ -255,7 +267,7 @@ def _checked(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes
 
 
 def forward_options(q: torch.Tensor, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, dropout_p=0.0, generator=None, rng_state=None, kernel=None,
+                    alibi_slopes=None, sinks=None, dropout_p=0.0, generator=None, rng_state=None, kernel=None,
                     deterministic=False, batch: Optional[int] = None, varlen: Optional[tuple] = None
                     ) -> AttentionOptions:
     """The options of a forward call on q (batch, seqlen_q, heads, head_dim), validated; raises
@@ -265,7 +277,7 @@ def forward_options(q: torch.Tensor, *, softmax_scale=None, causal=False, window
     A variable-length call passes its batch (the number of sequences) and varlen = (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k), shapes already checked."""
     fields = _checked(q, q.shape[0] if batch is None else batch, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, dropout_p, rng_state, kernel, deterministic, "forward", varlen)
+                      alibi_slopes, sinks, dropout_p, rng_state, kernel, deterministic, "forward", varlen)
     generator = check_generator(generator, q)
     if generator is not None and fields["rng_state"] is not None:
         raise ValueError("pass generator or rng_state, not both")
@@ -277,11 +289,11 @@ def forward_options(q: torch.Tensor, *, softmax_scale=None, causal=False, window
 
 
 def backward_options(q: torch.Tensor, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None, dropout_p=0.0, rng_state=None, kernel=None, deterministic=False,
+                     alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, kernel=None, deterministic=False,
                      batch: Optional[int] = None, varlen: Optional[tuple] = None) -> AttentionOptions:
     """The options of a backward call (those of its forward call and deterministic), validated."""
     fields = _checked(q, q.shape[0] if batch is None else batch, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, dropout_p, rng_state, kernel, deterministic, "backward", varlen)
+                      alibi_slopes, sinks, dropout_p, rng_state, kernel, deterministic, "backward", varlen)
     if fields["dropout_p"] > 0 and fields["rng_state"] is None:
         raise ValueError("dropout_p > 0 needs rng_state, the one flash_forward returned with out and lse")
     if fields["dropout_p"] == 0:

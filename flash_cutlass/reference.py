@@ -28,8 +28,14 @@ Layout and conventions shared by every function here:
   ``floor(dropout_p * 2^32)`` and scales the kept ones by ``1 / (1 - dropout_p)`` on their way
   into the output; the log-sum-exp stays that of the undropped softmax. The words are the
   kernels' (``include/flash_cutlass/common/dropout.h``): :func:`dropout_keep_mask`.
-* ``window_size``, ``softcap``, ``alibi_slopes``, ``dropout_p`` and ``rng_state`` are keywords of
-  every function here, as is ``batch_start``: the call's index of the first batch entry, for
+* ``sinks`` (``(heads,)``, a floating dtype) gives each query head an attention sink: a logit
+  that joins every row's softmax after the scale, soft cap, ALiBi and mask, and attends to no value
+  (gpt-oss's learned sinks). The row's probabilities then sum to ``1 - exp(sink - lse)``, and the
+  log-sum-exp includes it: ``lse = log(exp(sink) + sum_j exp(score_j))``, so that a row that sees no
+  key gets output 0 and log-sum-exp ``sink``. ``-inf`` is no sink. The backward needs nothing more
+  than that ``lse``; the sinks' own gradient is :func:`sinks_gradient`.
+* ``window_size``, ``softcap``, ``alibi_slopes``, ``dropout_p``, ``rng_state`` and ``sinks`` (the
+  forwards only) are keywords of every function here, as is ``batch_start``: the call's index of the first batch entry, for
   dropout's words (the variable-length functions run their sequences one at a time).
 * A query row that may attend no key gets output 0 and log-sum-exp ``-inf``.
 * The log-sum-exp is the natural logarithm of ``sum_j exp(scaled score_j)``,
@@ -58,7 +64,8 @@ import torch
 __all__ = ["KVCacheArguments", "alibi_bias", "attention_backward", "attention_backward_varlen", "attention_forward",
            "attention_forward_varlen", "attention_with_kvcache", "causal_mask", "check_alibi_slopes",
            "check_kvcache_arguments",
-           "check_window_size", "dropout_keep_mask", "keep_mask", "naive_attention", "philox4x32_10"]
+           "check_sinks", "check_window_size", "dropout_keep_mask", "fold_sinks", "keep_mask", "naive_attention",
+           "philox4x32_10", "sinks_gradient"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -145,7 +152,10 @@ def attention_forward(
     has_key = ~torch.isneginf(row_max)
     out = acc / torch.where(has_key, row_sum, 1.0).unsqueeze(-1)
     lse = torch.where(has_key, row_max + torch.log(row_sum), float("-inf"))
-    return _ungroup_out(out, blocks.group, blocks.sq).to(q.dtype), lse.reshape(blocks.batch, blocks.heads, blocks.sq)
+    out, lse = _ungroup_out(out, blocks.group, blocks.sq), lse.reshape(blocks.batch, blocks.heads, blocks.sq)
+    if blocks.options.sinks is not None:
+        out, lse = fold_sinks(out, lse, blocks.options.sinks)
+    return out.to(q.dtype), lse
 
 
 def attention_backward(
@@ -173,6 +183,9 @@ def attention_backward(
 
     Returns ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k`` and ``v``.
     """
+    if options.get("sinks") is not None:
+        raise TypeError("attention_backward takes no sinks: the forward's lse holds them, and their gradient "
+                        "is sinks_gradient's")
     blocks = _KeyBlocks(q, k, v, softmax_scale, causal, block_size, options)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape:
@@ -249,12 +262,16 @@ def naive_attention(
     keep = keep_mask(sq, sk, causal, options.window_size, device=q.device)
     if keep is not None:
         scores = _apply_keep(scores, keep, group)
+    if options.sinks is not None:
+        # The sink as one more column of each row's softmax, dropped after it.
+        sink_column = _grouped_sinks(options.sinks, kv_heads, sq, scores.dtype).unsqueeze(-1)
+        scores = torch.cat([scores, sink_column.expand(batch, -1, -1, 1)], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
-    if keep is not None:
-        # softmax of an all -inf row is NaN; such a row attends nothing.
-        has_key = keep.any(dim=-1).repeat(group)
-        probs = torch.where(has_key.unsqueeze(-1), probs, 0.0)
+    if options.sinks is not None:
+        probs = probs[..., :-1]
+    # softmax of an all -inf row is NaN; such a row attends nothing.
+    probs = torch.where(torch.isneginf(lse).unsqueeze(-1), 0.0, probs)
     dropout = _Dropout(options, batch, heads, sq, kv_heads, probs.dtype)
     out = torch.matmul(dropout.applied(probs, 0, sk).to(dtype), vt)
 
@@ -348,6 +365,7 @@ def attention_with_kvcache(
     rotary_cos: torch.Tensor | None = None,
     rotary_sin: torch.Tensor | None = None,
     rotary_interleaved: bool = True,
+    sinks: torch.Tensor | None = None,
     block_size: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a KV cache, appending new keys first: FlashAttention-2's
@@ -394,7 +412,7 @@ def attention_with_kvcache(
        shape ``(batch, heads)`` give sequence ``b`` its row. ``softmax_scale`` defaults to
        ``1 / sqrt(head_dim)``. The keys are gathered into one contiguous tensor per sequence
        first, so a paged cache gives bitwise the result of a contiguous one holding the same
-       values.
+       values. ``sinks`` as in the module docstring.
 
     ``block_size`` is the key block of :func:`attention_forward`'s walk: the order of its sums,
     not what it computes.
@@ -413,7 +431,7 @@ def attention_with_kvcache(
     """
     plan = _KVCachePlan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, softmax_scale,
                         causal, window_size, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved,
-                        block_size)
+                        sinks, block_size)
     # Everything is checked: from here on the cache is written.
     plan.append()
     batch, sq, heads, _ = q.shape
@@ -423,7 +441,8 @@ def attention_with_kvcache(
         keys, values = plan.gathered(b)
         seq_out, seq_lse = attention_forward(
             plan.queries(b), keys.unsqueeze(0), values.unsqueeze(0), plan.scale, plan.causal, block_size,
-            window_size=plan.window_size, softcap=plan.softcap, alibi_slopes=_sequence_slopes(plan.alibi_slopes, b))
+            window_size=plan.window_size, softcap=plan.softcap, alibi_slopes=_sequence_slopes(plan.alibi_slopes, b),
+            sinks=plan.sinks)
         out[b], lse[b] = seq_out[0], seq_lse[0]
     return out, lse
 
@@ -472,6 +491,7 @@ class KVCacheArguments:
     rotary_cos: torch.Tensor | None
     rotary_sin: torch.Tensor | None
     rotary_interleaved: bool
+    sinks: torch.Tensor | None = None
 
     @property
     def rotary(self) -> bool:
@@ -486,7 +506,7 @@ class KVCacheArguments:
 def check_kvcache_arguments(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *, block_table=None,
                             cache_batch_idx=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, alibi_slopes=None, rotary_cos=None, rotary_sin=None,
-                            rotary_interleaved=True) -> KVCacheArguments:
+                            rotary_interleaved=True, sinks=None) -> KVCacheArguments:
     """The checks of :func:`attention_with_kvcache`'s arguments that read no tensor data: types,
     dtypes, devices, shapes, and the values of Python numbers. Raises TypeError or ValueError naming
     the argument. The CPU path (this module) and the CUDA path (flash_cutlass.kvcache) both make
@@ -529,7 +549,7 @@ def check_kvcache_arguments(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         block_table=block_table, cache_batch_idx=cache_batch_idx,
         softmax_scale=_options.check_softmax_scale(softmax_scale, head_dim), causal=causal, window_size=window,
         softcap=_options.check_softcap(softcap), alibi_slopes=_options.check_alibi_slopes(alibi_slopes, q, batch),
-        rotary_cos=None, rotary_sin=None, rotary_interleaved=True)
+        rotary_cos=None, rotary_sin=None, rotary_interleaved=True, sinks=_options.check_sinks(sinks, q))
     if rotary_cos is None and rotary_sin is None:
         return arguments
     if rotary_cos is None or rotary_sin is None:
@@ -638,12 +658,12 @@ class _KVCachePlan:
     the cache is indexed in place, whatever its strides."""
 
     def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, softmax_scale, causal,
-                 window_size, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved, block_size):
+                 window_size, softcap, alibi_slopes, rotary_cos, rotary_sin, rotary_interleaved, sinks, block_size):
         arguments = check_kvcache_arguments(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved)
+            rotary_interleaved=rotary_interleaved, sinks=sinks)
         if not _is_int(block_size) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         batch, sq, heads, head_dim = q.shape
@@ -675,7 +695,7 @@ class _KVCachePlan:
                                      "(k_cache's num_blocks)")
 
         self.scale, self.causal, self.window_size = arguments.softmax_scale, arguments.causal, arguments.window_size
-        self.softcap, self.alibi_slopes = arguments.softcap, arguments.alibi_slopes
+        self.softcap, self.alibi_slopes, self.sinks = arguments.softcap, arguments.alibi_slopes, arguments.sinks
         self.rotary = arguments.rotary
         if self.rotary:
             self.cos, self.sin = arguments.rotary_cos, arguments.rotary_sin
@@ -847,6 +867,76 @@ def check_alibi_slopes(alibi_slopes: object, batch: int, heads: int) -> torch.Te
     return alibi_slopes
 
 
+_SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_sinks(sinks: object, heads: int) -> torch.Tensor | None:
+    """sinks as given (None, or a floating tensor of shape (heads,)); raises TypeError or ValueError
+    naming the argument otherwise. flash_cutlass's entry points check with it too (and for the
+    device)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.dtype not in _SINK_DTYPES:
+        raise TypeError(f"sinks must be float32, float16, bfloat16 or float64, got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (heads,) = ({heads},), one logit a query head, "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
+
+
+def _grouped_sinks(sinks: torch.Tensor, kv_heads: int, sq: int, dtype: torch.dtype) -> torch.Tensor:
+    """The sink of each grouped row (1, kv_heads, group * sq) (the rows of ``_group_queries``)."""
+    group = sinks.shape[0] // kv_heads
+    return sinks.to(dtype).reshape(1, kv_heads, group, 1).expand(1, kv_heads, group, sq).reshape(1, kv_heads, -1)
+
+
+def _sinks_of_rows(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """sinks (heads,) shaped to broadcast against lse: (batch, heads, seqlen_q), or (heads, total_q)
+    in a variable-length call."""
+    return sinks.view(1, -1, 1) if lse.dim() == 3 else sinks.view(-1, 1)
+
+
+def _rows_to_out(values: torch.Tensor) -> torch.Tensor:
+    """A value per row in lse's layout, shaped to broadcast against out: (batch, heads, seqlen_q) ->
+    (batch, seqlen_q, heads, 1), (heads, total_q) -> (total_q, heads, 1)."""
+    return values.transpose(-1, -2).unsqueeze(-1)
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention without sinks made those of attention with them (module docstring):
+    lse' = log(exp(lse) + exp(sink)) and out' = out * exp(lse - lse'), computed in lse's dtype (at
+    least fp32) and returned in out's. out (batch, seqlen_q, heads, head_dim) with lse (batch, heads,
+    seqlen_q), or packed out (total_q, heads, head_dim) with lse (heads, total_q); sinks (heads,).
+    Reads no tensor data on the host."""
+    dtype = torch.promote_types(lse.dtype, torch.float32)
+    lse = lse.to(dtype)
+    folded = torch.logaddexp(lse, _sinks_of_rows(sinks.to(dtype), lse))
+    # A row without keys keeps out 0 (its weight would be exp(-inf - lse'), NaN where lse' is -inf too).
+    weight = torch.where(torch.isneginf(lse), 0.0, torch.exp(lse - folded))
+    return (out.to(torch.promote_types(out.dtype, dtype)) * _rows_to_out(weight)).to(out.dtype), folded
+
+
+def sinks_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                   rows: torch.Tensor | int | None = None) -> torch.Tensor:
+    """The gradient of the sinks (heads,): d sink_h = -sum over the rows of head h of
+    exp(sink_h - lse) * rowsum(dout * out), with out and lse those of the forward with the sinks (the
+    sink's probability times D, the rowsum every backward computes). Layouts as fold_sinks's; rows
+    (a variable-length call): how many leading packed rows belong to a sequence (cu_seqlens_q[-1]),
+    the others left out. Rows with lse -inf contribute nothing. Computed in fp32 (fp64 for fp64
+    inputs), returned in sinks' dtype; reads no tensor data on the host."""
+    dtype = torch.promote_types(torch.promote_types(out.dtype, lse.dtype), torch.float32)
+    delta = (dout.to(dtype) * out.to(dtype)).sum(dim=-1).transpose(-1, -2)  # lse's layout
+    lse = lse.to(dtype)
+    terms = torch.exp(_sinks_of_rows(sinks.to(dtype), lse) - lse) * delta
+    outside = torch.isneginf(lse)
+    if rows is not None:
+        outside |= torch.arange(lse.shape[-1], device=lse.device) >= rows
+    terms = torch.where(outside, 0.0, terms)
+    return -(terms.sum(dim=(0, 2)) if lse.dim() == 3 else terms.sum(dim=1)).to(sinks.dtype)
+
+
 def alibi_bias(
     alibi_slopes: torch.Tensor, batch: int, sq: int, sk: int, key_start: int, key_end: int, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -923,6 +1013,7 @@ class _ScoreOptions:
     alibi_slopes: torch.Tensor | None = None
     dropout_p: float = 0.0
     rng_state: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
     batch_start: int = 0
 
     @classmethod
@@ -939,7 +1030,8 @@ class _ScoreOptions:
             raise ValueError(f"dropout_p must be in [0, 1), got {given.dropout_p}")
         if _dropout_threshold(given.dropout_p) > 0 and not isinstance(given.rng_state, torch.Tensor):
             raise ValueError("dropout_p > 0 needs rng_state, an int64 (seed, offset) tensor")
-        return dataclasses.replace(given, window_size=window_size, alibi_slopes=alibi_slopes)
+        return dataclasses.replace(given, window_size=window_size, alibi_slopes=alibi_slopes,
+                                   sinks=check_sinks(given.sinks, heads))
 
 
 class _Dropout:

@@ -220,19 +220,25 @@ def check_kernels_against_oracle(kernel: str, q, k, v, dout, causal: bool, **opt
 
 
 def check_gradients_against_oracle(name: str, grads, q, k, v, dout, causal: bool, **options) -> None:
-    """(dq, dk, dv) of a call on CUDA inputs with the keyword `options` against the gradients of
-    the fp32 oracle (reference.naive_attention's autograd) by FlashAttention-2's pass rule; the
-    messages start with `name`."""
+    """(dq, dk, dv) of a call on CUDA inputs with the keyword `options` (and dsinks after them with
+    sinks) against the gradients of the fp32 oracle (reference.naive_attention's autograd) by
+    FlashAttention-2's pass rule; the messages start with `name`."""
     from flash_cutlass.reference import naive_attention
 
     scale = 1.0 / math.sqrt(q.shape[-1])
+    sinks = options.pop("sinks", None)
+    names = ("q", "k", "v") if sinks is None else ("q", "k", "v", "sinks")
+    assert len(grads) == len(names), f"{name}: {len(grads)} gradients, expected {len(names)}"
 
     def grads_of(compute_dtype):
         leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
-        attended, _ = naive_attention(*leaves, scale, causal, **options)
-        return torch.autograd.grad(attended, leaves, dout.to(attended.dtype))
+        # The sinks as the oracle's own parameter: in fp32, or in their own dtype for the baseline.
+        sink_leaves = [] if sinks is None else [sinks.detach().to(compute_dtype or sinks.dtype).requires_grad_()]
+        attended, _ = naive_attention(*leaves, scale, causal, **options,
+                                      **({"sinks": sink_leaves[0]} if sink_leaves else {}))
+        return torch.autograd.grad(attended, leaves + sink_leaves, dout.to(attended.dtype))
 
-    for letter, grad, ref, base in zip("qkv", grads, grads_of(torch.float32), grads_of(None)):
+    for letter, grad, ref, base in zip(names, grads, grads_of(torch.float32), grads_of(None)):
         fa2_check(grad, ref, base, f"{name} d{letter}")
 
 
@@ -252,11 +258,12 @@ def window_keep(sq: int, sk: int, causal: bool, window) -> torch.Tensor:
 
 
 def explicit_attention_fp64(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                            dropout_keep=None, dropout_p=0.0):
+                            dropout_keep=None, dropout_p=0.0, sinks=None):
     """out and lse of (batch, seqlen, heads, head_dim) attention with every option written out
     from its documented rule, independently of flash_cutlass.reference: the soft cap, ALiBi's
     distances and the mask element by element, dropout from an explicit keep mask (batch, heads,
-    sq, sk). Computes in the inputs' dtype (fp64 in the tests); rows without keys give 0, -inf."""
+    sq, sk), sinks (heads,) as one more column of each row's softmax that is dropped after it.
+    Computes in the inputs' dtype (fp64 in the tests); rows without keys (nor a sink) give 0, -inf."""
     batch, sq, heads, _ = q.shape
     sk = k.shape[1]
     group = heads // k.shape[2]
@@ -272,8 +279,12 @@ def explicit_attention_fp64(q, k, v, scale, causal=False, window=(-1, -1), softc
         slopes = alibi_slopes.to(scores.dtype).expand(batch, heads)
         scores = scores - slopes[:, :, None, None] * distance
     scores = scores.masked_fill(~window_keep(sq, sk, causal, window), -math.inf)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, heads, 1, 1).expand(batch, heads, sq, 1)], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+    if sinks is not None:
+        probs = probs[..., :-1]
     if dropout_keep is not None:
         probs = torch.where(dropout_keep, probs / (1 - dropout_p), 0.0)
     return torch.einsum("bhqk,bkhd->bqhd", probs, vr), lse

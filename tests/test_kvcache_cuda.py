@@ -2,7 +2,7 @@
 option, compiled head dim and dtype, padded head dims, GQA 1-8, contiguous and paged caches (page
 sizes 1, 16, 64, 256, pages shuffled; chunks looked up by page and by row), decoding and chunked prefill, split-KV; the append (rotated
 too) bitwise the reference's; paged == contiguous bitwise; lengths 0 and 1, fully masked rows, int
-and None cache_seqlens, NaN past the lengths; CUDA graph replay and torch.compile == eager; out-of-range lengths and
+and None cache_seqlens, NaN past the lengths; attention sinks; CUDA graph replay and torch.compile == eager; out-of-range lengths and
 block ids stay inside the cache. Skipped without a GPU."""
 
 import pytest
@@ -57,6 +57,7 @@ OPTIONS = {
     "window_both": {"window_size": (20, 3)},
     "softcap": {"softcap": 4.0, "causal": True},
     "alibi": "alibi",
+    "sinks": "sinks",
     "scale": {"softmax_scale": 0.3},
 }
 
@@ -99,6 +100,8 @@ def test_every_option_matches_reference(cuda_gen, dtype, option, seqlen_q, seqle
     options = OPTIONS[option]
     if options == "alibi":
         options = {"alibi_slopes": torch.rand(2, 8, generator=gen).cuda(), "causal": True}
+    elif options == "sinks":  # folded into the kernels' out and lse
+        options = {"sinks": (2 * torch.randn(8, generator=gen) + 1).cuda(), "causal": True}
     check_against_reference(call, dtype, num_splits=num_splits, **options)
 
 

@@ -1,8 +1,9 @@
 """flash_cutlass inside Hugging Face transformers models (flash_cutlass.integrations.transformers).
 
-Tiny random-initialised Llama-, Mistral- and Gemma-2-style models, built from configs (nothing is
-downloaded), run with attn_implementation set to flash_cutlass and to transformers' own ("sdpa";
-"eager" for Gemma 2): the logits at every real token and the weight gradients pass
+Tiny random-initialised Llama-, Mistral-, Gemma-2- and gpt-oss-style models (gpt-oss: learned
+attention sinks, sliding and full layers), built from configs (nothing is downloaded), run with
+attn_implementation set to flash_cutlass and to transformers' own ("sdpa"; "eager" for Gemma 2 and
+gpt-oss): the logits at every real token and the weight gradients (the sinks' too) pass
 FlashAttention-2's rule against the same model in float32 (transformers' attention there: the
 oracle; in bfloat16: the baseline), with left- and right-padded batches; sequences packed into one
 row give each sequence's own logits; generate() returns the same greedy tokens. CPU (the reference) always; CUDA (the kernels) where a GPU is visible. Skipped without
@@ -30,6 +31,11 @@ def config_of(family: str):
         return transformers.LlamaConfig(**common)
     if family == "mistral":  # a sliding window shorter than the sequences
         return transformers.MistralConfig(sliding_window=8, **common)
+    if family == "gpt_oss":  # attention sinks; sliding and full layers
+        # Every token through every expert: a top-k choice that rounding can flip would change the
+        # logits by far more than attention's rounding does.
+        return transformers.GptOssConfig(sliding_window=8, num_local_experts=2, num_experts_per_tok=2,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
     # Gemma 2: soft-capped scores, local (window) and global layers alternating.
     return transformers.Gemma2Config(sliding_window=8, attn_logit_softcapping=20.0, final_logit_softcapping=None,
                                      query_pre_attn_scalar=16, **common)
@@ -38,13 +44,17 @@ def config_of(family: str):
 def models(family: str, device: str):
     """The same weights three times: float32 on transformers' own attention (oracle), bfloat16 on
     it (baseline), bfloat16 on flash_cutlass. Their own attention is "sdpa", or "eager" for Gemma 2
-    (its soft cap has no sdpa form)."""
+    (its soft cap has no sdpa form) and gpt-oss (nor its sinks)."""
     torch.manual_seed(0)
     config = config_of(family)
-    reference = "eager" if family == "gemma2" else "sdpa"
+    reference = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
     # Each model its own config: a model records its attention implementation in its config.
     oracle = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference)
     oracle = oracle.to(device).float()
+    with torch.no_grad():
+        for layer in oracle.model.layers:
+            if hasattr(layer.self_attn, "sinks"):  # sinks of a few units, where they matter (init: ~0.02)
+                layer.self_attn.sinks.copy_(2 * torch.randn(layer.self_attn.sinks.shape) + 1)
     state = oracle.state_dict()
     built = [oracle]
     for implementation in (reference, NAME):
@@ -79,6 +89,7 @@ def logits_and_grads(model, input_ids, mask, **kwargs):
     loss.backward()
     layer = model.model.layers[0]
     grads = [layer.self_attn.q_proj.weight.grad, layer.self_attn.v_proj.weight.grad, model.model.embed_tokens.weight.grad]
+    grads += [other.self_attn.sinks.grad for other in model.model.layers if hasattr(other.self_attn, "sinks")]
     return logits[valid].detach(), [g.detach() for g in grads]
 
 
@@ -88,7 +99,7 @@ def devices():
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_logits_and_gradients_match_sdpa(family, padding, device):
     oracle, baseline, ours = models(family, device)
     input_ids, mask = batch_of(device, padding)
@@ -96,7 +107,9 @@ def test_logits_and_gradients_match_sdpa(family, padding, device):
     base_logits, base_grads = logits_and_grads(baseline, input_ids, mask)
     logits, grads = logits_and_grads(ours, input_ids, mask)
     fa2_check(logits, expected_logits, base_logits, f"{family} {padding} logits")
-    for name, grad, expected, base in zip(("q_proj", "v_proj", "embed_tokens"), grads, expected_grads, base_grads):
+    names = ("q_proj", "v_proj", "embed_tokens", "sinks of the sliding layer", "sinks of the full layer")
+    assert len(grads) == (5 if family == "gpt_oss" else 3)
+    for name, grad, expected, base in zip(names, grads, expected_grads, base_grads):
         fa2_check(grad, expected, base, f"{family} {padding} d{name}")
 
 
@@ -123,7 +136,7 @@ def test_sequences_packed_into_one_row(family, told_by, device):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_generate_gives_the_same_greedy_tokens(family, device):
     _, baseline, ours = models(family, device)
     input_ids, mask = batch_of(device, "left")

@@ -13,12 +13,13 @@ and for generate():
 - sequences packed without padding: the cu_seq_lens_* / max_length_* keyword arguments of
   transformers' packing collators, or position ids that restart, become a variable-length call;
 - GQA, sliding windows (a window of `sliding_window` keys, the query's own included), soft capping
-  (Gemma 2), dropout in training, a KV cache (its keys after the queries': flash_cutlass's causal
-  diagonal is aligned bottom-right).
+  (Gemma 2), attention sinks (gpt-oss's `s_aux`, learned: they get their gradient), dropout in
+  training, a KV cache (its keys after the queries': flash_cutlass's causal diagonal is aligned
+  bottom-right).
 The name must not contain "flash": transformers treats such names as flash-attn kernel packages
 to import. Inputs must be float16 or bfloat16 (float32 activations are cast to the model's half
 dtype, as transformers' flash path does). Not supported: output_attentions (a warning; no
-weights are returned) and attention sinks (s_aux).
+weights are returned).
 """
 
 from __future__ import annotations
@@ -85,10 +86,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None, **kwargs):
     """transformers' attention-function interface: query (batch, heads, seqlen_q, head_dim), key
     and value (batch, heads_k, seqlen_k, head_dim); attention_mask the 2D padding mask
-    (batch, seqlen_k) or None. Returns (output (batch, seqlen_q, heads, head_dim), None)."""
-    if s_aux is not None:
-        raise NotImplementedError("flash_cutlass attention has no attention sinks (s_aux); use another "
-                                  "attn_implementation for this model")
+    (batch, seqlen_k) or None; s_aux an attention sink a query head (heads,). Returns (output
+    (batch, seqlen_q, heads, head_dim), None)."""
     if kwargs.get("output_attentions", False):
         warnings.warn("flash_cutlass attention does not return attention weights (output_attentions=True)",
                       stacklevel=2)
@@ -103,7 +102,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     batch, seqlen_q = q.shape[0], q.shape[1]
     # A window of sliding_window keys, the query's own included (transformers' convention).
     window = (sliding_window - 1, sliding_window - 1) if sliding_window and k.shape[1] > sliding_window else (-1, -1)
-    options = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0,
+    options = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0, sinks=s_aux,
                    dropout_p=dropout, deterministic=bool(kwargs.get("deterministic") or False))
 
     if attention_mask is not None:

@@ -273,7 +273,7 @@ def forward(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Ten
     options.rng_state itself when given; else drawn from options.generator, by the extension for
     CUDA tensors (draws_in_kernel: a tensor on q's device that the kernel writes, graph-safe) or
     on the host (a CPU tensor). With options.sinks, out and lse are those of attention with the sinks:
-    the reference computes them so; the kernels run without them, and reference.fold_sinks folds
+    the reference computes them so; the kernels run without them, and reference.fold_sinks_into folds
     the sinks into their out and lse (one pass over out)."""
     if options.dropout_p > 0 and options.rng_state is None and not draws_in_kernel(q.device, options.generator):
         options = options.replace(rng_state=draw_rng_state(options.generator, q.device), generator=None)
@@ -321,7 +321,7 @@ def _forward_cuda(q, k, v, options: AttentionOptions, without_work: bool = False
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim].contiguous()
     if options.sinks is not None:
-        out, lse = reference.fold_sinks(out, lse, options.sinks)
+        lse = reference.fold_sinks_into(out, lse, options.sinks)
     return out, lse, rng_state
 
 

@@ -184,5 +184,5 @@ def _forward_cuda(q, k_cache, v_cache, k, v, arguments: reference.KVCacheArgumen
         seqlens if isinstance(seqlens, int) else arguments.capacity, contiguous[1], contiguous[2], *rotary,
         arguments.rotary_interleaved, arguments.rotary_q_per_row, out, lse, num_splits, options)
     if arguments.sinks is not None:
-        return reference.fold_sinks(out, lse, arguments.sinks)
+        lse = reference.fold_sinks_into(out, lse, arguments.sinks)
     return out, lse

@@ -64,7 +64,7 @@ import torch
 __all__ = ["KVCacheArguments", "alibi_bias", "attention_backward", "attention_backward_varlen", "attention_forward",
            "attention_forward_varlen", "attention_with_kvcache", "causal_mask", "check_alibi_slopes",
            "check_kvcache_arguments",
-           "check_sinks", "check_window_size", "dropout_keep_mask", "fold_sinks", "keep_mask", "naive_attention",
+           "check_sinks", "check_window_size", "dropout_keep_mask", "fold_sinks_into", "keep_mask", "naive_attention",
            "philox4x32_10", "sinks_gradient"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -154,7 +154,7 @@ def attention_forward(
     lse = torch.where(has_key, row_max + torch.log(row_sum), float("-inf"))
     out, lse = _ungroup_out(out, blocks.group, blocks.sq), lse.reshape(blocks.batch, blocks.heads, blocks.sq)
     if blocks.options.sinks is not None:
-        out, lse = fold_sinks(out, lse, blocks.options.sinks)
+        lse = fold_sinks_into(out, lse, blocks.options.sinks)
     return out.to(q.dtype), lse
 
 
@@ -904,25 +904,26 @@ def _rows_to_out(values: torch.Tensor) -> torch.Tensor:
     return values.transpose(-1, -2).unsqueeze(-1)
 
 
-def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of attention without sinks made those of attention with them (module docstring):
-    lse' = log(exp(lse) + exp(sink)) and out' = out * exp(lse - lse'), computed in lse's dtype (at
-    least fp32) and returned in out's. out (batch, seqlen_q, heads, head_dim) with lse (batch, heads,
-    seqlen_q), or packed out (total_q, heads, head_dim) with lse (heads, total_q); sinks (heads,).
-    Reads no tensor data on the host."""
+def fold_sinks_into(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Makes (out, lse) of attention without sinks those of attention with them (module docstring):
+    scales out in place by exp(lse - lse') = sigmoid(lse - sink), in lse's dtype (at least fp32)
+    before out's rounding, and returns lse' = log(exp(lse) + exp(sink)). out (batch, seqlen_q, heads,
+    head_dim) with lse (batch, heads, seqlen_q), or packed out (total_q, heads, head_dim) with lse
+    (heads, total_q); sinks (heads,). Reads no tensor data on the host; one pass over out."""
     dtype = torch.promote_types(lse.dtype, torch.float32)
     lse = lse.to(dtype)
-    folded = torch.logaddexp(lse, _sinks_of_rows(sinks.to(dtype), lse))
-    # A row without keys keeps out 0 (its weight would be exp(-inf - lse'), NaN where lse' is -inf too).
-    weight = torch.where(torch.isneginf(lse), 0.0, torch.exp(lse - folded))
-    return (out.to(torch.promote_types(out.dtype, dtype)) * _rows_to_out(weight)).to(out.dtype), folded
+    # A sink of -inf (none) as the lowest finite logit: a row without keys then keeps out 0 where
+    # -inf - -inf would make its weight NaN.
+    row_sinks = _sinks_of_rows(sinks.to(dtype).clamp_min(torch.finfo(dtype).min), lse)
+    out.mul_(_rows_to_out(torch.sigmoid(lse - row_sinks)))
+    return torch.logaddexp(lse, _sinks_of_rows(sinks.to(dtype), lse))
 
 
 def sinks_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
                    rows: torch.Tensor | int | None = None) -> torch.Tensor:
     """The gradient of the sinks (heads,): d sink_h = -sum over the rows of head h of
     exp(sink_h - lse) * rowsum(dout * out), with out and lse those of the forward with the sinks (the
-    sink's probability times D, the rowsum every backward computes). Layouts as fold_sinks's; rows
+    sink's probability times D, the rowsum every backward computes). Layouts as fold_sinks_into's; rows
     (a variable-length call): how many leading packed rows belong to a sequence (cu_seqlens_q[-1]),
     the others left out. Rows with lse -inf contribute nothing. Computed in fp32 (fp64 for fp64
     inputs), returned in sinks' dtype; reads no tensor data on the host."""

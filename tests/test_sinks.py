@@ -3,7 +3,7 @@ value (gpt-oss), so lse = log(exp(sink) + sum_j exp(score_j)) and out = sum_j ex
 
 CPU: the reference (tiled and naive) against an fp64 implementation written out here (the sink as
 one more column of the scores), forward and gradients (by autograd, the sinks' own included), with
-causal masks, windows, a soft cap, ALiBi, GQA and rows that see no key; reference.fold_sinks (what
+causal masks, windows, a soft cap, ALiBi, GQA and rows that see no key; reference.fold_sinks_into (what
 the CUDA path applies to the kernels' out and lse) against the reference's own sinks in both
 layouts; the entry points (flash_forward / flash_backward / flash_attention, their variable-length
 forms, torch.compile, the KV cache) with sinks; a sink of -inf is no sink; dropout; bad sinks
@@ -19,7 +19,8 @@ import torch
 
 import flash_cutlass
 from flash_cutlass import reference
-from flash_cutlass.reference import attention_backward, attention_forward, fold_sinks, naive_attention, sinks_gradient
+from flash_cutlass.reference import (attention_backward, attention_forward, fold_sinks_into, naive_attention,
+                                     sinks_gradient)
 from helpers import (check_kernels_against_oracle, check_rejected_by_every_entry_point, cuda_inputs,
                      explicit_attention_fp64, fa2_check, kernel_unavailable, make_qkv_fp64, over_compiled_kernels,
                      requires_backward, requires_cuda)
@@ -83,11 +84,16 @@ def test_sinks_change_the_result_and_minus_infinity_is_no_sink(gen):
     dout = torch.randn(q.shape, generator=gen, dtype=torch.float64)
     assert torch.equal(sinks_gradient(dout, none_out, none_lse, torch.full((HEADS,), -math.inf)),
                        torch.zeros(HEADS, dtype=torch.float32))
+    # Folded into a result with rows that see no key (out 0, lse -inf): they stay so, no NaN.
+    out, lse = attention_forward(q[:, :20], k[:, :5], v[:, :5], 0.3, True)
+    folded_out = out.clone()
+    folded_lse = fold_sinks_into(folded_out, lse, torch.full((HEADS,), -math.inf))
+    assert torch.equal(folded_out, out) and torch.equal(folded_lse, lse) and torch.isneginf(lse).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_fold_sinks_equals_the_reference_with_sinks(gen, dtype):
-    """What the CUDA path does (the kernels' out and lse, then fold_sinks) against the reference's own
+def test_fold_sinks_into_equals_the_reference_with_sinks(gen, dtype):
+    """What the CUDA path does (the kernels' out and lse, then fold_sinks_into) against the reference's own
     sinks, in both layouts; in bfloat16 out is rounded twice there, once here: one unit of its last
     place apart at most."""
     q, k, v = make_qkv_fp64(gen, 40, 17, HEADS, 2, 16, dtype)  # causal: rows without keys too
@@ -97,7 +103,8 @@ def test_fold_sinks_equals_the_reference_with_sinks(gen, dtype):
     # (batch, seqlen, heads, d) with (batch, heads, seqlen); packed (seqlen, heads, d) with (heads, seqlen).
     layouts = [(plain, (expected_out, expected_lse)), ((plain[0][0], plain[1][0]), (expected_out[0], expected_lse[0]))]
     for (out, lse), (want_out, want_lse) in layouts:
-        folded_out, folded_lse = fold_sinks(out, lse, sinks)
+        folded_out = out.clone()
+        folded_lse = fold_sinks_into(folded_out, lse, sinks)
         assert folded_out.dtype == out.dtype and folded_lse.dtype == want_lse.dtype
         torch.testing.assert_close(folded_lse, want_lse, atol=1e-6, rtol=1e-6)
         if dtype == torch.float64:

@@ -35,6 +35,10 @@ exactly that mask (one per step for causal or no mask in either layout), and pai
 key are skipped; a ring whose last steps are empty for every rank (a small window with the
 contiguous layout) stops early.
 
+Attention sinks (sinks=, as flash_attention's) fold into each rank's merged out and lse; their
+gradient on a rank is its query rows' part, as a replicated parameter's is before the data-parallel
+all-reduce that sums it over the ranks (the emulated ring returns the sum over its ranks).
+
 Not supported: dropout_p > 0 and alibi_slopes (ValueError naming them): both depend on positions
 that a shard's calls do not see. Eager mode only (torch.compile graph-breaks on the
 communication). Tensors on the CPU run flash_cutlass's reference per call, with any backend that
@@ -58,7 +62,8 @@ import torch
 from flash_cutlass.interface import (check_cu_seqlens, check_forward_tensors, check_packed_tensors, flash_backward,
                                      flash_backward_varlen, flash_forward)
 from flash_cutlass.interface import flash_forward_varlen
-from flash_cutlass.options import check_bool, check_dropout_p, forward_options
+from flash_cutlass.options import check_bool, check_dropout_p, check_sinks, forward_options
+from flash_cutlass.reference import fold_sinks_into, sinks_gradient
 
 __all__ = ["LAYOUTS", "emulated_ring_flash_attention", "ring_flash_attention", "ring_flash_attention_varlen",
            "sequence_positions", "shard_sequence", "shard_sequence_varlen", "unshard_sequence",
@@ -579,9 +584,10 @@ class _Ring:
         return len(self.calls[0])
 
 
-def _ring_forward(ring: _Ring, qs, ks, vs):
+def _ring_forward(ring: _Ring, qs, ks, vs, sinks=None):
     """(outs, lses) of the ranks this process runs: each rank attends its queries to every key
-    shard in turn, receiving the next one meanwhile, and merges the partial results in fp32."""
+    shard in turn, receiving the next one meanwhile, and merges the partial results in fp32, into
+    which the sinks (or None) then fold."""
     held = [(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)]
     out_accs = [torch.zeros(q.shape, dtype=torch.float32, device=q.device) for q in qs]
     lse_accs = [None] * len(qs)
@@ -605,6 +611,8 @@ def _ring_forward(ring: _Ring, qs, ks, vs):
             shape = (q.shape[0], heads, q.shape[1]) if q.dim() == 4 else (heads, q.shape[0])
             lse = torch.full(shape, -math.inf, dtype=torch.float32, device=q.device)
         lses.append(lse)
+    if sinks is not None:
+        lses = [fold_sinks_into(acc, lse, sinks) for acc, lse in zip(out_accs, lses)]
     return [acc.to(q.dtype) for acc, q in zip(out_accs, qs)], lses
 
 
@@ -653,14 +661,15 @@ def _ring_backward(ring: _Ring, douts, qs, ks, vs, outs, lses):
 
 
 class _RingAttentionFunction(torch.autograd.Function):
-    """Autograd of the ring: tensors = (q of each rank this process runs, then k, then v)."""
+    """Autograd of the ring: sinks (or None), then tensors = (q of each rank this process runs,
+    then k, then v)."""
 
     @staticmethod
-    def forward(ctx, ring: _Ring, *tensors):
+    def forward(ctx, ring: _Ring, sinks, *tensors):
         count = len(tensors) // 3
         qs, ks, vs = tensors[:count], tensors[count:2 * count], tensors[2 * count:]
-        outs, lses = _ring_forward(ring, qs, ks, vs)
-        ctx.ring = ring
+        outs, lses = _ring_forward(ring, qs, ks, vs, sinks)
+        ctx.ring, ctx.sinks = ring, sinks
         ctx.save_for_backward(*qs, *ks, *vs, *outs, *lses)
         ctx.mark_non_differentiable(*lses)
         return (*outs, *lses)
@@ -674,7 +683,11 @@ class _RingAttentionFunction(torch.autograd.Function):
         douts = [torch.zeros_like(out) if grad is None else grad.contiguous()
                  for grad, out in zip(grads[:count], outs)]
         dqs, dks, dvs = _ring_backward(ctx.ring, douts, qs, ks, vs, outs, lses)
-        return (None, *dqs, *dks, *dvs)
+        dsinks = None
+        if ctx.sinks is not None:  # the sum over this process's ranks, in fp32
+            parts = [sinks_gradient(dout, out, lse, ctx.sinks.float()) for dout, out, lse in zip(douts, outs, lses)]
+            dsinks = torch.stack(parts).sum(dim=0).to(ctx.sinks.dtype)
+        return (None, dsinks, *dqs, *dks, *dvs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -745,8 +758,8 @@ def _signature(q, k, attention: _Attention, band: _Band, layout: str, extra=()) 
 
 
 
-def _apply(ring: _Ring, qs, ks, vs, return_lse: bool):
-    results = _RingAttentionFunction.apply(ring, *qs, *ks, *vs)
+def _apply(ring: _Ring, qs, ks, vs, return_lse: bool, sinks=None):
+    results = _RingAttentionFunction.apply(ring, sinks, *qs, *ks, *vs)
     count = len(qs)
     outs, lses = list(results[:count]), list(results[count:])
     return (outs, lses) if return_lse else outs
@@ -755,7 +768,8 @@ def _apply(ring: _Ring, qs, ks, vs, return_lse: bool):
 def ring_flash_attention(q, k, v, group=None, softmax_scale: Optional[float] = None, causal: bool = False,
                          deterministic: bool = False, return_lse: bool = False, *,
                          window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                         dropout_p: float = 0.0, layout: str = "load_balanced", check_across_ranks: bool = False):
+                         dropout_p: float = 0.0, layout: str = "load_balanced", check_across_ranks: bool = False,
+                         sinks: Optional[torch.Tensor] = None):
     """Attention over a sequence sharded across the ranks of `group` (default: the world), each
     rank passing its shards: q (batch, seqlen_local, heads, head_dim), k and v (batch,
     seqlen_local, heads_k, head_dim) of the same positions (self-attention; GQA as in
@@ -767,8 +781,9 @@ def ring_flash_attention(q, k, v, group=None, softmax_scale: Optional[float] = N
     queries own. Differentiable in q, k and v; every rank of the group must call it, and its
     backward, with shards of one shape and the same options.
 
-    softmax_scale, causal, deterministic, window_size and softcap are flash_attention's, applied to
-    the full sequence (causal and windows around its diagonal). alibi_slopes and dropout_p > 0 are
+    softmax_scale, causal, deterministic, window_size, softcap and sinks are flash_attention's,
+    applied to the full sequence (causal and windows around its diagonal; the sinks' gradient is this
+    rank's part: module docstring). alibi_slopes and dropout_p > 0 are
     not supported (ValueError). check_across_ranks=True all-reduces the shapes and options first
     and raises ValueError on every rank when they differ (one small collective and a host
     synchronization a call: for debugging). Every other argument error is raised before any
@@ -779,6 +794,7 @@ def ring_flash_attention(q, k, v, group=None, softmax_scale: Optional[float] = N
     attention, band, layout, return_lse = _check_options(q, softmax_scale, causal, deterministic, return_lse,
                                                          window_size, softcap, alibi_slopes, dropout_p, layout)
     check_across_ranks = check_bool(check_across_ranks, "check_across_ranks")
+    sinks = check_sinks(sinks, q)
     if q.shape[1] % _chunks_per_rank(layout):
         raise ValueError(f"q has {q.shape[1]} tokens, not a multiple of 2: layout='load_balanced' gives each rank "
                          "two equal chunks (the full sequence a multiple of 2 * world_size)")
@@ -787,7 +803,7 @@ def ring_flash_attention(q, k, v, group=None, softmax_scale: Optional[float] = N
         _check_across_ranks(transfers, _signature(q, k, attention, band, layout), "shapes or options", q.device)
     plan = _sequence_plan(q.shape[1] * transfers.world_size, layout, transfers.world_size, band)[transfers.rank]
     ring = _Ring(transfers, [[[_DenseCall(box) for box in boxes] for boxes in plan]], attention)
-    results = _apply(ring, [q], [k], [v], return_lse)
+    results = _apply(ring, [q], [k], [v], return_lse, sinks)
     return (results[0][0], results[1][0]) if return_lse else results[0]
 
 
@@ -810,7 +826,7 @@ def ring_flash_attention_varlen(q, k, v, cu_seqlens, group=None, softmax_scale: 
                                 causal: bool = False, deterministic: bool = False, return_lse: bool = False, *,
                                 window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
                                 dropout_p: float = 0.0, layout: str = "load_balanced",
-                                check_across_ranks: bool = False):
+                                check_across_ranks: bool = False, sinks: Optional[torch.Tensor] = None):
     """ring_flash_attention of a packed batch of sequences: q (total_local, heads, head_dim), k and
     v (total_local, heads_k, head_dim), each rank's packed shard as shard_sequence_varlen gives it
     (every sequence sharded in `layout`, sequence after sequence), and cu_seqlens the int32
@@ -828,6 +844,7 @@ def ring_flash_attention_varlen(q, k, v, cu_seqlens, group=None, softmax_scale: 
                                                          return_lse, window_size, softcap, alibi_slopes,
                                                          dropout_p, layout)
     check_across_ranks = check_bool(check_across_ranks, "check_across_ranks")
+    sinks = check_sinks(sinks, q.unsqueeze(0))
     transfers = _group_ring(group, q)
     lengths, plan = _varlen_plan(cu_seqlens, q, transfers.world_size, transfers.rank, layout, band)
     if check_across_ranks:
@@ -835,7 +852,7 @@ def ring_flash_attention_varlen(q, k, v, cu_seqlens, group=None, softmax_scale: 
         _check_across_ranks(transfers, _signature(q, k, attention, band, layout, extra),
                             "shapes, cu_seqlens or options", q.device)
     ring = _Ring(transfers, [[[_VarlenCall(call, q.device) for call in calls] for calls in plan]], attention)
-    results = _apply(ring, [q], [k], [v], return_lse)
+    results = _apply(ring, [q], [k], [v], return_lse, sinks)
     return (results[0][0], results[1][0]) if return_lse else results[0]
 
 
@@ -843,7 +860,8 @@ def emulated_ring_flash_attention(q_shards: Sequence[torch.Tensor], k_shards: Se
                                   v_shards: Sequence[torch.Tensor], softmax_scale: Optional[float] = None,
                                   causal: bool = False, deterministic: bool = False, return_lse: bool = False, *,
                                   window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                                  layout: str = "load_balanced", cu_seqlens: Optional[torch.Tensor] = None):
+                                  layout: str = "load_balanced", cu_seqlens: Optional[torch.Tensor] = None,
+                                  sinks: Optional[torch.Tensor] = None):
     """The ring of ring_flash_attention (or, with cu_seqlens, of ring_flash_attention_varlen) for
     all world_size = len(q_shards) ranks in this process, without torch.distributed: q_shards[r]
     is rank r's shard, and so on. Each transfer is a copy of the key/value shards (and, in the
@@ -851,7 +869,8 @@ def emulated_ring_flash_attention(q_shards: Sequence[torch.Tensor], k_shards: Se
     the step before, as a network transfer would overlap it (a clone on the CPU).
 
     Returns the list of outs, or (outs, lses) with return_lse, each exactly as rank r of
-    ring_flash_attention would return it; differentiable in every shard. For testing and for
+    ring_flash_attention would return it; differentiable in every shard (and in sinks, whose
+    gradient sums every rank's part). For testing and for
     tracing the overlap on one GPU; its calls run one rank after another.
     """
     world_size = len(q_shards)
@@ -878,6 +897,7 @@ def emulated_ring_flash_attention(q_shards: Sequence[torch.Tensor], k_shards: Se
     attention, band, layout, return_lse = _check_options(q.unsqueeze(0) if varlen else q, softmax_scale, causal,
                                                          deterministic, return_lse, window_size, softcap, None, 0.0,
                                                          layout)
+    sinks = check_sinks(sinks, q.unsqueeze(0) if varlen else q)
     transfers = _EmulatedRing(world_size, q.device)
     if varlen:
         calls = [[[_VarlenCall(call, q.device) for call in step_calls]
@@ -889,4 +909,5 @@ def emulated_ring_flash_attention(q_shards: Sequence[torch.Tensor], k_shards: Se
                              "gives each rank two equal chunks")
         plan = _sequence_plan(q.shape[1] * world_size, layout, world_size, band)
         calls = [[[_DenseCall(box) for box in boxes] for boxes in plan[rank]] for rank in range(world_size)]
-    return _apply(_Ring(transfers, calls, attention), list(q_shards), list(k_shards), list(v_shards), return_lse)
+    return _apply(_Ring(transfers, calls, attention), list(q_shards), list(k_shards), list(v_shards), return_lse,
+                  sinks)

@@ -216,30 +216,71 @@ def check_kernels_against_oracle(kernel: str, q, k, v, dout, causal: bool, **opt
         pytest.skip(reason)
 
     grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel, **options)
-    check_gradients_against_oracle(f"{kernel} backward", grads, q, k, v, dout, causal, **options)
+    check_gradients_against_oracle(f"{kernel} backward", grads, q, k, v, dout, causal, out=out, lse=lse, **options)
 
 
-def check_gradients_against_oracle(name: str, grads, q, k, v, dout, causal: bool, **options) -> None:
-    """(dq, dk, dv) of a call on CUDA inputs with the keyword `options` (and dsinks after them with
-    sinks) against the gradients of the fp32 oracle (reference.naive_attention's autograd) by
-    FlashAttention-2's pass rule; the messages start with `name`."""
+def check_gradients_against_oracle(name: str, grads, q, k, v, dout, causal: bool, out=None, lse=None,
+                                   **options) -> None:
+    """(dq, dk, dv) of a call on CUDA inputs with the keyword `options` against the gradients of
+    the fp32 oracle (reference.naive_attention's autograd) by FlashAttention-2's pass rule; with
+    sinks, grads end with dsinks, checked by check_sinks_gradient against the call's out and lse
+    (which must then be given). The messages start with `name`."""
     from flash_cutlass.reference import naive_attention
 
     scale = 1.0 / math.sqrt(q.shape[-1])
     sinks = options.pop("sinks", None)
-    names = ("q", "k", "v") if sinks is None else ("q", "k", "v", "sinks")
-    assert len(grads) == len(names), f"{name}: {len(grads)} gradients, expected {len(names)}"
+    assert len(grads) == (3 if sinks is None else 4), f"{name}: {len(grads)} gradients"
 
-    def grads_of(compute_dtype):
+    def oracle_of(compute_dtype):
         leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
         # The sinks as the oracle's own parameter: in fp32, or in their own dtype for the baseline.
         sink_leaves = [] if sinks is None else [sinks.detach().to(compute_dtype or sinks.dtype).requires_grad_()]
-        attended, _ = naive_attention(*leaves, scale, causal, **options,
-                                      **({"sinks": sink_leaves[0]} if sink_leaves else {}))
-        return torch.autograd.grad(attended, leaves + sink_leaves, dout.to(attended.dtype))
+        attended, attended_lse = naive_attention(*leaves, scale, causal, **options,
+                                                 **({"sinks": sink_leaves[0]} if sink_leaves else {}))
+        grads = torch.autograd.grad(attended, leaves + sink_leaves, dout.to(attended.dtype))
+        return attended.detach(), attended_lse, grads
 
-    for letter, grad, ref, base in zip(names, grads, grads_of(torch.float32), grads_of(None)):
+    oracle_out, oracle_lse, oracle_grads = oracle_of(torch.float32)
+    for letter, grad, ref, base in zip("qkv", grads, oracle_grads, oracle_of(None)[2]):
         fa2_check(grad, ref, base, f"{name} d{letter}")
+    if sinks is not None:
+        check_sinks_gradient(f"{name} dsinks", grads[3], dout, out, lse, sinks, oracle_out, oracle_lse,
+                             oracle_grads[3])
+
+
+def check_sinks_gradient(name, dsinks, dout, out, lse, sinks, oracle_out, oracle_lse, oracle_dsinks) -> None:
+    """dsinks against the oracle's, within what the out and lse it is computed from allow.
+
+    dsinks_h = -sum over the rows of head h of exp(sink_h - lse) * D, D = rowsum(dout * out): a
+    sum over every row of values computed from out rounded to bf16/fp16, whose relative error
+    (2^-9 and more) does not average out in D as attention's rounding does in autograd's
+    softmax gradient; FlashAttention-2's rule against PyTorch in the same dtype can then fail by
+    far (10x seen) with a correct formula. So the bound is that error carried through the formula:
+    sum_i P_sink,i (sum_d |dout_id| |out_id - oracle_out_id| + |D_i| |lse_i - oracle_lse_i|), plus
+    fp32 summation, at 1.01x; a wrong sign, factor, head or row would exceed it. Layouts: (batch,
+    seqlen, heads, d) with lse (batch, heads, seqlen), or packed (total, heads, d) with (heads, total).
+    out and lse (flash_cutlass's, already checked against the oracle by the FA2 rule) and the
+    oracle's in fp32."""
+    assert dsinks.shape == sinks.shape and dsinks.dtype == sinks.dtype, f"{name}: shape or dtype"
+    device = oracle_dsinks.device
+    dout, out, oracle_out = (t.detach().float().to(device) for t in (dout, out, oracle_out))
+    lse, oracle_lse = lse.detach().float().to(device), oracle_lse.detach().float().to(device)
+    rows_last = (lambda t: t.transpose(-1, -2))  # (..., seqlen, heads) -> lse's layout
+    row_sinks = sinks.detach().float().to(device).view(1, -1, 1) if lse.dim() == 3 else \
+        sinks.detach().float().to(device).view(-1, 1)
+    seen = torch.isfinite(oracle_lse)
+    p_sink = torch.where(seen, torch.exp(row_sinks - torch.where(seen, oracle_lse, 0.0)), 0.0)
+    delta = rows_last((dout * out).sum(-1))
+    delta_error = rows_last((dout.abs() * (out - oracle_out).abs()).sum(-1))
+    lse_error = torch.where(seen, (lse - oracle_lse).abs(), 0.0)
+    terms = p_sink * (delta_error + delta.abs() * lse_error)
+    summation = 1e-5 * (p_sink * delta.abs())
+    reduce = (lambda t: t.sum(dim=(0, 2))) if lse.dim() == 3 else (lambda t: t.sum(dim=1))
+    bound = 1.01 * reduce(terms + summation) + 1e-6
+    error = (dsinks.float().to(device) - oracle_dsinks.float()).abs()
+    assert (error <= bound).all(), (f"{name}: |dsinks - oracle| = {error.tolist()} exceeds the bound carried from "
+                                    f"out's and lse's errors, {bound.tolist()} (dsinks {dsinks.tolist()}, oracle "
+                                    f"{oracle_dsinks.tolist()})")
 
 
 def window_keep(sq: int, sk: int, causal: bool, window) -> torch.Tensor:

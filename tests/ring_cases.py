@@ -32,10 +32,16 @@ class Case:
     chunk: int = 5
     # A variable-length batch: each sequence's length in chunks (0: an empty sequence).
     chunks_per_sequence: Optional[Tuple[int, ...]] = None
+    # Attention sinks (the same on every rank): the results then end with dsinks.
+    with_sinks: bool = False
 
     @property
     def varlen(self) -> bool:
         return self.chunks_per_sequence is not None
+
+    def sinks(self) -> Optional[torch.Tensor]:
+        """Sinks spread around the scores' log-sum-exps, or None."""
+        return torch.linspace(-1.0, 3.0, self.heads) if self.with_sinks else None
 
     def options(self) -> dict:
         return {"causal": self.causal, "window_size": self.window_size, "softcap": self.softcap,
@@ -56,6 +62,8 @@ CASES = [
     Case("varlen_causal", causal=True, chunks_per_sequence=(3, 0, 1, 2)),
     Case("varlen_window", causal=True, window_size=(5, -1), chunks_per_sequence=(2, 4, 1), heads_k=1),
     Case("varlen_full_contiguous", layout="contiguous", chunks_per_sequence=(1, 3)),
+    Case("causal_softcap_sinks", causal=True, softcap=3.0, heads_k=4, with_sinks=True),
+    Case("varlen_causal_sinks", causal=True, chunks_per_sequence=(3, 0, 1, 2), with_sinks=True),
 ]
 
 # The ring of two ranks inside a subgroup of the four-process run (its own inputs: seed + SUBGROUP_SEED).
@@ -106,48 +114,69 @@ def unshard(case: Case, shards, cu_seqlens, lse: bool = False) -> torch.Tensor:
     return full.movedim(0, -1) if lse else full
 
 
+def _sinks_leaves(case: Case, device) -> list:
+    sinks = case.sinks()
+    return [] if sinks is None else [sinks.to(device).requires_grad_()]
+
+
+def _sinks_option(sinks_leaves: list) -> dict:
+    return {"sinks": sinks_leaves[0]} if sinks_leaves else {}
+
+
 def rank_results(case: Case, inputs, rank: int, world_size: int, group=None, device="cpu"):
-    """This rank's (out, lse, dq, dk, dv) of ring_flash_attention(_varlen) and its backward."""
+    """This rank's (out, lse, dq, dk, dv[, dsinks: its part]) of ring_flash_attention(_varlen) and
+    its backward."""
     q, k, v, dout, cu_seqlens = inputs
     local = [shard(case, t, cu_seqlens, rank, world_size).to(device) for t in (q, k, v, dout)]
     leaves = [t.requires_grad_() for t in local[:3]]
+    sinks = _sinks_leaves(case, device)
     if case.varlen:
-        out, lse = cp.ring_flash_attention_varlen(*leaves, cu_seqlens, group, return_lse=True, **case.options())
+        out, lse = cp.ring_flash_attention_varlen(*leaves, cu_seqlens, group, return_lse=True, **case.options(),
+                                                  **_sinks_option(sinks))
     else:
-        out, lse = cp.ring_flash_attention(*leaves, group, return_lse=True, **case.options())
+        out, lse = cp.ring_flash_attention(*leaves, group, return_lse=True, **case.options(), **_sinks_option(sinks))
     out.backward(local[3])
-    return [t.detach().cpu() for t in (out, lse, *(leaf.grad for leaf in leaves))]
+    return [t.detach().cpu() for t in (out, lse, *(leaf.grad for leaf in leaves + sinks))]
 
 
 def emulated_results(case: Case, inputs, world_size: int, device="cpu"):
-    """Every rank's (out, lse, dq, dk, dv) of emulated_ring_flash_attention and its backward."""
+    """Every rank's (out, lse, dq, dk, dv) of emulated_ring_flash_attention and its backward; with
+    sinks, rank 0's ends with the whole dsinks (the emulation's sum over its ranks), the others' with
+    zeros."""
     q, k, v, dout, cu_seqlens = inputs
     shards = [[shard(case, t, cu_seqlens, rank, world_size).to(device) for rank in range(world_size)]
               for t in (q, k, v, dout)]
     leaves = [[t.requires_grad_() for t in per_rank] for per_rank in shards[:3]]
+    sinks = _sinks_leaves(case, device)
     outs, lses = cp.emulated_ring_flash_attention(*leaves, return_lse=True, cu_seqlens=cu_seqlens,
-                                                  **case.options())
+                                                  **case.options(), **_sinks_option(sinks))
     torch.autograd.backward(outs, shards[3])
     per_output = [outs, lses, *([t.grad for t in ts] for ts in leaves)]
+    if sinks:
+        per_output.append([sinks[0].grad] + [torch.zeros_like(sinks[0].grad)] * (world_size - 1))
     return [[ts[rank].detach().cpu() for ts in per_output] for rank in range(world_size)]
 
 
 def oracle(case: Case, inputs, compute_dtype):
-    """out, lse, dq, dk, dv of single-process attention over the full sequence (each sequence on
-    its own in a varlen case), naive_attention computing in compute_dtype (None: bf16)."""
+    """out, lse, dq, dk, dv (and dsinks) of single-process attention over the full sequence (each
+    sequence on its own in a varlen case), naive_attention computing in compute_dtype (None: bf16)."""
     q, k, v, dout, cu_seqlens = inputs
     scale = 1.0 / math.sqrt(case.head_dim)
 
     def dense(q, k, v, dout):
         leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
-        out, lse = naive_attention(*leaves, scale, case.causal, compute_dtype, **case.reference_options())
-        return [out.detach(), lse, *torch.autograd.grad(out, leaves, dout.to(out.dtype))]
+        sinks = case.sinks()
+        sinks_leaves = [] if sinks is None else [sinks.to(compute_dtype or q.dtype).requires_grad_()]
+        out, lse = naive_attention(*leaves, scale, case.causal, compute_dtype, **case.reference_options(),
+                                   **_sinks_option(sinks_leaves))
+        return [out.detach(), lse, *torch.autograd.grad(out, leaves + sinks_leaves, dout.to(out.dtype))]
 
     if not case.varlen:
         return dense(q, k, v, dout)
     starts = cu_seqlens.tolist()
     pieces = [dense(*(t[a:b].unsqueeze(0) for t in (q, k, v, dout))) for a, b in zip(starts, starts[1:]) if b > a]
-    return [torch.cat([p[i][0] for p in pieces], dim=-1 if i == 1 else 0) for i in range(5)]
+    joined = [torch.cat([p[i][0] for p in pieces], dim=-1 if i == 1 else 0) for i in range(5)]
+    return joined + ([sum(p[5] for p in pieces)] if case.with_sinks else [])
 
 
 def check(case: Case, inputs, ranks_results, fa2_check) -> None:
@@ -160,6 +189,14 @@ def check(case: Case, inputs, ranks_results, fa2_check) -> None:
     reference, baseline = oracle(case, inputs, torch.float32), oracle(case, inputs, None)
     for name, actual, expected, same_dtype in zip(("out", "lse", "dq", "dk", "dv"), full, reference, baseline):
         fa2_check(actual, expected, same_dtype, f"{case.name}, {world} ranks: {name}")
+    if case.with_sinks:
+        # Every rank's part of the replicated sinks' gradient, summed, within what the reassembled
+        # out and lse allow (tests/helpers.py; imported here, in the test's process only).
+        from helpers import check_sinks_gradient
+
+        dsinks = sum(ranks_results[r][5] for r in range(world))
+        check_sinks_gradient(f"{case.name}, {world} ranks: dsinks", dsinks, inputs[3], full[0], full[1],
+                             case.sinks(), reference[0], reference[1], reference[5])
 
 
 def worker(rank: int, world_size: int, backend: str, init_file: str, cases, seed: int, results_dir: str) -> None:
@@ -208,6 +245,7 @@ def rejected_arguments(rank: int, world_size: int, device):
         "dropout": lambda: cp.ring_flash_attention(even, even, even, dropout_p=0.1),
         "alibi": lambda: cp.ring_flash_attention(even, even, even, alibi_slopes=torch.ones(2, device=device)),
         "layout": lambda: cp.ring_flash_attention(even, even, even, layout="zigzag"),
+        "sinks": lambda: cp.ring_flash_attention(even, even, even, sinks=torch.ones(3, device=device)),
         "kv_length": lambda: cp.ring_flash_attention(even, even[:, :2], even[:, :2]),
         "varlen_cu_seqlens": lambda: cp.ring_flash_attention_varlen(
             packed, packed, packed, torch.tensor([0, 3, 6 * world_size], dtype=torch.int32)),

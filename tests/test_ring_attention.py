@@ -6,7 +6,7 @@ sequence's mask, built element by element, without overlap, with equal work per 
 load-balanced causal ring; the fp32 merge of partial results; the ring emulated in one process and
 run by 2 and 4 spawned processes of a gloo group (outputs, LSE and the three gradients by
 FlashAttention-2's rule against the fp32 oracle: causal and not, windows, GQA, soft cap, packed
-batches, both layouts, a subgroup); argument errors before any communication.
+batches, attention sinks (their gradient summed over the ranks), both layouts, a subgroup); argument errors before any communication.
 GPU (skipped without): the emulated ring on one GPU against the oracle, the overlap of its
 transfers with the attention kernels in a profile, and the ring over NCCL with 2 or more GPUs.
 """
@@ -268,6 +268,7 @@ def shards(world_size=2, seqlen=4, heads_k=2):
     ({"softmax_scale": -1.0}, ValueError, "softmax_scale must be finite and > 0"),
     ({"causal": 1}, TypeError, "causal must be a bool"),
     ({"check_across_ranks": "yes"}, TypeError, "check_across_ranks must be a bool"),
+    ({"sinks": torch.ones(3)}, ValueError, r"sinks must have shape \(heads,\) = \(2,\)"),
 ])
 def test_ring_rejects_arguments_before_communicating(arguments, error, match):
     q = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16)
@@ -365,6 +366,7 @@ def test_gloo_ring_raises_on_every_rank(world_size):
         "alibi": "ValueError: alibi_slopes is not supported",
         "layout": "ValueError: layout must be one of",
         "kv_length": "ValueError: k must have as many tokens",
+        "sinks": "ValueError: sinks must have shape (heads,) = (2,)",
         "varlen_cu_seqlens": "ValueError: the length of sequence 0 in cu_seqlens is 3, not a multiple of",
         "varlen_total": f"ValueError: q has 6 tokens, but cu_seqlens (the full batch's) gives {8 * world_size}",
     }

@@ -21,7 +21,8 @@ import flash_cutlass
 from flash_cutlass import reference
 from flash_cutlass.reference import (attention_backward, attention_forward, fold_sinks_into, naive_attention,
                                      sinks_gradient)
-from helpers import (check_kernels_against_oracle, check_rejected_by_every_entry_point, cuda_inputs,
+from helpers import (check_gradients_against_oracle, check_kernels_against_oracle, check_rejected_by_every_entry_point,
+                     check_sinks_gradient, cuda_inputs,
                      explicit_attention_fp64, fa2_check, kernel_unavailable, make_qkv_fp64, over_compiled_kernels,
                      requires_backward, requires_cuda)
 
@@ -114,6 +115,31 @@ def test_fold_sinks_into_equals_the_reference_with_sinks(gen, dtype):
             assert ((folded_out.float() - want_out.float()).abs() <= ulp).all()
 
 
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_the_sinks_gradient_check_catches_wrong_gradients(gen, layout):
+    """check_sinks_gradient (tests/helpers.py, the GPU tests' check of dsinks) passes the gradient
+    of a bf16 call with the sinks folded in after the forward, as the CUDA path computes it, and
+    fails it negated, halved, or with two heads swapped."""
+    q, k, v = make_qkv_fp64(gen, 60, 90, HEADS, 2, 32, torch.bfloat16)
+    sinks = make_sinks(gen, dtype=torch.float32)
+    dout = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
+    out, lse = attention_forward(q, k, v, 0.2, True)
+    lse = fold_sinks_into(out, lse, sinks)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, sinks)]
+    oracle_out, oracle_lse = naive_attention(*leaves[:3], 0.2, True, torch.float32, sinks=leaves[3])
+    oracle_dsinks = torch.autograd.grad(oracle_out, leaves[3], dout.float())[0]
+    if layout == "packed":  # batch entry 0 as a packed sequence
+        out, lse, dout, oracle_out, oracle_lse = out[0], lse[0], dout[0], oracle_out[0], oracle_lse[0]
+        oracle_dsinks = torch.autograd.grad(naive_attention(*(t[:1] for t in leaves[:3]), 0.2, True, torch.float32,
+                                                            sinks=leaves[3])[0], leaves[3], dout[None].float())[0]
+    dsinks = sinks_gradient(dout, out, lse, sinks)
+    check_sinks_gradient("dsinks", dsinks, dout, out, lse, sinks, oracle_out.detach(), oracle_lse, oracle_dsinks)
+    for wrong in (-dsinks, dsinks / 2, dsinks[[1, 0, 2, 3]]):
+        with pytest.raises(AssertionError, match="exceeds the bound"):
+            check_sinks_gradient("dsinks", wrong, dout, out, lse, sinks, oracle_out.detach(), oracle_lse,
+                                 oracle_dsinks)
+
+
 def test_sinks_gradient_leaves_out_rows_past_the_last_sequence(gen):
     """A variable-length CUDA forward leaves rows outside every sequence unspecified (NaN here)."""
     out = torch.randn(10, HEADS, 8, generator=gen)
@@ -133,7 +159,7 @@ def test_cpu_entry_points_take_sinks(gen, sinks_dtype):
     their dtype) on bfloat16 CPU tensors, against the fp64 oracle by FlashAttention-2's rule."""
     q, k, v = make_qkv_fp64(gen, 30, 50, HEADS, 2, 16, torch.bfloat16)
     sinks = make_sinks(gen, dtype=sinks_dtype)
-    expected_out, expected_lse, dout, expected_grads = oracle_with_grads(
+    expected_out, expected_lse, dout, _ = oracle_with_grads(
         gen, q.double(), k.double(), v.double(), sinks.double(), 16**-0.5, True)
     dout = dout.to(torch.bfloat16)
     baseline_out, baseline_lse = naive_attention(q, k, v, 16**-0.5, True, sinks=sinks)
@@ -142,8 +168,7 @@ def test_cpu_entry_points_take_sinks(gen, sinks_dtype):
     fa2_check(lse, expected_lse, baseline_lse, "lse")
     grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, sinks=sinks)
     assert len(grads) == 4 and grads[3].dtype == sinks_dtype and grads[3].shape == (HEADS,)
-    for name, grad, expected in zip(("dq", "dk", "dv", "dsinks"), grads, expected_grads):
-        torch.testing.assert_close(grad.double(), expected, atol=5e-2, rtol=5e-2, msg=lambda m: f"{name}: {m}")
+    check_gradients_against_oracle("cpu", grads, q, k, v, dout, True, out=out, lse=lse, sinks=sinks)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     attended = flash_cutlass.flash_attention(*leaves[:3], causal=True, sinks=leaves[3])
     attended.backward(dout)

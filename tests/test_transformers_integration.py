@@ -110,7 +110,11 @@ def test_logits_and_gradients_match_sdpa(family, padding, device):
     names = ("q_proj", "v_proj", "embed_tokens", "sinks of the sliding layer", "sinks of the full layer")
     assert len(grads) == (5 if family == "gpt_oss" else 3)
     for name, grad, expected, base in zip(names, grads, expected_grads, base_grads):
-        fa2_check(grad, expected, base, f"{family} {padding} d{name}")
+        # A sink's gradient sums rowsum(dout * out) over every row, from out rounded to bf16, whose
+        # error does not average out there as in autograd's softmax gradient (tests/helpers.py,
+        # check_sinks_gradient): it may also be off by 2^-7 of its largest entry.
+        eps = 2**-7 * float(expected.abs().max()) if name.startswith("sinks") else 1e-5
+        fa2_check(grad, expected, base, f"{family} {padding} d{name}", eps=eps)
 
 
 @pytest.mark.parametrize("device", devices())

@@ -151,7 +151,7 @@ def test_flash_attention_2_door_has_its_signature_and_runs_the_kvcache_call(gen)
 
 
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("form", ["append_tensor_lengths", "append_int_length", "no_append"])
+@pytest.mark.parametrize("form", ["append_tensor_lengths", "append_int_length", "no_append", "sinks"])
 def test_kvcache_op_passes_opcheck(gen, page_size, form):
     """The custom op's schema (it writes the caches), fake implementation and dispatch."""
     from flash_cutlass import kvcache
@@ -161,19 +161,23 @@ def test_kvcache_op_passes_opcheck(gen, page_size, form):
         call["cache_seqlens"] = 9
     elif form == "no_append":
         del call["k"], call["v"]
-    arguments = reference.check_kvcache_arguments(**call, causal=True)
+    sinks = torch.linspace(-1.0, 2.0, call["q"].shape[2]) if form == "sinks" else None
+    arguments = reference.check_kvcache_arguments(**call, causal=True, sinks=sinks)
     op_args = kvcache._op_args(call["q"], call["k_cache"], call["v_cache"], call.get("k"), call.get("v"),
                                arguments, 0)
     torch.library.opcheck(kvcache.kvcache_op, op_args)
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("page_size", [None, 4], ids=["contiguous", "paged"])
-def test_torch_compile_traces_decoding_steps_in_one_graph(gen, page_size):
+def test_torch_compile_traces_decoding_steps_in_one_graph(gen, page_size, sinks):
     """Three decoding steps, compiled with fullgraph=True (a graph break raises), give the eager
     steps' outputs and leave the caches as the eager steps do."""
     call = make_call(gen, page_size=page_size, dtype=torch.float32)
     cos, sin = rotary_tables(gen, 64, 16, torch.float32, "cpu")
     options = {"causal": True, "rotary_cos": cos, "rotary_sin": sin}
+    if sinks:
+        options["sinks"] = torch.linspace(-1.0, 2.0, call["q"].shape[2])
 
     def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
         return flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,

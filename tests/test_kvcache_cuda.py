@@ -5,6 +5,8 @@ too) bitwise the reference's; paged == contiguous bitwise; lengths 0 and 1, full
 and None cache_seqlens, NaN past the lengths; attention sinks; CUDA graph replay and torch.compile == eager; out-of-range lengths and
 block ids stay inside the cache. Skipped without a GPU."""
 
+import math
+
 import pytest
 import torch
 
@@ -48,6 +50,17 @@ def check_against_reference(call, dtype, num_splits=0, **options):
     assert torch.equal(actual["k_cache"].cpu(), expected_caches[0])
     assert torch.equal(actual["v_cache"].cpu(), expected_caches[1])
     return out, lse, baseline
+
+
+def options_of(name, gen, batch):
+    """OPTIONS[name] as keyword arguments: ALiBi's slopes (batch, 8 heads) and the sinks (8 heads)
+    drawn from gen, on the GPU."""
+    options = OPTIONS[name]
+    if options == "alibi":
+        return {"alibi_slopes": torch.rand(batch, 8, generator=gen).cuda(), "causal": True}
+    if options == "sinks":  # causal, so that some calls have rows that see no key
+        return {"sinks": (2 * torch.randn(8, generator=gen) + 1).cuda(), "causal": True}
+    return options
 
 
 OPTIONS = {
@@ -97,12 +110,7 @@ def test_every_option_matches_reference(cuda_gen, dtype, option, seqlen_q, seqle
     head_dim = 128 if 128 in KVCACHE_HEAD_DIMS else KVCACHE_HEAD_DIMS[-1]
     call = make_call(gen, batch=2, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=head_dim, seqlens=(33, 150),
                      seqlen_new=seqlen_new, page_size=16, capacity=256, dtype=dtype, device="cuda")
-    options = OPTIONS[option]
-    if options == "alibi":
-        options = {"alibi_slopes": torch.rand(2, 8, generator=gen).cuda(), "causal": True}
-    elif options == "sinks":  # folded into the kernels' out and lse
-        options = {"sinks": (2 * torch.randn(8, generator=gen) + 1).cuda(), "causal": True}
-    check_against_reference(call, dtype, num_splits=num_splits, **options)
+    check_against_reference(call, dtype, num_splits=num_splits, **options_of(option, gen, 2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -131,21 +139,26 @@ def test_padded_head_dims_match_reference(cuda_gen, head_dim, num_splits):
     check_against_reference(call, dtype, num_splits=num_splits, causal=True, rotary_cos=cos, rotary_sin=sin)
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("options", [{"causal": True}, {"window_size": (0, 0)}], ids=["causal", "window_0_0"])
-def test_fully_masked_rows_inside_a_sequence(cuda_gen, options, num_splits):
+def test_fully_masked_rows_inside_a_sequence(cuda_gen, options, num_splits, sinks):
     """More queries than keys: the first rows see no key (causal: query i sees keys up to
     i + length - seqlen_q; window (0, 0): that key alone), while the sequence is not empty.
-    Those rows give out 0 and lse -inf, no NaN, the others the reference's."""
+    Those rows give out 0 and lse -inf (with sinks, the head's sink), no NaN, the others the
+    reference's."""
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     dtype = COMPILED_DTYPES[-1]
     call = make_call(gen, batch=2, seqlen_q=6, heads=8, heads_k=2, seqlens=(2, 4), seqlen_new=0, page_size=16,
                      capacity=32, dtype=dtype, device="cuda")
-    out, lse, baseline = check_against_reference(call, dtype, num_splits=num_splits, **options)
-    masked = baseline[1] == float("-inf")  # (batch, heads, seqlen_q)
+    sink_values = 2 * torch.randn(8, generator=gen) + 1
+    extra = {"sinks": sink_values.cuda()} if sinks else {}
+    out, lse, _ = check_against_reference(call, dtype, num_splits=num_splits, **options, **extra)
+    masked = reference_of(call, **options)[1][1] == float("-inf")  # (batch, heads, seqlen_q), without sinks
     assert int(masked.sum()) == 8 * (4 + 2)
     assert not out.isnan().any() and not lse.isnan().any()
-    assert bool((lse.cpu()[masked] == float("-inf")).all())
+    no_key_lse = sink_values.view(1, 8, 1).expand(masked.shape) if sinks else torch.full(masked.shape, -math.inf)
+    assert torch.equal(lse.cpu()[masked], no_key_lse[masked])
     assert bool((out.transpose(1, 2).cpu()[masked] == 0).all())
 
 
@@ -382,10 +395,7 @@ def test_chunked_prefill_matches_reference(cuda_gen, page_size, option, seqlen_n
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     dtype = COMPILED_DTYPES[-1]
     call = prefill_call(gen, page_size, seqlen_new, dtype=dtype)
-    options = OPTIONS[option]
-    if options == "alibi":
-        options = {"alibi_slopes": torch.rand(4, 8, generator=gen).cuda(), "causal": True}
-    check_against_reference(call, dtype, **options)
+    check_against_reference(call, dtype, **options_of(option, gen, 4))
 
 
 @pytest.mark.parametrize("heads,heads_k", [(8, 8), (8, 1), (12, 3)])

@@ -1,7 +1,8 @@
-"""End to end: a small decoder (random weights made here, rotary positions, GQA) generates 64 tokens
-greedily with a paged KV cache through flash_attention_with_kvcache (prefill of the prompt in one
-call, then one token a call), and every step matches recomputing full causal attention over the
-whole sequence. On the CPU (fp64) the tokens and logits match exactly enough to compare tokens;
+"""End to end: a small decoder (random weights made here, rotary positions, GQA; and a gpt-oss-like
+one: learned attention sinks in every layer, a sliding window of 8 keys in the first) generates 64
+tokens greedily with a paged KV cache through flash_attention_with_kvcache (prefill of the prompt
+in one call, then one token a call), and every step matches recomputing full causal attention over
+the whole sequence. On the CPU (fp64) the tokens and logits match exactly enough to compare tokens;
 on the GPU (bf16) logits match within the dtype's tolerance and each greedy token agrees wherever
 its margin over the runner-up exceeds that tolerance."""
 
@@ -14,7 +15,8 @@ from helpers import requires_cuda
 
 
 class TinyDecoder:
-    def __init__(self, gen, *, vocab=48, dim=64, heads=4, heads_k=2, layers=2, dtype=torch.float64, device="cpu"):
+    def __init__(self, gen, *, vocab=48, dim=64, heads=4, heads_k=2, layers=2, dtype=torch.float64, device="cpu",
+                 gpt_oss_like=False):
         self.heads, self.heads_k, self.head_dim = heads, heads_k, dim // heads
 
         def weight(*shape, scale):
@@ -26,6 +28,15 @@ class TinyDecoder:
                         "wv": weight(dim, heads_k * self.head_dim, scale=dim ** -0.5),
                         "wo": weight(dim, dim, scale=dim ** -0.5)} for _ in range(layers)]
         self.unembed = weight(dim, vocab, scale=4 * dim ** -0.5)
+        # gpt-oss-like: each layer's attention options, sinks (fp32 on the GPU) and a first layer that
+        # attends to its last 8 keys only.
+        sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.options = [{} for _ in range(layers)]
+        if gpt_oss_like:
+            for index, options in enumerate(self.options):
+                options["sinks"] = (2 * torch.randn(heads, generator=gen, dtype=torch.float64) + 1).to(device, sink_dtype)
+                if index == 0:
+                    options["window_size"] = (7, 0)
         angles = torch.arange(256, dtype=torch.float64)[:, None] / 10000 ** (
             torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
         self.cos, self.sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
@@ -49,31 +60,31 @@ class TinyDecoder:
     def logits_full(self, tokens):
         """Logits of the last position, recomputing causal attention over every token."""
         x = self.embed[tokens]
-        for layer in self.layers:
+        for layer, options in zip(self.layers, self.options):
             q, k, v = self._project(x, layer)
             q, k = self._rotated(q, 0), self._rotated(k, 0)
             if x.is_cuda:
-                out, _ = flash_cutlass.flash_forward(q, k, v, causal=True)
+                out, _ = flash_cutlass.flash_forward(q, k, v, causal=True, **options)
             else:  # the CPU path in fp64, which flash_forward does not take
-                out, _ = reference.attention_forward(q, k, v, self.head_dim ** -0.5, True)
+                out, _ = reference.attention_forward(q, k, v, self.head_dim ** -0.5, True, **options)
             x = x + out.reshape(x.shape) @ layer["wo"]
         return x[:, -1] @ self.unembed
 
     def logits_cached(self, tokens, caches, seqlens, block_table):
         """Logits of the last of `tokens` (the new ones), appending them to the paged caches."""
         x = self.embed[tokens]
-        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+        for layer, options, (k_cache, v_cache) in zip(self.layers, self.options, caches):
             q, k, v = self._project(x, layer)
             out = flash_cutlass.flash_attention_with_kvcache(
                 q, k_cache, v_cache, k, v, seqlens, block_table=block_table, causal=True, rotary_cos=self.cos,
-                rotary_sin=self.sin, rotary_interleaved=False)
+                rotary_sin=self.sin, rotary_interleaved=False, **options)
             x = x + out.reshape(x.shape) @ layer["wo"]
         return x[:, -1] @ self.unembed
 
 
-def generate_and_compare(gen, device, dtype, page_size, tolerance):
+def generate_and_compare(gen, device, dtype, page_size, tolerance, gpt_oss_like=False):
     batch, prompt, steps = 2, 7, 64
-    model = TinyDecoder(gen, dtype=dtype, device=device)
+    model = TinyDecoder(gen, dtype=dtype, device=device, gpt_oss_like=gpt_oss_like)
     blocks = -(-(prompt + steps) // page_size)
     pool = batch * blocks + 5
     block_table = torch.randperm(pool, generator=gen)[:batch * blocks].view(batch, blocks).to(device, torch.int32)
@@ -96,12 +107,14 @@ def generate_and_compare(gen, device, dtype, page_size, tolerance):
     assert tokens.shape == (batch, prompt + steps)
 
 
+@pytest.mark.parametrize("gpt_oss_like", [False, True], ids=["", "gpt_oss_like"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_greedy_generation_with_a_paged_cache_matches_full_recomputation_cpu(gen, page_size):
-    generate_and_compare(gen, "cpu", torch.float64, page_size, tolerance=1e-9)
+def test_greedy_generation_with_a_paged_cache_matches_full_recomputation_cpu(gen, page_size, gpt_oss_like):
+    generate_and_compare(gen, "cpu", torch.float64, page_size, tolerance=1e-9, gpt_oss_like=gpt_oss_like)
 
 
 @requires_cuda
+@pytest.mark.parametrize("gpt_oss_like", [False, True], ids=["", "gpt_oss_like"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_greedy_generation_with_a_paged_cache_matches_full_recomputation_cuda(gen, page_size):
-    generate_and_compare(gen, "cuda", torch.bfloat16, page_size, tolerance=0.25)
+def test_greedy_generation_with_a_paged_cache_matches_full_recomputation_cuda(gen, page_size, gpt_oss_like):
+    generate_and_compare(gen, "cuda", torch.bfloat16, page_size, tolerance=0.25, gpt_oss_like=gpt_oss_like)

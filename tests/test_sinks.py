@@ -22,7 +22,7 @@ from flash_cutlass import reference
 from flash_cutlass.reference import (attention_backward, attention_forward, fold_sinks_into, naive_attention,
                                      sinks_gradient)
 from helpers import (check_gradients_against_oracle, check_kernels_against_oracle, check_rejected_by_every_entry_point,
-                     check_sinks_gradient, cuda_inputs,
+                     check_sinks_gradient, cuda_inputs, options_left_out,
                      explicit_attention_fp64, fa2_check, kernel_unavailable, make_qkv_fp64, over_compiled_kernels,
                      requires_backward, requires_cuda)
 
@@ -310,6 +310,24 @@ def test_forward_and_backward_match_oracle(cuda_gen, kernel, dtype, head_dim, ca
     q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, GPU_HEADS, heads_k, head_dim)
     sinks = 2 * torch.randn(GPU_HEADS, generator=cuda_gen, device="cuda") + 1
     check_kernels_against_oracle(kernel, q, k, v, dout, causal, window_size=window, softcap=softcap, sinks=sinks)
+
+
+@requires_cuda
+@pytest.mark.parametrize("option", ["alibi", "dropout"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 255), (2049, 17)])
+@over_compiled_kernels
+def test_sinks_with_alibi_and_dropout_match_oracle(cuda_gen, kernel, dtype, head_dim, option, seqlen_q, seqlen_k):
+    """The sinks with the option kernels: ALiBi's bias and dropout's mask (the sink is never dropped:
+    it has no value) against the oracle, causal, GQA."""
+    options = {"alibi_slopes": torch.exp2(-8 * torch.arange(1, GPU_HEADS + 1, device="cuda") / GPU_HEADS).float()}
+    if option == "dropout":
+        options = {"dropout_p": 0.17, "rng_state": torch.tensor([4242, 8 * seqlen_q], dtype=torch.int64)}
+    reason = options_left_out(alibi=option == "alibi", dropout_p=options.get("dropout_p", 0.0))
+    if reason:
+        pytest.skip(reason)
+    q, k, v, dout = cuda_inputs(cuda_gen, dtype, seqlen_q, seqlen_k, GPU_HEADS, 2, head_dim)
+    sinks = 2 * torch.randn(GPU_HEADS, generator=cuda_gen, device="cuda") + 1
+    check_kernels_against_oracle(kernel, q, k, v, dout, True, sinks=sinks, **options)
 
 
 @requires_cuda

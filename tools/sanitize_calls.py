@@ -8,9 +8,9 @@ For each compiled head dim (or --head-dims) and the first compiled dtype: the fo
 of fixed-length calls with tails (seqlens that are no multiple of any tile, seqlen 1, more queries
 than keys and fewer), MHA and GQA 2:1, causal and not, one deterministic backward, backwards of
 more key tiles than SMs (72 heads), deterministic and not; a variable-length batch (lengths 1, 77
-and 130); the window, soft cap, ALiBi and dropout kernels where the build has them; and KV-cache
-calls (paged, pages of 16 in shuffled order, lengths 0, 1 and 100 with as many appended tokens as
-queries, split and unsplit; a contiguous cache; 4 queries a sequence; 128, chunked prefill, over
+and 130); the window, soft cap, ALiBi and dropout kernels where the build has them, and a causal
+call with attention sinks; and KV-cache calls (paged, pages of 16 in shuffled order, lengths 0, 1
+and 100 with as many appended tokens as queries, split and unsplit, with sinks; a contiguous cache; 4 queries a sequence; 128, chunked prefill, over
 pages of 128 that the Hopper forward reads through the block table, the last length 4,200: 34 key
 blocks). Each result is checked
 against the same call on CPU copies (the pure-PyTorch reference, fp32 inside), loosely: this is
@@ -72,7 +72,7 @@ def _dense_case(name, head_dim, dtype, batch, heads, heads_k, seqlen_q, seqlen_k
     if grads is None:
         return
     ref_grads = flash_cutlass.flash_backward(dout_cpu, q_cpu, k_cpu, v_cpu, ref_out, ref_lse, **cpu_options)
-    for label, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+    for label, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
         _close(f"{name} backward {label}", got.cpu(), want, failures)
 
 
@@ -109,6 +109,8 @@ def _kvcache_cases(head_dim, dtype, failures):
         q = torch.randn(batch, seqlen_q, heads, head_dim, device=DEVICE, dtype=dtype)
         new_k = torch.randn(batch, seqlen_q, heads_k, head_dim, device=DEVICE, dtype=dtype)
         new_v = torch.randn_like(new_k)
+        # The splits' merge and the unsplit epilogue with attention sinks too.
+        sinks = torch.randn(heads, device=DEVICE) if num_splits in (1, 3) else None
         for paged in (True, False):
             if paged:
                 k_cache = torch.randn(batch * blocks, page, heads_k, head_dim, device=DEVICE, dtype=dtype)
@@ -119,12 +121,14 @@ def _kvcache_cases(head_dim, dtype, failures):
             v_cache = torch.randn_like(k_cache)
             ref_k, ref_v = k_cache.clone(), v_cache.clone()
             out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
-                                                             block_table=table, causal=True, num_splits=num_splits)
+                                                             block_table=table, causal=True, num_splits=num_splits,
+                                                             sinks=sinks)
             ref_out = flash_cutlass.flash_attention_with_kvcache(
                 *_cpu(q, ref_k, ref_v, new_k, new_v), lengths.cpu(),
-                block_table=None if table is None else table.cpu(), causal=True)
+                block_table=None if table is None else table.cpu(), causal=True,
+                sinks=None if sinks is None else sinks.cpu())
             name = (f"kvcache d{head_dim} {'paged' if paged else 'contiguous'} seqlen_q {seqlen_q} "
-                    f"num_splits {num_splits}")
+                    f"num_splits {num_splits}{' sinks' if sinks is not None else ''}")
             _close(name, out.cpu(), ref_out, failures)
 
 
@@ -175,6 +179,7 @@ def main(argv=None) -> int:
             options.append(("alibi", dict(alibi_slopes=torch.rand(4, device=DEVICE))))
         if flash_cutlass.compiled_dropout():
             options.append(("dropout 0.1", dict(dropout_p=0.1)))
+        options.append(("causal sinks", dict(causal=True, sinks=torch.randn(4, device=DEVICE))))
         for label, option in options:
             _dense_case(f"d{head_dim} 130x200 heads 4/2 {label}", head_dim, dtype, 2, 4, 2, 130, 200, backward,
                         failures, **option)

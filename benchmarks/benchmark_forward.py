@@ -46,14 +46,18 @@ SUBJECT_SM90 = "flash_cutlass_sm90"
 # flash_cutlass's automatic choice with deterministic=True (the backward's dQ in a fixed order);
 # run only when asked for.
 SUBJECT_DETERMINISTIC = "flash_cutlass_deterministic"
-FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None}
+# flash_cutlass's automatic choice with attention sinks (sinks=, one logit a query head, learned in
+# forward+backward); run only when asked for.
+SUBJECT_SINKS = "flash_cutlass_sinks"
+FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None,
+                  SUBJECT_SINKS: None}
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-IMPLS = (SUBJECT, SUBJECT_SM80, SUBJECT_SM90, SUBJECT_DETERMINISTIC, *SDPA_BACKENDS)
-DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl != SUBJECT_DETERMINISTIC)
+IMPLS = (SUBJECT, SUBJECT_SM80, SUBJECT_SM90, SUBJECT_DETERMINISTIC, SUBJECT_SINKS, *SDPA_BACKENDS)
+DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl not in (SUBJECT_DETERMINISTIC, SUBJECT_SINKS))
 # What is timed, and its matmul FLOPs as a multiple of the forward's (the FlashAttention
 # convention: the backward does 2.5x the forward's matmul work).
 DIRECTIONS = {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
@@ -398,13 +402,22 @@ def sdpa_call(inputs: Inputs, causal: bool, backend: SDPBackend | None) -> torch
         return F.scaled_dot_product_attention(*args, is_causal=causal, **gqa)
 
 
+def sinks_of(impl: str, inputs: Inputs) -> torch.Tensor | None:
+    """The attention sinks SUBJECT_SINKS runs with (one logit a query head, around the scores'
+    log-sum-exps), None for the others."""
+    if impl != SUBJECT_SINKS:
+        return None
+    return torch.linspace(-1.0, 3.0, inputs.q.shape[2], device=inputs.q.device)
+
+
 def make_runner(impl: str, inputs: Inputs, causal: bool, subject: ModuleType | None,
                 direction: str = "forward") -> Callable[[], object]:
     if direction != "forward":
         return make_gradient_runner(impl, inputs, causal, subject, direction)
     if impl in FORCED_KERNELS:
+        sinks = sinks_of(impl, inputs)
         return lambda: subject.flash_forward(inputs.q, inputs.k, inputs.v, causal=causal,
-                                             kernel=FORCED_KERNELS[impl])
+                                             kernel=FORCED_KERNELS[impl], sinks=sinks)
     backend = SDPBackend.MATH if impl == MATH_IMPL else SDPA_BACKENDS[impl]
     return lambda: sdpa_call(inputs, causal, backend)
 
@@ -416,15 +429,19 @@ def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: Modul
     if impl in FORCED_KERNELS:
         kernel = FORCED_KERNELS[impl]
         deterministic = impl == SUBJECT_DETERMINISTIC
+        sinks = sinks_of(impl, inputs)
         q, k, v = inputs.q, inputs.k, inputs.v
         dout = torch.randn_like(q)
         if direction == "backward":
-            out, lse = subject.flash_forward(q, k, v, causal=causal, kernel=kernel)
+            out, lse = subject.flash_forward(q, k, v, causal=causal, kernel=kernel, sinks=sinks)
             return lambda: subject.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel=kernel,
-                                                  deterministic=deterministic)
+                                                  deterministic=deterministic, sinks=sinks)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        if sinks is not None:  # learned: their gradient too
+            leaves.append(sinks.requires_grad_())
         return lambda: torch.autograd.grad(
-            subject.flash_attention(*leaves, causal=causal, kernel=kernel, deterministic=deterministic), leaves, dout)
+            subject.flash_attention(*leaves[:3], causal=causal, kernel=kernel, deterministic=deterministic,
+                                    sinks=sinks), leaves, dout)
     backend = SDPBackend.MATH if impl == MATH_IMPL else SDPA_BACKENDS[impl]
     leaves = [t.detach().requires_grad_() for t in (inputs.q_bhsd, inputs.k_bhsd, inputs.v_bhsd)]
     dout = torch.randn_like(leaves[0])
@@ -597,8 +614,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--impls", type=_impl_list, metavar="NAME[,NAME...]",
                         default=",".join(DEFAULT_IMPLS),
                         help=f"implementations to run, of {', '.join(IMPLS)} (default: all but "
-                             f"{SUBJECT_DETERMINISTIC}, the automatic choice with deterministic=True); "
-                             "without a flash_cutlass one the extension is not imported")
+                             f"{SUBJECT_DETERMINISTIC} and {SUBJECT_SINKS}, the automatic choice with "
+                             "deterministic=True or with attention sinks); without a flash_cutlass one the "
+                             "extension is not imported")
     parser.add_argument("--check", action="store_true",
                         help="before timing each shape, compare flash_cutlass's output with "
                              "SDPA's default backend and its LSE with fp32 math on sampled rows; "

@@ -237,6 +237,23 @@ def test_gradient_runners_of_flash_cutlass_return_three_gradients(direction):
     assert [g.shape for g in grads] == [inputs.q.shape] * 3
 
 
+@pytest.mark.parametrize("direction", ["forward", "backward", "forward+backward"])
+def test_the_sinks_runner_runs_with_sinks_and_their_gradient(direction):
+    """flash_cutlass_sinks: the forward with sinks (its out differs from the plain one's), and in
+    the gradient directions dsinks after the three gradients."""
+    import flash_cutlass
+
+    case = bench.Case(head_dim=32, causal=True, seqlen=40, batch=2, heads=4)
+    inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
+    result = bench.make_runner(bench.SUBJECT_SINKS, inputs, True, flash_cutlass, direction)()
+    if direction == "forward":
+        plain = bench.make_runner(bench.SUBJECT, inputs, True, flash_cutlass, direction)()
+        assert not torch.equal(result[0], plain[0])
+    else:
+        assert [g.shape for g in result] == [inputs.q.shape] * 3 + [(case.heads,)]
+    assert bench.SUBJECT_SINKS not in bench.DEFAULT_IMPLS
+
+
 @pytest.mark.parametrize("direction", ["backward", "forward+backward"])
 @pytest.mark.parametrize("impl", [bench.SUBJECT, bench.MATH_IMPL])
 def test_gradient_runners_take_fewer_kv_heads(direction, impl):

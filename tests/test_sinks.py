@@ -365,7 +365,8 @@ def test_autograd_and_varlen_on_cuda(cuda_gen, kernel, sinks_dtype):
         check_kernels_against_oracle(kernel, *piece, True, sinks=sinks)
     torch.testing.assert_close(grads[3].float(), dsinks, atol=1e-2, rtol=1e-2)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    flash_cutlass.flash_attention_varlen(*leaves[:3], cu_q, cu_k, 257, 300, **options).backward(dout)
+    flash_cutlass.flash_attention_varlen(*leaves[:3], cu_q, cu_k, 257, 300, **dict(options, sinks=leaves[3])
+                                         ).backward(dout)
     for leaf, grad in zip(leaves, grads):
         assert leaf.grad.dtype == leaf.dtype
         torch.testing.assert_close(leaf.grad, grad)

@@ -100,6 +100,7 @@ struct AttentionOptions {
   int64_t window_left = -1, window_right = -1;
   double softcap = 0;
   std::optional<at::Tensor> alibi_slopes;
+  std::optional<at::Tensor> sinks;
   double dropout_p = 0;
   std::optional<at::Tensor> rng_state;
   std::optional<at::Generator> generator;
@@ -133,6 +134,7 @@ AttentionOptions options_from_python(const pybind11::handle& object) {
   options.window_right = option<int64_t>(object, "window_right");
   options.softcap = option<double>(object, "softcap");
   options.alibi_slopes = option<std::optional<at::Tensor>>(object, "alibi_slopes");
+  options.sinks = option<std::optional<at::Tensor>>(object, "sinks");
   options.dropout_p = option<double>(object, "dropout_p");
   options.rng_state = option<std::optional<at::Tensor>>(object, "rng_state");
   options.generator = option<std::optional<at::Generator>>(object, "generator");
@@ -268,6 +270,17 @@ void set_extended_params(FwdParams& params, AttentionOptions const& options, con
     params.alibi_slopes = slopes.data_ptr<float>();
     params.alibi_slopes_batch_stride = per_batch_head ? slopes.stride(0) : 0;
     params.alibi_slope_scale = static_cast<float>(1.0 / (softcap > 0 ? softcap : params.softmax_scale));
+  }
+  // Attention sinks: every forward kernel folds them in when it finishes a row (the backward's
+  // kernels read the forward's lse, which holds them).
+  if (options.sinks.has_value() && options.sinks->defined()) {
+    const at::Tensor& sinks = *options.sinks;
+    FLASH_CHECK(sinks.scalar_type() == at::kFloat, "sinks must reach the extension as float32, got ",
+                 sinks.scalar_type());
+    FLASH_CHECK(sinks.device() == q.device(), "sinks must be on q's device ", q.device());
+    FLASH_CHECK(sinks.dim() == 1 && sinks.size(0) == params.heads && sinks.is_contiguous(),
+                 "sinks must be contiguous of shape (heads,) = (", params.heads, ",), got ", sinks.sizes());
+    params.sinks = sinks.data_ptr<float>();
   }
   FLASH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
   if (dropout_p > 0) {

@@ -272,9 +272,8 @@ def forward(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Ten
     (heads, total_q). rng_state is None without dropout, else the int64 (seed, offset) of the mask:
     options.rng_state itself when given; else drawn from options.generator, by the extension for
     CUDA tensors (draws_in_kernel: a tensor on q's device that the kernel writes, graph-safe) or
-    on the host (a CPU tensor). With options.sinks, out and lse are those of attention with the sinks:
-    the reference computes them so; the kernels run without them, and reference.fold_sinks_into folds
-    the sinks into their out and lse (one pass over out)."""
+    on the host (a CPU tensor). With options.sinks, out and lse are those of attention with the sinks,
+    which the reference and every forward kernel fold into each row's softmax."""
     if options.dropout_p > 0 and options.rng_state is None and not draws_in_kernel(q.device, options.generator):
         options = options.replace(rng_state=draw_rng_state(options.generator, q.device), generator=None)
     if options.is_varlen:
@@ -317,12 +316,18 @@ def _forward_cuda(q, k, v, options: AttentionOptions, without_work: bool = False
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse, rng_state
     q, k, v = _padded((q, k, v), head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _extension().forward(q, k, v, out, lse, drawn_rng_state, options)
+    _extension().forward(q, k, v, out, lse, drawn_rng_state, with_float_sinks(options))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim].contiguous()
-    if options.sinks is not None:
-        lse = reference.fold_sinks_into(out, lse, options.sinks)
     return out, lse, rng_state
+
+
+def with_float_sinks(options: AttentionOptions) -> AttentionOptions:
+    """options with its sinks as the kernels read them: fp32, contiguous."""
+    sinks = options.sinks
+    if sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()):
+        return options
+    return options.replace(sinks=sinks.float().contiguous())
 
 
 def backward(dout, q, k, v, out, lse, options: AttentionOptions):
@@ -356,7 +361,9 @@ def _backward_cuda(dout, q, k, v, out, lse, options: AttentionOptions):
     head_dim = q.shape[-1]
     dout, q, k, v, out = _padded((dout, q, k, v, out), head_dim)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, options)
+    # The backward's kernels need no sinks: the forward's lse holds them.
+    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, options.replace(sinks=None)
+                          if options.sinks is not None else options)
     if dq.shape[-1] != head_dim:
         dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
     return dq, dk, dv

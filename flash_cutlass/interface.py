@@ -174,8 +174,8 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     sinks ((heads,), float32, float16 or bfloat16, on q's device) gives each query head an attention
     sink (gpt-oss): a logit that joins every row's softmax after the scale, soft cap, ALiBi and mask
     and attends to no value, so out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)); lse then
-    includes it (a row that sees no key gets out 0 and lse = sink; -inf is no sink). The CUDA
-    kernels run without it, and one elementwise pass folds it into their out and lse.
+    includes it (a row that sees no key gets out 0 and lse = sink; -inf is no sink). Every forward
+    kernel folds it into each row as it finishes the row (fp32, before out is rounded).
 
     dropout_p in [0, 1) drops each probability with that probability and scales the kept ones by
     1 / (1 - p) (lse stays that of the undropped softmax). The mask comes from Philox with a

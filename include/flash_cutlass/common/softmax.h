@@ -61,14 +61,14 @@ __device__ __forceinline__ ScoreExponent probability_exponent(float lse, float e
 
 // An attention sink (a logit in natural units that joins the row's softmax and attends to no value;
 // -inf: none) folded into a finished row's log-sum-exp: lse becomes log(exp(lse) + exp(sink)).
-// Returns the factor exp(lse - lse') that rescales the row's normalized output (0 for a row that
-// saw no key, whose lse becomes the sink's).
+// Returns the factor exp(lse - lse') = 1 / (1 + exp(sink - lse)) that rescales the row's normalized
+// output (0 for a row that saw no key, whose lse becomes the sink's). NaN in lse or the sink stays
+// NaN in both (fmaxf alone would drop it; |lse - sink| keeps it), and the factor does not inherit
+// the rounding of lse' (relative error about exp(sink - lse') ulp, not ulp(lse')).
 __device__ __forceinline__ float fold_sink(float& lse, float sink) {
   if (sink == -INFINITY) return 1.f;
-  const float high = fmaxf(lse, sink);
-  const float folded = high + log1pf(__expf(fminf(lse, sink) - high));
-  const float factor = lse == -INFINITY ? 0.f : __expf(lse - folded);
-  lse = folded;
+  const float factor = lse == -INFINITY ? 0.f : 1.f / (1.f + __expf(sink - lse));
+  lse = fmaxf(lse, sink) + log1pf(__expf(-fabsf(lse - sink)));
   return factor;
 }
 

@@ -331,39 +331,49 @@ def with_float_sinks(options: AttentionOptions) -> AttentionOptions:
 
 
 def backward(dout, q, k, v, out, lse, options: AttentionOptions):
-    """(dq, dk, dv) of a checked call, shaped like q, k and v (packed in a variable-length call)."""
+    """(dq, dk, dv, dsinks) of a checked call: the gradients shaped like q, k and v (packed in a
+    variable-length call), and that of options.sinks (None without them), from the backward
+    kernels' own D = rowsum(dout * out) on CUDA (reference.sinks_gradient_of_delta)."""
+    rows = None
     if options.is_varlen:
         options = _with_varlen_lengths(q, k, options)
+        # Rows past the last sequence, which the CUDA forward leaves unspecified, are left out.
+        rows = options.cu_seqlens_q[-1]
         if q.device.type != "cuda":
             grads = reference.attention_backward_varlen(dout, q, k, v, out, lse, options.cu_seqlens_q,
                                                         options.cu_seqlens_k, options.softmax_scale, options.causal,
                                                         **_reference_options(options))
-            return tuple(g.contiguous() for g in grads)
-        grads = _backward_cuda(*(t.unsqueeze(0) for t in (dout, q, k, v, out, lse)), options)
-        return tuple(g[0] for g in grads)
-    if q.device.type != "cuda":
+            grads, delta = tuple(g.contiguous() for g in grads), None
+        else:
+            *grads, delta = _backward_cuda(*(t.unsqueeze(0) for t in (dout, q, k, v, out, lse)), options)
+            grads, delta = tuple(g[0] for g in grads), None if delta is None else delta[0]
+    elif q.device.type != "cuda":
         grads = reference.attention_backward(dout, q, k, v, out, lse, options.softmax_scale, options.causal,
                                              **_reference_options(options))
-        return tuple(g.contiguous() for g in grads)
-    return _backward_cuda(dout, q, k, v, out, lse, options)
-
-
-def sinks_gradient(dout, out, lse, options: AttentionOptions) -> torch.Tensor:
-    """The gradient of options.sinks from a backward call's dout and the forward's out and lse
-    (reference.sinks_gradient; a variable-length call leaves out the rows past its last sequence,
-    which the CUDA forward leaves unspecified)."""
-    rows = options.cu_seqlens_q[-1] if options.is_varlen else None
-    return reference.sinks_gradient(dout, out, lse, options.sinks, rows)
+        grads, delta = tuple(g.contiguous() for g in grads), None
+    else:
+        *grads, delta = _backward_cuda(dout, q, k, v, out, lse, options)
+        grads = tuple(grads)
+    if options.sinks is None:
+        return (*grads, None)
+    if delta is None:  # the reference's: D from dout and out here
+        return (*grads, reference.sinks_gradient(dout, out, lse, options.sinks, rows))
+    return (*grads, reference.sinks_gradient_of_delta(delta, lse, options.sinks, rows))
 
 
 def _backward_cuda(dout, q, k, v, out, lse, options: AttentionOptions):
+    """The extension's (dq, dk, dv) and, with sinks, the D = rowsum(dout * out) its kernels computed
+    (laid out as lse; else None)."""
     _check_device(q)
     head_dim = q.shape[-1]
     dout, q, k, v, out = _padded((dout, q, k, v, out), head_dim)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    # The backward's kernels need no sinks: the forward's lse holds them.
-    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, options.replace(sinks=None)
-                          if options.sinks is not None else options)
+    delta = None
+    if options.sinks is not None:
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+        # The backward's kernels need no sinks: the forward's lse holds them.
+        options = options.replace(sinks=None)
+    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, options, delta)
     if dq.shape[-1] != head_dim:
         dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
-    return dq, dk, dv
+    return dq, dk, dv, delta

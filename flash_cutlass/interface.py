@@ -270,10 +270,8 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
 
 def _gradients(dout, q, k, v, out, lse, options):
     """(dq, dk, dv) of a checked backward call, and dsinks after them with sinks."""
-    grads = backend.backward(dout, q, k, v, out, lse, options)
-    if options.sinks is None:
-        return grads
-    return (*grads, backend.sinks_gradient(dout, out, lse, options))
+    dq, dk, dv, dsinks = backend.backward(dout, q, k, v, out, lse, options)
+    return (dq, dk, dv) if options.sinks is None else (dq, dk, dv, dsinks)
 
 
 def flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,

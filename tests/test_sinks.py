@@ -198,13 +198,22 @@ def test_torch_compile_gives_the_eager_gradients(gen):
         torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
 
 
-def test_forward_op_passes_opcheck(gen):
-    from flash_cutlass.options import forward_options
+def test_forward_and_backward_ops_pass_opcheck(gen):
+    """The forward op with sinks (and their gradient through its autograd), and the backward op,
+    whose fourth output is dsinks (empty without sinks)."""
+    from flash_cutlass.options import backward_options, forward_options
 
     q, k, v = make_qkv_fp64(gen, 12, 12, HEADS, 2, 16, torch.bfloat16)
     sinks = make_sinks(gen, dtype=torch.float32).requires_grad_()
     options = forward_options(q, causal=True, sinks=sinks)
     torch.library.opcheck(torch.ops.flash_cutlass.forward.default, (q, k, v, *options.op_args()))
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, sinks=sinks.detach())
+    dout = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
+    for given in (sinks.detach(), None):
+        options = backward_options(q, causal=True, sinks=given)
+        torch.library.opcheck(torch.ops.flash_cutlass.backward.default, (dout, q, k, v, out, lse, *options.op_args()))
+        dsinks = torch.ops.flash_cutlass.backward.default(dout, q, k, v, out, lse, *options.op_args())[3]
+        assert dsinks.shape == ((HEADS,) if given is not None else (0,))
 
 
 def test_varlen_entry_points_equal_per_sequence_calls(gen):

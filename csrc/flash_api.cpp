@@ -100,6 +100,7 @@ struct AttentionOptions {
   int64_t window_left = -1, window_right = -1;
   double softcap = 0;
   std::optional<at::Tensor> alibi_slopes;
+  std::optional<at::Tensor> sinks;
   double dropout_p = 0;
   std::optional<at::Tensor> rng_state;
   std::optional<at::Generator> generator;
@@ -133,6 +134,7 @@ AttentionOptions options_from_python(const pybind11::handle& object) {
   options.window_right = option<int64_t>(object, "window_right");
   options.softcap = option<double>(object, "softcap");
   options.alibi_slopes = option<std::optional<at::Tensor>>(object, "alibi_slopes");
+  options.sinks = option<std::optional<at::Tensor>>(object, "sinks");
   options.dropout_p = option<double>(object, "dropout_p");
   options.rng_state = option<std::optional<at::Tensor>>(object, "rng_state");
   options.generator = option<std::optional<at::Generator>>(object, "generator");
@@ -268,6 +270,17 @@ void set_extended_params(FwdParams& params, AttentionOptions const& options, con
     params.alibi_slopes = slopes.data_ptr<float>();
     params.alibi_slopes_batch_stride = per_batch_head ? slopes.stride(0) : 0;
     params.alibi_slope_scale = static_cast<float>(1.0 / (softcap > 0 ? softcap : params.softmax_scale));
+  }
+  // Attention sinks: every forward kernel folds them in when it finishes a row (the backward's
+  // kernels read the forward's lse, which holds them).
+  if (options.sinks.has_value() && options.sinks->defined()) {
+    const at::Tensor& sinks = *options.sinks;
+    FLASH_CHECK(sinks.scalar_type() == at::kFloat, "sinks must reach the extension as float32, got ",
+                 sinks.scalar_type());
+    FLASH_CHECK(sinks.device() == q.device(), "sinks must be on q's device ", q.device());
+    FLASH_CHECK(sinks.dim() == 1 && sinks.size(0) == params.heads && sinks.is_contiguous(),
+                 "sinks must be contiguous of shape (heads,) = (", params.heads, ",), got ", sinks.sizes());
+    params.sinks = sinks.data_ptr<float>();
   }
   FLASH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
   if (dropout_p > 0) {
@@ -485,12 +498,14 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 
 // The backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k and v, last
 // dimension contiguous). D = rowsum(dout * out) and the fp32 dQ accumulator are computed on the
-// device. With GQA, dK and dV come in fp32: per K/V head, the group's query heads adding with
+// device; D goes into dsoftmax_sum where the caller passes one (fp32, contiguous, laid out as lse:
+// the sinks' gradient reads it), zeroed where no kernel runs. With GQA, dK and dV come in fp32: per K/V head, the group's query heads adding with
 // atomics (the Hopper kernels), or per query head, summed over each group here in a fixed order
 // (deterministic calls, the sm80 kernel).
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
-              const at::Tensor& dv, const pybind11::handle& options_object) {
+              const at::Tensor& dv, const pybind11::handle& options_object,
+              const std::optional<at::Tensor>& dsoftmax_sum_out) {
   FLASH_CHECK(compiled::kBackward,
                "the backward needs its kernels, which this build left out (FLASH_CUTLASS_BACKWARD=0); rebuild with "
                "FLASH_CUTLASS_BACKWARD=1");
@@ -508,17 +523,26 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   FLASH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(), "dk and dv must have k's shape");
   const int64_t batch = shape.batch, seqlen_q = shape.seqlen_q, heads = shape.heads, head_dim = shape.head_dim;
   const int64_t seqlen_k = shape.seqlen_k, heads_k = shape.heads_k;
+  const auto fp32 = q.options().dtype(at::kFloat);
+  at::Tensor dsoftmax_sum;
+  if (dsoftmax_sum_out.has_value() && dsoftmax_sum_out->defined()) {
+    dsoftmax_sum = *dsoftmax_sum_out;
+    FLASH_CHECK(dsoftmax_sum.scalar_type() == at::kFloat && dsoftmax_sum.device() == q.device() &&
+                    dsoftmax_sum.is_contiguous() && dsoftmax_sum.sizes() == lse.sizes(),
+                "dsoftmax_sum must be a contiguous float32 tensor on q's device shaped like lse ", lse.sizes(),
+                ", got ", dsoftmax_sum.scalar_type(), " ", dsoftmax_sum.sizes());
+  }
   if (batch == 0 || seqlen_q == 0 || seqlen_k == 0 || heads == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
+    if (dsoftmax_sum.defined()) dsoftmax_sum.zero_();
     return;
   }
   const KernelSelection kernel = selected_kernel<Direction::kBackward>(shape, options, q);
   const int accum_hdim = kernel.kernel_hdim;
 
-  const auto fp32 = q.options().dtype(at::kFloat);
-  at::Tensor dsoftmax_sum = at::empty({batch, heads, seqlen_q}, fp32);
+  if (!dsoftmax_sum.defined()) dsoftmax_sum = at::empty({batch, heads, seqlen_q}, fp32);
   at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
   const bool grouped = heads != heads_k;
   // The Hopper kernels add a group's dK and dV with atomics; deterministic calls and the sm80 kernel
@@ -543,6 +567,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     dq.zero_();
     dk.zero_();
     dv.zero_();
+    dsoftmax_sum.zero_();
     return;
   }
   params.dout = dout.data_ptr();
@@ -1002,7 +1027,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_kvcache_head_dims", &fc::compiled_kvcache_head_dims);
   m.def("backward", &fc::backward, "Attention backward into preallocated dq, dk and dv", pybind11::arg("dout"),
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("options"));
+        pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("options"),
+        pybind11::arg("dsoftmax_sum") = pybind11::none());
   using fc::Direction;
   using fc::KernelPath;
   // The sm80 path's head dims are the build's: each direction has every one of them (or none).

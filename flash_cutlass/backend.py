@@ -272,9 +272,8 @@ def forward(q, k, v, options: AttentionOptions) -> Tuple[torch.Tensor, torch.Ten
     (heads, total_q). rng_state is None without dropout, else the int64 (seed, offset) of the mask:
     options.rng_state itself when given; else drawn from options.generator, by the extension for
     CUDA tensors (draws_in_kernel: a tensor on q's device that the kernel writes, graph-safe) or
-    on the host (a CPU tensor). With options.sinks, out and lse are those of attention with the sinks:
-    the reference computes them so; the kernels run without them, and reference.fold_sinks_into folds
-    the sinks into their out and lse (one pass over out)."""
+    on the host (a CPU tensor). With options.sinks, out and lse are those of attention with the sinks,
+    which the reference and every forward kernel fold into each row's softmax."""
     if options.dropout_p > 0 and options.rng_state is None and not draws_in_kernel(q.device, options.generator):
         options = options.replace(rng_state=draw_rng_state(options.generator, q.device), generator=None)
     if options.is_varlen:
@@ -317,46 +316,64 @@ def _forward_cuda(q, k, v, options: AttentionOptions, without_work: bool = False
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse, rng_state
     q, k, v = _padded((q, k, v), head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _extension().forward(q, k, v, out, lse, drawn_rng_state, options)
+    _extension().forward(q, k, v, out, lse, drawn_rng_state, with_float_sinks(options))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim].contiguous()
-    if options.sinks is not None:
-        lse = reference.fold_sinks_into(out, lse, options.sinks)
     return out, lse, rng_state
 
 
+def with_float_sinks(options: AttentionOptions) -> AttentionOptions:
+    """options with its sinks as the kernels read them: fp32, contiguous."""
+    sinks = options.sinks
+    if sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()):
+        return options
+    return options.replace(sinks=sinks.float().contiguous())
+
+
 def backward(dout, q, k, v, out, lse, options: AttentionOptions):
-    """(dq, dk, dv) of a checked call, shaped like q, k and v (packed in a variable-length call)."""
+    """(dq, dk, dv, dsinks) of a checked call: the gradients shaped like q, k and v (packed in a
+    variable-length call), and that of options.sinks (None without them), from the backward
+    kernels' own D = rowsum(dout * out) on CUDA (reference.sinks_gradient_of_delta)."""
+    rows = None
     if options.is_varlen:
         options = _with_varlen_lengths(q, k, options)
+        # Rows past the last sequence, which the CUDA forward leaves unspecified, are left out.
+        rows = options.cu_seqlens_q[-1]
         if q.device.type != "cuda":
             grads = reference.attention_backward_varlen(dout, q, k, v, out, lse, options.cu_seqlens_q,
                                                         options.cu_seqlens_k, options.softmax_scale, options.causal,
                                                         **_reference_options(options))
-            return tuple(g.contiguous() for g in grads)
-        grads = _backward_cuda(*(t.unsqueeze(0) for t in (dout, q, k, v, out, lse)), options)
-        return tuple(g[0] for g in grads)
-    if q.device.type != "cuda":
+            grads, delta = tuple(g.contiguous() for g in grads), None
+        else:
+            *grads, delta = _backward_cuda(*(t.unsqueeze(0) for t in (dout, q, k, v, out, lse)), options)
+            grads, delta = tuple(g[0] for g in grads), None if delta is None else delta[0]
+    elif q.device.type != "cuda":
         grads = reference.attention_backward(dout, q, k, v, out, lse, options.softmax_scale, options.causal,
                                              **_reference_options(options))
-        return tuple(g.contiguous() for g in grads)
-    return _backward_cuda(dout, q, k, v, out, lse, options)
-
-
-def sinks_gradient(dout, out, lse, options: AttentionOptions) -> torch.Tensor:
-    """The gradient of options.sinks from a backward call's dout and the forward's out and lse
-    (reference.sinks_gradient; a variable-length call leaves out the rows past its last sequence,
-    which the CUDA forward leaves unspecified)."""
-    rows = options.cu_seqlens_q[-1] if options.is_varlen else None
-    return reference.sinks_gradient(dout, out, lse, options.sinks, rows)
+        grads, delta = tuple(g.contiguous() for g in grads), None
+    else:
+        *grads, delta = _backward_cuda(dout, q, k, v, out, lse, options)
+        grads = tuple(grads)
+    if options.sinks is None:
+        return (*grads, None)
+    if delta is None:  # the reference's: D from dout and out here
+        return (*grads, reference.sinks_gradient(dout, out, lse, options.sinks, rows))
+    return (*grads, reference.sinks_gradient_of_delta(delta, lse, options.sinks, rows))
 
 
 def _backward_cuda(dout, q, k, v, out, lse, options: AttentionOptions):
+    """The extension's (dq, dk, dv) and, with sinks, the D = rowsum(dout * out) its kernels computed
+    (laid out as lse; else None)."""
     _check_device(q)
     head_dim = q.shape[-1]
     dout, q, k, v, out = _padded((dout, q, k, v, out), head_dim)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, options)
+    delta = None
+    if options.sinks is not None:
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+        # The backward's kernels need no sinks: the forward's lse holds them.
+        options = options.replace(sinks=None)
+    _extension().backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, options, delta)
     if dq.shape[-1] != head_dim:
         dq, dk, dv = (g[..., :head_dim].contiguous() for g in (dq, dk, dv))
-    return dq, dk, dv
+    return dq, dk, dv, delta

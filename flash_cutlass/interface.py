@@ -174,8 +174,8 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     sinks ((heads,), float32, float16 or bfloat16, on q's device) gives each query head an attention
     sink (gpt-oss): a logit that joins every row's softmax after the scale, soft cap, ALiBi and mask
     and attends to no value, so out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)); lse then
-    includes it (a row that sees no key gets out 0 and lse = sink; -inf is no sink). The CUDA
-    kernels run without it, and one elementwise pass folds it into their out and lse.
+    includes it (a row that sees no key gets out 0 and lse = sink; -inf is no sink). Every forward
+    kernel folds it into each row as it finishes the row (fp32, before out is rounded).
 
     dropout_p in [0, 1) drops each probability with that probability and scales the kept ones by
     1 / (1 - p) (lse stays that of the undropped softmax). The mask comes from Philox with a
@@ -270,10 +270,8 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
 
 def _gradients(dout, q, k, v, out, lse, options):
     """(dq, dk, dv) of a checked backward call, and dsinks after them with sinks."""
-    grads = backend.backward(dout, q, k, v, out, lse, options)
-    if options.sinks is None:
-        return grads
-    return (*grads, backend.sinks_gradient(dout, out, lse, options))
+    dq, dk, dv, dsinks = backend.backward(dout, q, k, v, out, lse, options)
+    return (dq, dk, dv) if options.sinks is None else (dq, dk, dv, dsinks)
 
 
 def flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,

@@ -90,7 +90,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seql
     positions: flash_cutlass.reference.attention_with_kvcache.
 
     sinks ((heads,), on q's device): an attention sink a query head, as in flash_forward (lse then
-    includes it; on CUDA folded into the kernels' out and lse by one elementwise pass).
+    includes it).
     num_splits: how many CTAs share one sequence's keys on CUDA (split-KV, merged by log-sum-exp);
     0 picks from the shapes and the GPU's SM count. CPU tensors ignore it.
     Returns out like q, or (out, lse) with return_lse, lse fp32 (batch, heads, seqlen_q).
@@ -172,9 +172,10 @@ def _forward_cuda(q, k_cache, v_cache, k, v, arguments: reference.KVCacheArgumen
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     seqlens = arguments.cache_seqlens
-    options = AttentionOptions(softmax_scale=arguments.softmax_scale, causal=arguments.causal,
-                               window_left=arguments.window_size[0], window_right=arguments.window_size[1],
-                               softcap=arguments.softcap, alibi_slopes=arguments.alibi_slopes)
+    options = backend.with_float_sinks(AttentionOptions(
+        softmax_scale=arguments.softmax_scale, causal=arguments.causal, window_left=arguments.window_size[0],
+        window_right=arguments.window_size[1], softcap=arguments.softcap, alibi_slopes=arguments.alibi_slopes,
+        sinks=arguments.sinks))
     rotary = [None if t is None else t.contiguous() for t in (arguments.rotary_cos, arguments.rotary_sin)]
     contiguous = [None if t is None else t.contiguous()
                   for t in (seqlens if isinstance(seqlens, torch.Tensor) else None, arguments.block_table,
@@ -183,6 +184,4 @@ def _forward_cuda(q, k_cache, v_cache, k, v, arguments: reference.KVCacheArgumen
         _aligned(q), k_cache, v_cache, _aligned(k), _aligned(v), contiguous[0],
         seqlens if isinstance(seqlens, int) else arguments.capacity, contiguous[1], contiguous[2], *rotary,
         arguments.rotary_interleaved, arguments.rotary_q_per_row, out, lse, num_splits, options)
-    if arguments.sinks is not None:
-        lse = reference.fold_sinks_into(out, lse, arguments.sinks)
     return out, lse

@@ -33,8 +33,9 @@ try:
         _compile_utils.rand_ops.append(torch.ops.flash_cutlass.forward)
 except (ImportError, AttributeError):
     pass
+# The backward returns (dq, dk, dv, dsinks), dsinks empty without sinks.
 _LIBRARY.define(f"backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-                f"{AttentionOptions.schema()}) -> (Tensor, Tensor, Tensor)")
+                f"{AttentionOptions.schema()}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _forward_outputs(q, k, v, options: AttentionOptions):
@@ -54,7 +55,8 @@ def _forward(q, k, v, *option_args):
 
 @torch.library.impl(_LIBRARY, "backward", "CompositeExplicitAutograd")
 def _backward(dout, q, k, v, out, lse, *option_args):
-    return backend.backward(dout, q, k, v, out, lse, AttentionOptions.from_op_args(option_args))
+    dq, dk, dv, dsinks = backend.backward(dout, q, k, v, out, lse, AttentionOptions.from_op_args(option_args))
+    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks
 
 
 _NO_OPTION_GRADIENTS = (None,) * len(AttentionOptions().op_args())
@@ -90,7 +92,9 @@ def _forward_fake(q, k, v, *option_args):
 @torch.library.register_fake("flash_cutlass::backward")
 def _backward_fake(dout, q, k, v, out, lse, *option_args):
     # The gradients come back contiguous, whatever the inputs' strides.
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    sinks = AttentionOptions.from_op_args(option_args).sinks
+    dsinks = q.new_empty(0, dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _save_for_backward(ctx, q, k, v, options: AttentionOptions, out, lse, rng_state) -> None:
@@ -123,19 +127,12 @@ def _backward_inputs(ctx):
     return (q, k, v, out, lse), _backward_options(ctx.options, rng_state)
 
 
-def _sinks_gradient(grad_out, tensors, options: AttentionOptions):
-    """The sinks' gradient (None without sinks) from the saved (q, k, v, out, lse)."""
-    if options.sinks is None:
-        return None
-    return backend.sinks_gradient(grad_out, tensors[3], tensors[4], options)
-
-
 def _gradients(ctx, grad_out, _grad_lse, _grad_rng_state):
     tensors, options = _backward_inputs(ctx)
-    grad_out = grad_out.contiguous()
-    dq, dk, dv = backward_op(grad_out, *tensors, *options.op_args())
+    dq, dk, dv, dsinks = backward_op(grad_out.contiguous(), *tensors, *options.op_args())
     option_gradients = list(_NO_OPTION_GRADIENTS)
-    option_gradients[_SINKS_INDEX] = _sinks_gradient(grad_out, tensors, options)
+    if options.sinks is not None:
+        option_gradients[_SINKS_INDEX] = dsinks
     return (dq, dk, dv, *option_gradients)
 
 
@@ -159,9 +156,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse, _grad_rng_state):
         tensors, options = _backward_inputs(ctx)
-        grad_out = grad_out.contiguous()
-        dq, dk, dv = backend.backward(grad_out, *tensors, options)
-        return dq, dk, dv, _sinks_gradient(grad_out, tensors, options), None
+        dq, dk, dv, dsinks = backend.backward(grad_out.contiguous(), *tensors, options)
+        return dq, dk, dv, dsinks, None
 
 
 def attention(q, k, v, options: AttentionOptions):

@@ -49,7 +49,7 @@ class AttentionOptions:
     # float32 (heads,) or (batch, heads), on q's device.
     alibi_slopes: Optional[torch.Tensor] = _option("Tensor?", None)
     # An attention sink a query head: (heads,), a floating dtype, on q's device (reference.py's
-    # docstring). The kernels run without it; flash_cutlass.backend folds it into their out and lse.
+    # docstring); the forward kernels read it as fp32 (backend.with_float_sinks).
     sinks: Optional[torch.Tensor] = _option("Tensor?", None)
     dropout_p: float = _option("float", 0.0)
     # With dropout: the int64 (seed, offset) of the mask, on the CPU or on q's device (one a

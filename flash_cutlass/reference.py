@@ -65,7 +65,7 @@ __all__ = ["KVCacheArguments", "alibi_bias", "attention_backward", "attention_ba
            "attention_forward_varlen", "attention_with_kvcache", "causal_mask", "check_alibi_slopes",
            "check_kvcache_arguments",
            "check_sinks", "check_window_size", "dropout_keep_mask", "fold_sinks_into", "keep_mask", "naive_attention",
-           "philox4x32_10", "sinks_gradient"]
+           "philox4x32_10", "sinks_gradient", "sinks_gradient_of_delta"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -923,13 +923,22 @@ def sinks_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sin
                    rows: torch.Tensor | int | None = None) -> torch.Tensor:
     """The gradient of the sinks (heads,): d sink_h = -sum over the rows of head h of
     exp(sink_h - lse) * rowsum(dout * out), with out and lse those of the forward with the sinks (the
-    sink's probability times D, the rowsum every backward computes). Layouts as fold_sinks_into's; rows
-    (a variable-length call): how many leading packed rows belong to a sequence (cu_seqlens_q[-1]),
-    the others left out. Rows with lse -inf contribute nothing. Computed in fp32 (fp64 for fp64
-    inputs), returned in sinks' dtype; reads no tensor data on the host."""
+    sink's probability times D, the rowsum every backward computes): sinks_gradient_of_delta of that
+    D, computed here in fp32 (fp64 for fp64 inputs). Layouts as fold_sinks_into's."""
     dtype = torch.promote_types(torch.promote_types(out.dtype, lse.dtype), torch.float32)
     delta = (dout.to(dtype) * out.to(dtype)).sum(dim=-1).transpose(-1, -2)  # lse's layout
-    lse = lse.to(dtype)
+    return sinks_gradient_of_delta(delta, lse, sinks, rows)
+
+
+def sinks_gradient_of_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                            rows: torch.Tensor | int | None = None) -> torch.Tensor:
+    """sinks_gradient from D = rowsum(dout * out) laid out as lse ((batch, heads, seqlen_q), or
+    (heads, total_q)): the backward kernels' own. rows (a variable-length call): how many leading
+    packed rows belong to a sequence (cu_seqlens_q[-1]), the others left out. Rows with lse -inf
+    contribute nothing. Computed in D's dtype (at least fp32), returned in sinks' dtype; reads no
+    tensor data on the host."""
+    dtype = torch.promote_types(torch.promote_types(delta.dtype, lse.dtype), torch.float32)
+    delta, lse = delta.to(dtype), lse.to(dtype)
     terms = torch.exp(_sinks_of_rows(sinks.to(dtype), lse) - lse) * delta
     outside = torch.isneginf(lse)
     if rows is not None:

@@ -4,7 +4,7 @@ value (gpt-oss), so lse = log(exp(sink) + sum_j exp(score_j)) and out = sum_j ex
 CPU: the reference (tiled and naive) against an fp64 implementation written out here (the sink as
 one more column of the scores), forward and gradients (by autograd, the sinks' own included), with
 causal masks, windows, a soft cap, ALiBi, GQA and rows that see no key; reference.fold_sinks_into (what
-the CUDA path applies to the kernels' out and lse) against the reference's own sinks in both
+ring attention applies to its merged out and lse) against the reference's own sinks in both
 layouts; the entry points (flash_forward / flash_backward / flash_attention, their variable-length
 forms, torch.compile, the KV cache) with sinks; a sink of -inf is no sink; dropout; bad sinks
 rejected before any work. GPU (skipped without one): every compiled kernel and head dim against the
@@ -94,7 +94,7 @@ def test_sinks_change_the_result_and_minus_infinity_is_no_sink(gen):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_fold_sinks_into_equals_the_reference_with_sinks(gen, dtype):
-    """What the CUDA path does (the kernels' out and lse, then fold_sinks_into) against the reference's own
+    """What ring attention does (a merged out and lse, then fold_sinks_into) against the reference's own
     sinks, in both layouts; in bfloat16 out is rounded twice there, once here: one unit of its last
     place apart at most."""
     q, k, v = make_qkv_fp64(gen, 40, 17, HEADS, 2, 16, dtype)  # causal: rows without keys too
@@ -118,8 +118,9 @@ def test_fold_sinks_into_equals_the_reference_with_sinks(gen, dtype):
 @pytest.mark.parametrize("layout", ["dense", "packed"])
 def test_the_sinks_gradient_check_catches_wrong_gradients(gen, layout):
     """check_sinks_gradient (tests/helpers.py, the GPU tests' check of dsinks) passes the gradient
-    of a bf16 call with the sinks folded in after the forward, as the CUDA path computes it, and
-    fails it negated, halved, or with two heads swapped."""
+    of a bf16 call with the sinks folded in after the forward (out rounded twice: a harder case than
+    the kernels', which fold before rounding), and fails it negated, halved, or with two heads
+    swapped."""
     q, k, v = make_qkv_fp64(gen, 60, 90, HEADS, 2, 32, torch.bfloat16)
     sinks = make_sinks(gen, dtype=torch.float32)
     dout = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
@@ -197,13 +198,22 @@ def test_torch_compile_gives_the_eager_gradients(gen):
         torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
 
 
-def test_forward_op_passes_opcheck(gen):
-    from flash_cutlass.options import forward_options
+def test_forward_and_backward_ops_pass_opcheck(gen):
+    """The forward op with sinks (and their gradient through its autograd), and the backward op,
+    whose fourth output is dsinks (empty without sinks)."""
+    from flash_cutlass.options import backward_options, forward_options
 
     q, k, v = make_qkv_fp64(gen, 12, 12, HEADS, 2, 16, torch.bfloat16)
     sinks = make_sinks(gen, dtype=torch.float32).requires_grad_()
     options = forward_options(q, causal=True, sinks=sinks)
     torch.library.opcheck(torch.ops.flash_cutlass.forward.default, (q, k, v, *options.op_args()))
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, sinks=sinks.detach())
+    dout = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
+    for given in (sinks.detach(), None):
+        options = backward_options(q, causal=True, sinks=given)
+        torch.library.opcheck(torch.ops.flash_cutlass.backward.default, (dout, q, k, v, out, lse, *options.op_args()))
+        dsinks = torch.ops.flash_cutlass.backward.default(dout, q, k, v, out, lse, *options.op_args())[3]
+        assert dsinks.shape == ((HEADS,) if given is not None else (0,))
 
 
 def test_varlen_entry_points_equal_per_sequence_calls(gen):

@@ -79,6 +79,9 @@ struct FwdParams {
   const float* alibi_slopes = nullptr;
   int64_t alibi_slopes_batch_stride = 0;
   float alibi_slope_scale = 0.f;
+  // Attention sinks: one fp32 logit a query head (natural units), folded into each row's softmax
+  // when the row is finished (fold_sink, common/softmax.h); null: none.
+  const float* sinks = nullptr;
   // Dropout (common/dropout.h): a probability is dropped when its Philox word is below
   // dropout_threshold = floor(p * 2^32) (0: no dropout), kept ones are scaled by
   // dropout_keep_scale = 1 / (1 - p); the words come from the call's Philox (seed, offset).

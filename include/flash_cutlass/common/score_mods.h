@@ -95,6 +95,11 @@ __device__ __forceinline__ float lse_score_unit(FwdParams const& params) {
   return params.softmax_scale;
 }
 
+// The attention sink of query head `head` (natural units), or -inf without sinks.
+__device__ __forceinline__ float sink_of(FwdParams const& params, int head) {
+  return params.sinks == nullptr ? -INFINITY : params.sinks[head];
+}
+
 // The forward's scores before the softmax, in place on one (rows, cols) tile whose element (0, 0)
 // is score (row0, col0): the soft cap and ALiBi (kExtended), then the mask (kMasked: the tiles that
 // need one). The sm80 forward spells the same steps out: through this helper, ptxas spills 96

@@ -59,6 +59,19 @@ __device__ __forceinline__ ScoreExponent probability_exponent(float lse, float e
   return {exact ? score_unit * power : exp2_scale, exact ? lse * power : lse_log2};
 }
 
+// An attention sink (a logit in natural units that joins the row's softmax and attends to no value;
+// -inf: none) folded into a finished row's log-sum-exp: lse becomes log(exp(lse) + exp(sink)).
+// Returns the factor exp(lse - lse') = 1 / (1 + exp(sink - lse)) that rescales the row's normalized
+// output (0 for a row that saw no key, whose lse becomes the sink's). NaN in lse or the sink stays
+// NaN in both (fmaxf alone would drop it; |lse - sink| keeps it), and the factor does not inherit
+// the rounding of lse' (relative error about exp(sink - lse') ulp, not ulp(lse')).
+__device__ __forceinline__ float fold_sink(float& lse, float sink) {
+  if (sink == -INFINITY) return 1.f;
+  const float factor = lse == -INFINITY ? 0.f : 1.f / (1.f + __expf(sink - lse));
+  lse = fmaxf(lse, sink) + log1pf(__expf(-fabsf(lse - sink)));
+  return factor;
+}
+
 // Keeps, for each of the kRows rows a thread owns, the running maximum m of the raw scores
 // and this thread's part of the running sum l of exp(scale * (s - m)). The quad's parts of l
 // are added only once, in finalize(): rescaling is per row, so the parts stay consistent.
@@ -260,17 +273,20 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalizes o by l and returns, per row, lse = scale * m + log(l) (natural log).
-  // A row that attended to no key gets o = 0 and lse = -inf.
+  // Normalizes o by l and returns, per row, lse = scale * m + log(l) (natural log), with the
+  // row's attention sink folded in (fold_sink; -inf: none). A row that attended to no key gets
+  // o = 0 and lse = -inf (the sink, with one).
   template <class TensorO>
-  __device__ __forceinline__ void finalize(TensorO& o, float softmax_scale, float (&lse)[kRows]) {
+  __device__ __forceinline__ void finalize(TensorO& o, float softmax_scale, float (&lse)[kRows],
+                                           float sink = -INFINITY) {
     using namespace cute;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float sum = quad_sum(row_sum[r]);
       const bool empty = sum == 0.f;
-      const float inv_sum = empty ? 0.f : 1.f / sum;
       lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + __logf(sum);
+      const float factor = fold_sink(lse[r], sink);
+      const float inv_sum = empty ? 0.f : factor / sum;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv_sum;
     }

@@ -182,7 +182,7 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
     }
 
     float lse[kRowsPerThread];
-    softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
+    softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse, sink_of(params, head));
     if constexpr (kDropout) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
@@ -193,11 +193,13 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
       if (get<1>(tOcO(r, 0)) == 0 && row < rows_left_q) lse_row[row] = lse[r];
     }
   } else {
-    // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0.
+    // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0,
+    // lse is -inf (the sink, with one).
+    const float sink = sink_of(params, head);
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int row = get<0>(tOcO(r, 0));
-      if (get<1>(tOcO(r, 0)) == 0 && row < rows_left_q) lse_row[row] = -INFINITY;
+      if (get<1>(tOcO(r, 0)) == 0 && row < rows_left_q) lse_row[row] = sink;
     }
   }
 

@@ -573,6 +573,12 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     const PackedRow packed = packed_row(first_row + row, group, kv_head);
     float row_max, row_sum, weights[kWarps];
     merged_row(row, row_max, row_sum, weights);
+    if (!partial && params.sinks != nullptr) {  // unsplit: the sink folds in here (split: in the merge)
+      float row_lse = row_sum == 0.f ? -INFINITY : row_max * lse_score_unit<true>(params) + __logf(row_sum);
+      const float factor = fold_sink(row_lse, params.sinks[packed.head]);
+      CUTE_UNROLL
+      for (int w = 0; w < kWarps; ++w) weights[w] *= factor;
+    }
     float sum[8];
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) sum[e] = 0.f;
@@ -601,11 +607,13 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   if (tidx < kRows && first_row + tidx < packed_rows) {
     float max, sum;
     merged_row(tidx, max, sum, nullptr);
-    const float lse = sum == 0.f ? -INFINITY : max * lse_score_unit<true>(params) + __logf(sum);
-    const int64_t index = stats_index(packed_row(first_row + tidx, group, kv_head));
+    float lse = sum == 0.f ? -INFINITY : max * lse_score_unit<true>(params) + __logf(sum);
+    const PackedRow packed = packed_row(first_row + tidx, group, kv_head);
+    const int64_t index = stats_index(packed);
     if (partial) {
       params.lse_accum[split * stats_stride + index] = lse;
     } else {
+      fold_sink(lse, sink_of(params, packed.head));
       params.lse[index] = lse;
     }
   }
@@ -666,7 +674,8 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, true
 
 // Merges the splits' partial outputs: one CTA per (batch, head, query) row. With the splits'
 // log-sum-exps lse_s, lse = log(sum_s exp(lse_s)) and out = sum_s exp(lse_s - lse) * out_s; a row
-// no split saw keys for gets out 0 and lse -inf. The CTA has combine_warps(splits) warps; warp w
+// no split saw keys for gets out 0 and lse -inf. An attention sink joins lse as one more split
+// without an output (fold_sink), which scales out by the same exp(lse_s - lse). The CTA has combine_warps(splits) warps; warp w
 // sums splits w, w + warps, ... and the warps' sums meet in shared memory. Every load of a row, up
 // to kCombineWarps x kCombineSplitsInFlight splits, is issued before any is used, so that the merge
 // waits one memory latency: each partial row with its split's lse, and every split's lse for the
@@ -735,7 +744,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  const float lse = sum == 0.f ? -INFINITY : max + __logf(sum);
+  float lse = sum == 0.f ? -INFINITY : max + __logf(sum);
+  fold_sink(lse, sink_of(params, head));
 
   float out[kColsPerLane];
   CUTE_UNROLL

@@ -103,6 +103,7 @@ struct FwdConsumer {
     const KeyBlockRange& key_blocks = work.key_blocks;
     float lse[kRowsPerThread];
     clear(acc_o);
+    const float sink = sink_of(params, head);  // loaded here: its latency stays out of the epilogue
 
     if (work.has_keys()) {
       const ScoreMods<kExtended> score_mods =
@@ -347,15 +348,16 @@ struct FwdConsumer {
       if (consumer == 0) wait_for_turn<kConsumers>(consumer);
       ++state;
       ++q_loads;
-      softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse);
+      softmax.finalize(acc_o_rc, lse_score_unit<kExtended>(params), lse, sink);
       if constexpr (kDropout) {
         CUTE_UNROLL
         for (int i = 0; i < size(acc_o_rc); ++i) acc_o_rc(i) *= dropout.keep_scale;
       }
     } else {
-      // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays 0.
+      // No row of this block sees any key (a causal mask or window with seqlen_q > seqlen_k). O stays
+      // 0, lse is -inf (the sink, with one).
       CUTE_UNROLL
-      for (int r = 0; r < kRowsPerThread; ++r) lse[r] = -INFINITY;
+      for (int r = 0; r < kRowsPerThread; ++r) lse[r] = sink;
     }
 
     timeline.stamp(warpgroup, kFinalized);

@@ -141,6 +141,38 @@ def test_the_sinks_gradient_check_catches_wrong_gradients(gen, layout):
                                  oracle_dsinks)
 
 
+def test_gradient_check_carries_outs_rounding_into_dq_and_dk(monkeypatch):
+    """With a sink, a row of one key has a large out and little else, and D = rowsum(dout * out)
+    carries out's bf16 rounding into dq and dk: FlashAttention-2's rule against PyTorch alone fails
+    some correct gradients of such rows (here the CPU reference's, at head dim 128, the GPU test
+    case that failed), check_gradients_against_oracle's bound with that term passes them all, and
+    still fails gradients scaled by 1.1, negated or with their heads swapped."""
+    import helpers
+
+    gen = torch.Generator().manual_seed(7)
+    rule_alone_failures = 0
+    for draw in range(24):
+        seqlen_q, seqlen_k = (1, 1) if draw % 4 else (40, 70)
+        q, k, v, dout = (torch.randn(1, s, h, 128, generator=gen).to(torch.bfloat16)
+                         for s, h in ((seqlen_q, HEADS), (seqlen_k, 2), (seqlen_k, 2), (seqlen_q, HEADS)))
+        sinks = 2 * torch.randn(HEADS, generator=gen) + 1
+        out, lse = flash_cutlass.flash_forward(q, k, v, causal=True, sinks=sinks)
+        grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, sinks=sinks)
+        check_gradients_against_oracle("cpu", grads, q, k, v, dout, True, out=out, lse=lse, sinks=sinks)
+        dq, dk, dv, dsinks = grads
+        for wrong in ((dq * 1.1, dk, dv, dsinks), (dq, dk * 1.1, dv, dsinks), (-dq, dk, dv, dsinks),
+                      (dq, dk.flip(2), dv, dsinks)):
+            with pytest.raises(AssertionError):
+                check_gradients_against_oracle("cpu", wrong, q, k, v, dout, True, out=out, lse=lse, sinks=sinks)
+        with monkeypatch.context() as patch:
+            patch.setattr(helpers, "rounded_out_slack", lambda *args: (0.0, 0.0, 0.0))
+            try:
+                check_gradients_against_oracle("cpu", grads, q, k, v, dout, True, out=out, lse=lse, sinks=sinks)
+            except AssertionError:
+                rule_alone_failures += 1
+    assert rule_alone_failures > 0
+
+
 def test_sinks_gradient_leaves_out_rows_past_the_last_sequence(gen):
     """A variable-length CUDA forward leaves rows outside every sequence unspecified (NaN here)."""
     out = torch.randn(10, HEADS, 8, generator=gen)

@@ -267,11 +267,12 @@ def rounded_out_slack(q, k, dout, out, oracle_out, scale, causal, sinks, options
     delta = (dout32 * (out.detach().float().to(device) - oracle_out.float())).sum(-1, keepdim=True)
     score_options = {key: value for key, value in options.items() if key not in ("dropout_p", "rng_state")}
     sink_leaf = {"sinks": sinks.detach().float().to(device)}
-    probs_times_keys, _ = naive_attention(q32, k32, k32, scale, causal, torch.float32, **score_options, **sink_leaf)
+    # K as the values: the attention's output is P K, its gradient in the values P^T (delta * q).
     values = k32.clone().requires_grad_()
-    attended, _ = naive_attention(q32, k32, values, scale, causal, torch.float32, **score_options, **sink_leaf)
-    (probs_t_delta_q,) = torch.autograd.grad(attended, values, delta * q32)
-    return (1.01 * scale * (delta * probs_times_keys).abs().max().item(),
+    probs_times_keys, _ = naive_attention(q32, k32, values, scale, causal, torch.float32, **score_options,
+                                          **sink_leaf)
+    (probs_t_delta_q,) = torch.autograd.grad(probs_times_keys, values, delta * q32)
+    return (1.01 * scale * (delta * probs_times_keys.detach()).abs().max().item(),
             1.01 * scale * probs_t_delta_q.abs().max().item(), 0.0)
 
 

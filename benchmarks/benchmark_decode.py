@@ -22,6 +22,12 @@ From 128 queries flash_cutlass gathers the caches and runs the prefill forward o
 (include/flash_cutlass/select.h); --num-splits 1 keeps such calls on the KV-cache kernel, to
 compare the two.
 
+With --append, flash_cutlass's calls (paged and contiguous) bring the keys and values of their
+query tokens (k=, v=) and append them at cache_seqlens = context - seqlen_q before attending, as a
+server's decode step does that appends in the same call (the same slots are written again by every
+call); the bytes moved then count those writes too. The other implementations read the context as
+it is.
+
 Timings: after warm-up, --calls back-to-back calls between one pair of CUDA events (--timing loop,
 the default: the host enqueues the next call while the GPU runs the last, so only host overhead
 longer than a call shows), or one replay of a CUDA graph capturing them (--timing graph: no host
@@ -91,24 +97,35 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dtype, seqlen_q=1, num_splits=0):
+def new_tokens(batch, context, seqlen_q, heads_k, head_dim, dtype, append, device="cuda"):
+    """The arguments of flash_attention_with_kvcache that give each sequence its length: with
+    append, the keys and values of the seqlen_q new tokens (k, v) and the lengths before them
+    (context - seqlen_q); without, the lengths alone (context)."""
+    if not append:
+        return {"cache_seqlens": torch.full((batch,), context, dtype=torch.int32, device=device)}
+    k = torch.randn(batch, seqlen_q, heads_k, head_dim, device=device, dtype=dtype)
+    return {"k": k, "v": torch.randn_like(k),
+            "cache_seqlens": torch.full((batch,), context - seqlen_q, dtype=torch.int32, device=device)}
+
+
+def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dtype, seqlen_q=1, num_splits=0,
+                   append=False):
     import flash_cutlass
 
     q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
-    seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    lengths = new_tokens(batch, context, seqlen_q, heads_k, head_dim, dtype, append)
     if impl == "flash_cutlass":
         blocks = -(-context // page_size)
         k_cache = torch.randn(batch * blocks, page_size, heads_k, head_dim, device="cuda", dtype=dtype)
         v_cache = torch.randn_like(k_cache)
         table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
-        return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                                  block_table=table, causal=True,
-                                                                  num_splits=num_splits)
+        return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, **lengths, block_table=table,
+                                                                  causal=True, num_splits=num_splits)
     if impl == "flash_cutlass_contiguous":
         k_cache = torch.randn(batch, context, heads_k, head_dim, device="cuda", dtype=dtype)
         v_cache = torch.randn_like(k_cache)
-        return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                                  causal=True, num_splits=num_splits)
+        return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, **lengths, causal=True,
+                                                                  num_splits=num_splits)
     if impl == "flash_cutlass_prefill":
         k = torch.randn(batch, context, heads_k, head_dim, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
@@ -152,6 +169,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument("--seqlen-q", type=int, default=1,
                         help="query tokens per sequence, the context's last (default: %(default)s: decoding)")
+    parser.add_argument("--append", action="store_true",
+                        help="flash_cutlass's calls append their query tokens' keys and values (k=, v=) before "
+                             "attending")
     parser.add_argument("--num-splits", type=int, default=0,
                         help="flash_cutlass's num_splits (default: %(default)s: chosen from the shapes; 1 keeps "
                              "chunked prefill on the KV-cache kernel)")
@@ -200,9 +220,13 @@ def main(argv=None) -> int:
             moved = cache_bytes + 2 * batch * args.seqlen_q * args.heads * args.head_dim * dtype.itemsize
             flops = attention_flops(batch, args.heads, args.seqlen_q, context, args.head_dim)
             for impl in impls:
+                appends = args.append and impl in ("flash_cutlass", "flash_cutlass_contiguous")
+                # The new keys and values: read from k and v, written into the cache.
+                impl_moved = moved + (4 * batch * args.seqlen_q * args.heads_k * args.head_dim * dtype.itemsize
+                                      if appends else 0)
                 try:
                     fn = make_callables(impl, batch, context, args.heads, args.heads_k, args.head_dim,
-                                        args.page_size, dtype, args.seqlen_q, args.num_splits)
+                                        args.page_size, dtype, args.seqlen_q, args.num_splits, appends)
                     ms = time_ms(fn, args.calls, args.repeats, graph=args.timing == "graph")
                 except (RuntimeError, torch.OutOfMemoryError) as error:
                     print(f"{batch:>6} {context:>8} {impl:>26}  unavailable: {str(error).splitlines()[0][:80]}")
@@ -214,7 +238,7 @@ def main(argv=None) -> int:
                         graph_value = f" {graph_ms * 1e3:>9.1f}"
                     except RuntimeError:  # a peer that cannot be captured: bandwidth from the loop
                         graph_value = f" {'n/a':>9}"
-                achieved = moved / (graph_ms * 1e-3)
+                achieved = impl_moved / (graph_ms * 1e-3)
                 tflops_value = f" {flops / (graph_ms * 1e-3) / 1e12:>8.1f}" if prefill else ""
                 print(f"{batch:>6} {context:>8} {impl:>26} {ms * 1e3:>9.1f}{graph_value} {achieved / 1e9:>8.0f} "
                       f"{achieved / copy:>8.2f}{tflops_value}")

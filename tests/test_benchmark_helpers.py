@@ -401,3 +401,12 @@ def test_decode_benchmark_rejects_a_negative_split_count(capsys):
         decode.main(["--num-splits", "-1"])
     assert excinfo.value.code == 2
     assert "--num-splits" in capsys.readouterr().err
+
+
+def test_decode_benchmark_appends_the_query_tokens_behind_the_lengths_it_passes():
+    # The cache holds `context` tokens once the call has appended its seqlen_q new ones.
+    plain = decode.new_tokens(2, 100, 3, 2, 16, torch.float32, append=False, device="cpu")
+    assert set(plain) == {"cache_seqlens"} and plain["cache_seqlens"].tolist() == [100, 100]
+    appended = decode.new_tokens(2, 100, 3, 2, 16, torch.float32, append=True, device="cpu")
+    assert appended["cache_seqlens"].tolist() == [97, 97] and appended["cache_seqlens"].dtype == torch.int32
+    assert appended["k"].shape == appended["v"].shape == (2, 3, 2, 16)

@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import shlex
 import shutil
 import statistics
@@ -49,15 +50,20 @@ SUBJECT_DETERMINISTIC = "flash_cutlass_deterministic"
 # flash_cutlass's automatic choice with attention sinks (sinks=, one logit a query head, learned in
 # forward+backward); run only when asked for.
 SUBJECT_SINKS = "flash_cutlass_sinks"
+# flash_cutlass's automatic choice with the Hopper backward's GQA walks chosen by their rule
+# ($FLASH_CUTLASS_GQA_WALK_HEADS=auto, set around each call: the extension reads it per call), for
+# an A/B against SUBJECT in one process; run only when asked for.
+SUBJECT_GQA_WALK = "flash_cutlass_gqa_walk"
+GQA_WALK_ENV = {SUBJECT_GQA_WALK: ("FLASH_CUTLASS_GQA_WALK_HEADS", "auto")}
 FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None,
-                  SUBJECT_SINKS: None}
+                  SUBJECT_SINKS: None, SUBJECT_GQA_WALK: None}
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-IMPLS = (SUBJECT, SUBJECT_SM80, SUBJECT_SM90, SUBJECT_DETERMINISTIC, SUBJECT_SINKS, *SDPA_BACKENDS)
-DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl not in (SUBJECT_DETERMINISTIC, SUBJECT_SINKS))
+IMPLS = (SUBJECT, SUBJECT_SM80, SUBJECT_SM90, SUBJECT_DETERMINISTIC, SUBJECT_SINKS, SUBJECT_GQA_WALK, *SDPA_BACKENDS)
+DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl not in (SUBJECT_DETERMINISTIC, SUBJECT_SINKS, SUBJECT_GQA_WALK))
 # What is timed, and its matmul FLOPs as a multiple of the forward's (the FlashAttention
 # convention: the backward does 2.5x the forward's matmul work).
 DIRECTIONS = {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
@@ -422,10 +428,28 @@ def make_runner(impl: str, inputs: Inputs, causal: bool, subject: ModuleType | N
     return lambda: sdpa_call(inputs, causal, backend)
 
 
+def with_environment(run: Callable[[], object], variable: str, value: str) -> Callable[[], object]:
+    """run with the environment variable set to value for the call, as it was before after it."""
+    def call():
+        previous = os.environ.get(variable)
+        os.environ[variable] = value
+        try:
+            return run()
+        finally:
+            if previous is None:
+                del os.environ[variable]
+            else:
+                os.environ[variable] = previous
+    return call
+
+
 def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: ModuleType | None,
                          direction: str) -> Callable[[], object]:
     """The backward pass alone (its forward run once, outside the timed call) or forward and
     backward together, with a random upstream gradient."""
+    if impl in GQA_WALK_ENV:
+        run = make_gradient_runner(SUBJECT, inputs, causal, subject, direction)
+        return with_environment(run, *GQA_WALK_ENV[impl])
     if impl in FORCED_KERNELS:
         kernel = FORCED_KERNELS[impl]
         deterministic = impl == SUBJECT_DETERMINISTIC
@@ -614,9 +638,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--impls", type=_impl_list, metavar="NAME[,NAME...]",
                         default=",".join(DEFAULT_IMPLS),
                         help=f"implementations to run, of {', '.join(IMPLS)} (default: all but "
-                             f"{SUBJECT_DETERMINISTIC} and {SUBJECT_SINKS}, the automatic choice with "
-                             "deterministic=True or with attention sinks); without a flash_cutlass one the "
-                             "extension is not imported")
+                             f"{SUBJECT_DETERMINISTIC}, {SUBJECT_SINKS} and {SUBJECT_GQA_WALK}, the automatic "
+                             "choice with deterministic=True, with attention sinks or with the Hopper "
+                             "backward's GQA walks); without a flash_cutlass one the extension is not imported")
     parser.add_argument("--check", action="store_true",
                         help="before timing each shape, compare flash_cutlass's output with "
                              "SDPA's default backend and its LSE with fp32 math on sampled rows; "

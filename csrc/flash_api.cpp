@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
 #include <mutex>
 #include <optional>
@@ -496,12 +497,50 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   run_forward(q, k, v, out, lse, drawn_rng_state, options_from_python(options_object));
 }
 
+// $FLASH_CUTLASS_GQA_WALK_HEADS: how many query heads of a K/V head's group one Hopper backward CTA
+// walks in a GQA call (BwdParams::query_heads_per_key_tile). Unset or empty: one, as before the
+// walks (they have not yet been measured on a GPU); "auto": select.h's rule; a number: that many,
+// a divisor of the group, and in a deterministic call 1 or the whole group. Calls with a soft cap,
+// ALiBi or dropout take one head a tile whatever it says.
+constexpr const char* kGqaWalkHeadsEnv = "FLASH_CUTLASS_GQA_WALK_HEADS";
+
+int gqa_walk_heads(BwdParams const& params, int kernel_hdim, bool deterministic, const at::Tensor& q) {
+  const int group = params.heads / params.heads_k;
+  if (group == 1 || uses_extension(params)) return 1;
+  const char* value = std::getenv(kGqaWalkHeadsEnv);
+  const std::string text = value == nullptr ? "" : value;
+  if (text.empty()) return 1;
+  if (text == "auto") {
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
+    const int key_block = sm90_backward_key_block(kernel_hdim);
+    return sm90_backward_query_heads_per_key_tile(params.batch, params.heads, params.heads_k,
+                                                  (params.seqlen_k + key_block - 1) / key_block, sms, deterministic);
+  }
+  int walk = 0;
+  size_t parsed = 0;
+  try {
+    walk = std::stoi(text, &parsed);
+  } catch (const std::exception&) {
+    parsed = 0;
+  }
+  TORCH_CHECK_VALUE(parsed == text.size() && walk >= 1,
+                    message(kGqaWalkHeadsEnv, " must be 'auto' or a positive number of query heads, got '", text, "'"));
+  TORCH_CHECK_VALUE(group % walk == 0, message(kGqaWalkHeadsEnv, " = ", walk, " must divide the ", group,
+                                               " query heads of a K/V head (heads / heads_k) in this call"));
+  TORCH_CHECK_VALUE(!deterministic || walk == 1 || walk == group,
+                    message(kGqaWalkHeadsEnv, " = ", walk, ": a deterministic call walks 1 or all ", group,
+                            " query heads of a K/V head (a part of the group adds dK and dV with atomics)"));
+  return walk;
+}
+
 // The backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k and v, last
 // dimension contiguous). D = rowsum(dout * out) and the fp32 dQ accumulator are computed on the
 // device; D goes into dsoftmax_sum where the caller passes one (fp32, contiguous, laid out as lse:
 // the sinks' gradient reads it), zeroed where no kernel runs. With GQA, dK and dV come in fp32: per K/V head, the group's query heads adding with
 // atomics (the Hopper kernels), or per query head, summed over each group here in a fixed order
-// (deterministic calls, the sm80 kernel).
+// (deterministic calls, the sm80 kernel). A Hopper call whose CTAs walk a whole group's query heads
+// (gqa_walk_heads) writes dk and dv directly.
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
               const at::Tensor& dv, const pybind11::handle& options_object,
@@ -543,10 +582,25 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   const int accum_hdim = kernel.kernel_hdim;
 
   if (!dsoftmax_sum.defined()) dsoftmax_sum = at::empty({batch, heads, seqlen_q}, fp32);
+
+  BwdParams params;
+  set_attention_params(params, q, k, v, out, lse, shape, options);
+  set_philox_state(params, options, q, std::nullopt);
+  if (params.batch == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {  // a variable-length call without work
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    dsoftmax_sum.zero_();
+    return;
+  }
   at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
-  const bool grouped = heads != heads_k;
-  // The Hopper kernels add a group's dK and dV with atomics; deterministic calls and the sm80 kernel
-  // store them per query head, summed below.
+  const int query_heads_per_key_tile =
+      kernel.path == KernelPath::kSm90 ? gqa_walk_heads(params, accum_hdim, options.deterministic, q) : 1;
+  params.query_heads_per_key_tile = query_heads_per_key_tile;
+  // dK and dV go straight into dk and dv without GQA and where a Hopper CTA walks a whole group.
+  // Otherwise the Hopper kernels add a group's (or a part's) to per-K/V-head fp32 accumulators
+  // with atomics; deterministic calls and the sm80 kernel store them per query head, summed below.
+  const bool grouped = heads != heads_k && query_heads_per_key_tile != heads / heads_k;
   const bool per_query_head = options.deterministic || kernel.path != KernelPath::kSm90;
   const int64_t dkv_accum_heads = per_query_head ? heads : heads_k;
   at::Tensor dk_accum, dv_accum;
@@ -558,17 +612,6 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
       dk_accum = at::zeros({batch, seqlen_k, heads_k, accum_hdim}, fp32);
       dv_accum = at::zeros({batch, seqlen_k, heads_k, accum_hdim}, fp32);
     }
-  }
-
-  BwdParams params;
-  set_attention_params(params, q, k, v, out, lse, shape, options);
-  set_philox_state(params, options, q, std::nullopt);
-  if (params.batch == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {  // a variable-length call without work
-    dq.zero_();
-    dk.zero_();
-    dv.zero_();
-    dsoftmax_sum.zero_();
-    return;
   }
   params.dout = dout.data_ptr();
   params.dout_batch_stride = dout.stride(0);
@@ -937,10 +980,12 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
   const CallDevice call_device(q);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  // Whether the append launched (with queries to attend, a call with new tokens or rotary launches it).
   auto append = [&] {
-    if (params.seqlen_new == 0 && params.rotary_cos == nullptr) return;
+    if (params.seqlen_new == 0 && params.rotary_cos == nullptr) return false;
     const cudaError_t status = run_kvcache_append_kernel(params, dtype, stream);
     FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache append launch failed: ", cudaGetErrorString(status));
+    return true;
   };
   const PrefillForm prefill_form = kvcache_prefill_form(params, options, k_cache, v_cache);
   const std::optional<PrefillGather> gather =
@@ -976,7 +1021,7 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     params.lse_accum = lse_accum.data_ptr<float>();
   }
 
-  append();
+  params.after_own_append = append();
   if (seqlen_q == 0) return;
   const cudaError_t status = run_kvcache_kernel(params, dtype, kernel_hdim, device, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache kernel launch failed: ", cudaGetErrorString(status));

@@ -264,3 +264,158 @@ def test_gqa_hopper_backward_accumulates_per_kv_head(cuda_gen, head_dim):
     expected = oracle_gradients(q, k, v, dout, False, torch.float32)
     for got, want in zip(grads, expected):
         assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+# GQA walks ($FLASH_CUTLASS_GQA_WALK_HEADS, csrc/flash_api.cpp): a CTA's key tile walks several query
+# heads of its K/V head's group, K and V loaded once, dK and dV summed in registers; over the whole
+# group it writes dk and dv itself, over a part it adds to the K/V head's fp32 accumulators.
+WALK_ENV = "FLASH_CUTLASS_GQA_WALK_HEADS"
+# 8 query heads on 2 K/V heads: a group of 4, walked whole or in halves.
+WALKS = {"whole": 4, "half": 2}
+WALK_SEQLENS = [(63, 129), (65, 127), (129, 200), (1, 300), (300, 2), (300, 4500)]
+
+
+@pytest.mark.parametrize("walk", list(WALKS))
+@pytest.mark.parametrize("seqlen_q,seqlen_k", WALK_SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_gqa_walks_over_query_and_key_tails(cuda_gen, monkeypatch, head_dim, causal, seqlen_q, seqlen_k, walk):
+    """Walks over tails, seqlen 1 and (300, 4500) (36 or 71 key blocks a head: more tiles than SMs at
+    batch 3): gradients against the oracle."""
+    skip_unless_hopper_backward(head_dim)
+    monkeypatch.setenv(WALK_ENV, str(WALKS[walk]))
+    check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, 2, batch=3)
+
+
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_automatic_gqa_walks_and_mqa(cuda_gen, monkeypatch, head_dim):
+    """'auto' (select.h's rule) on MQA, batch 2, 8448 keys: 66 key blocks of 128 (132 of 64 past
+    head dim 128), so that on 132 SMs whole groups fill every SM and the rule walks all 8 query
+    heads: dK and dV are then bitwise those of the forced whole-group walk (no atomics in them).
+    Against the oracle too, and the forced walk on a causal call."""
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 2, 64, 8448, 1, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    monkeypatch.setenv(WALK_ENV, "auto")
+    automatic = flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90")
+    oracle = oracle_gradients(q, k, v, dout, False, torch.float32)
+    same_dtype = oracle_gradients(q, k, v, dout, False, torch.bfloat16)
+    for name, grad, ref, base in zip(("dq", "dk", "dv"), automatic, oracle, same_dtype):
+        fa2_check(grad, ref, base, f"automatic GQA walk {name} (head dim {head_dim})")
+    monkeypatch.setenv(WALK_ENV, "8")
+    whole = flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90")
+    if torch.cuda.get_device_properties(q.device).multi_processor_count == 132:
+        assert torch.equal(automatic[1], whole[1]) and torch.equal(automatic[2], whole[2])
+    check_hopper_backward(cuda_gen, head_dim, True, 333, 500, 1, batch=2)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_deterministic_whole_group_walks(cuda_gen, monkeypatch, head_dim, mask):
+    """Deterministic walks over whole groups: turns per query head, bitwise equal runs; without a
+    mask at 1050 / 1000 the rotated walks too."""
+    skip_unless_hopper_backward(head_dim)
+    options = {"window_size": (300, 40)} if mask == "window" else {}
+    reason = options_left_out(**options)
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv(WALK_ENV, "4")
+    check_deterministic_runs(cuda_gen, head_dim, (333, 700), 2, mask == "causal", options,
+                             f"head dim {head_dim}, {mask}, whole-group walks")
+    if mask == "none":
+        # 9 x 2 walks of 8 key blocks of 128 (16 of 64): 144 (288) tiles on a rotated grid of at
+        # most 128 CTAs, so that CTAs take several multi-head tiles.
+        check_deterministic_runs(cuda_gen, head_dim, (1050, 1000), 2, False, {},
+                                 f"head dim {head_dim}, rotated whole-group walks", batch=9)
+
+
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_gqa_walks_in_variable_length_calls(cuda_gen, monkeypatch, head_dim):
+    """Packed sequences with tails in every head's last query block (the loader's tail barrier
+    changes phase once a head): half and whole walks, and deterministic whole walks (bitwise equal
+    runs), against one head a tile."""
+    skip_unless_hopper_backward(head_dim)
+    lengths = [517, 1, 300, 129]
+    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    total, max_seqlen = sum(lengths), max(lengths) + 64
+
+    def rand(heads):
+        return torch.randn(total, heads, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+
+    q, k, v, dout = rand(HEADS), rand(2), rand(2), rand(HEADS)
+    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+
+    def gradients(walk, deterministic=False):
+        monkeypatch.setenv(WALK_ENV, walk)
+        return flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
+                                                   max_seqlen, causal=True, deterministic=deterministic, kernel="sm90")
+
+    one_head = gradients("1")
+    walks = {walk: gradients(walk) for walk in ("2", "4")}
+    walks["4, deterministic"] = gradients("4", deterministic=True)
+    again = gradients("4", deterministic=True)
+    for name, first, second in zip(("dq", "dk", "dv"), walks["4, deterministic"], again):
+        assert torch.equal(first, second), f"{name} differs between two deterministic varlen walks"
+    for walk, grads in walks.items():
+        for name, grad, ref in zip(("dq", "dk", "dv"), grads, one_head):
+            torch.testing.assert_close(grad.float(), ref.float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda m: f"walk {walk}, {name}: {m}")
+
+
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_gqa_walks_leave_the_extended_kernels_alone(cuda_gen, monkeypatch, head_dim):
+    """A soft cap and ALiBi run one query head a tile whatever the variable says; MHA calls ignore it."""
+    skip_unless_hopper_backward(head_dim)
+    reason = options_left_out(softcap=30.0, alibi=True)
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv(WALK_ENV, "4")
+    slopes = torch.rand(HEADS, generator=cuda_gen, device="cuda") * 0.1
+    check_hopper_backward(cuda_gen, head_dim, False, 200, 300, 2, softcap=30.0, alibi_slopes=slopes)
+    monkeypatch.setenv(WALK_ENV, "3")
+    check_hopper_backward(cuda_gen, head_dim, True, 200, 300, HEADS)
+
+
+@pytest.mark.parametrize("value,deterministic,message", [
+    ("0", False, "positive number"), ("two", False, "positive number"), ("3", False, "must divide the 4"),
+    ("2", True, "a deterministic call walks 1 or all 4")])
+def test_gqa_walk_values_are_checked(cuda_gen, monkeypatch, value, deterministic, message):
+    head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    monkeypatch.setenv(WALK_ENV, value)
+    with pytest.raises(ValueError, match=f"{WALK_ENV}.*{message}"):
+        flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=deterministic, kernel="sm90")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_whole_group_walks_allocate_no_fp32_dk_dv(cuda_gen, monkeypatch, head_dim, deterministic):
+    """Walking whole groups, the kernel writes dk and dv itself: no fp32 dK/dV accumulators, neither per
+    K/V head nor (deterministic calls otherwise) per query head."""
+    skip_unless_hopper_backward(head_dim)
+    monkeypatch.setenv(WALK_ENV, "8")
+    batch, seqlen, heads, heads_k = 1, 2048, 16, 2
+    q, dout = (torch.randn(batch, seqlen, heads, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+               for _ in range(2))
+    k, v = (torch.randn(batch, seqlen, heads_k, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+            for _ in range(2))
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=deterministic, kernel="sm90")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    gradients = sum(g.numel() * g.element_size() for g in grads)
+    dq_accumulator = batch * seqlen * heads * head_dim * 4
+    per_kv_head = 2 * batch * seqlen * heads_k * head_dim * 4
+    # D and the turn counters take under 1 MiB; the smallest fp32 dK/dV accumulators 2 MiB or more.
+    assert per_kv_head >= 2 << 20
+    bound = gradients + dq_accumulator + (1 << 20)
+    assert peak <= bound, f"backward allocated {peak} bytes at its peak, expected at most {bound}"
+    expected = oracle_gradients(q, k, v, dout, False, torch.float32)
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2)

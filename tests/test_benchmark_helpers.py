@@ -1,6 +1,7 @@
 """CPU tests of benchmarks/benchmark_forward.py's pure helpers and its --check logic."""
 
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -410,3 +411,24 @@ def test_decode_benchmark_appends_the_query_tokens_behind_the_lengths_it_passes(
     appended = decode.new_tokens(2, 100, 3, 2, 16, torch.float32, append=True, device="cpu")
     assert appended["cache_seqlens"].tolist() == [97, 97] and appended["cache_seqlens"].dtype == torch.int32
     assert appended["k"].shape == appended["v"].shape == (2, 3, 2, 16)
+
+
+def test_the_gqa_walk_runner_sets_its_variable_for_each_call_only(monkeypatch):
+    """flash_cutlass_gqa_walk: the automatic choice with $FLASH_CUTLASS_GQA_WALK_HEADS=auto during
+    each call (the extension reads it per call), the variable as it was around the calls."""
+    import flash_cutlass
+
+    variable, value = bench.GQA_WALK_ENV[bench.SUBJECT_GQA_WALK]
+    monkeypatch.setenv(variable, "2")
+    seen = bench.with_environment(lambda: os.environ[variable], variable, value)()
+    assert seen == value and os.environ[variable] == "2"
+    monkeypatch.delenv(variable)
+    case = bench.Case(head_dim=32, causal=True, seqlen=40, batch=2, heads=4, heads_k=2)
+    inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
+    torch.manual_seed(0)
+    walked = bench.make_runner(bench.SUBJECT_GQA_WALK, inputs, True, flash_cutlass, "backward")()
+    assert variable not in os.environ
+    torch.manual_seed(0)
+    plain = bench.make_runner(bench.SUBJECT, inputs, True, flash_cutlass, "backward")()
+    assert all(torch.equal(a, b) for a, b in zip(walked, plain))
+    assert bench.SUBJECT_GQA_WALK not in bench.DEFAULT_IMPLS

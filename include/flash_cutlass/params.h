@@ -156,6 +156,13 @@ struct BwdParams : FwdParams {
   // have added to that query block (64: the smallest block of rows a Hopper backward walks).
   bool deterministic = false;
   int* dq_turns = nullptr;
+  // GQA on the Hopper path: the query heads one CTA's key tile walks (sm90/tile_scheduler.h), a
+  // divisor of the group heads / heads_k. Its key block's K and V stay in shared memory while it
+  // walks the query blocks of query heads [head, head + query_heads_per_key_tile), one head after
+  // the other, dK and dV summed in registers. With the whole group the CTA writes its K/V head's dK
+  // and dV into dk and dv; with a part of it, it adds them to the K/V head's fp32 accumulators. 1:
+  // one query head a tile.
+  int query_heads_per_key_tile = 1;
 };
 
 // One call of attention over a KV cache (flash_cutlass.flash_attention_with_kvcache): new keys
@@ -209,6 +216,11 @@ struct KVCacheParams : FwdParams {
   void* k_cache = nullptr;
   void* v_cache = nullptr;
   void* q_rotated = nullptr;
+  // The attention kernel runs right after this call's append in the stream (set by the host when
+  // the append launched). Launched under it (programmatic dependent launch), it then reads the
+  // lengths and the block table, which the append does not write, before it waits for the append's
+  // grid. (A kernel of the caller's gives no such order: the attention kernel then waits first.)
+  bool after_own_append = false;
 };
 
 // Where the KV-cache gather (sm80/kvcache_kernel.h, flash_kvcache_gather_sm80) packs each

@@ -86,6 +86,55 @@ KernelSelection select_kernel(int head_dim, KernelChoice choice, int major, int 
   return selection;
 }
 
+// The keys of one Hopper backward CTA's key block at a compiled head dim (sm90/bwd_tile_config.h,
+// BwdTraitsFor; its launcher checks the two agree).
+constexpr int sm90_backward_key_block(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128; }
+
+// The share of `slots` SMs that `tiles` equal tiles, one a CTA, keep busy over their waves.
+constexpr double sm90_backward_busy_share(int64_t tiles, int64_t slots) {
+  const int64_t waves = (tiles + slots - 1) / slots;
+  return waves == 0 ? 1.0 : double(tiles) / double(waves * slots);
+}
+
+// A GQA call on the Hopper backward: how many query heads of a K/V head's group one CTA's key tile
+// walks (BwdParams::query_heads_per_key_tile), from the shapes and the SM count alone. A walk over
+// the whole group keeps K and V loaded for all its heads and stores dK and dV once, in the inputs'
+// dtype (no fp32 accumulators to zero, add to and convert); it divides the grid by the group, each
+// tile taking that many times as long. The whole group when its tiles keep at least
+// kSm90GqaWalkBusyShare of the SMs busy over their waves; else the divisor of the group whose tiles
+// keep the most busy (the larger on a tie: fewer adds), a part of the group adding to the K/V head's
+// accumulators. Deterministic calls take the whole group or one head a tile (parts add with
+// atomics). key_blocks: of the longest sequence (sm90_backward_key_block).
+inline constexpr double kSm90GqaWalkBusyShare = 0.9;
+
+constexpr int sm90_backward_query_heads_per_key_tile(int64_t batch, int64_t heads, int64_t heads_k, int64_t key_blocks,
+                                                     int64_t sms, bool deterministic) {
+  if (heads_k <= 0 || heads % heads_k != 0 || heads == heads_k || sms <= 0) return 1;
+  const int64_t group = heads / heads_k;
+  const int64_t tiles_a_head = batch * key_blocks;
+  if (sm90_backward_busy_share(tiles_a_head * heads_k, sms) >= kSm90GqaWalkBusyShare) return int(group);
+  if (deterministic) return 1;
+  int64_t best = 1;
+  double best_share = 0.0;
+  for (int64_t walk = group; walk >= 1; --walk) {
+    if (group % walk != 0) continue;
+    const double share = sm90_backward_busy_share(tiles_a_head * (heads / walk), sms);
+    if (share > best_share) {
+      best = walk;
+      best_share = share;
+    }
+  }
+  return int(best);
+}
+// 132 SMs, head dim 128 (128 keys a block): cuDNN's 64 / 8 heads at 4k walk whole groups (256
+// tiles: 0.97 busy), batch 1 with 32 / 8 heads at 1k 2 heads a tile (128 tiles: 0.97; whole groups
+// 64: 0.48), batch 4 with 16 / 2 heads at 2k whole groups (128 tiles); MHA one head.
+static_assert(sm90_backward_query_heads_per_key_tile(1, 64, 8, 32, 132, false) == 8 &&
+              sm90_backward_query_heads_per_key_tile(1, 32, 8, 8, 132, false) == 2 &&
+              sm90_backward_query_heads_per_key_tile(1, 32, 8, 8, 132, true) == 1 &&
+              sm90_backward_query_heads_per_key_tile(4, 16, 2, 16, 132, false) == 8 &&
+              sm90_backward_query_heads_per_key_tile(16, 16, 16, 8, 132, false) == 1);
+
 // Split-KV of a KV-cache call (sm80/kvcache_kernel.h) when the caller leaves it to us
 // (num_splits=0): a pure function of the shapes and the GPU, so that a captured CUDA graph replays
 // the same launch and the scratch is sized without reading any length. `tiles` CTAs without

@@ -213,7 +213,9 @@ __device__ __forceinline__ QueryTile longest_first_query_tile_of_this_cta(FwdPar
 // The backward kernels' key tiles, (key block, head, batch) flattened with the key block fastest:
 // in increasing order (the longest first under a causal mask), or with last_key_block_first in
 // decreasing order (the deterministic Hopper backward: ordered_reduce.h). The sm80 path runs one
-// CTA per tile, the Hopper path walks them (sm90/tile_scheduler.h).
+// CTA per tile, the Hopper path walks them (sm90/tile_scheduler.h). A tile of a walk over
+// query_heads_per_tile query heads (BwdParams::query_heads_per_key_tile) names the first of them:
+// the tiles are then (key block, group of query heads, batch), heads / query_heads_per_tile groups.
 struct KeyTile {
   int n_block;
   int head;
@@ -221,12 +223,14 @@ struct KeyTile {
 };
 
 template <int kBlockN>
-__device__ __forceinline__ KeyTile key_tile_at(FwdParams const& params, int index, bool last_key_block_first) {
+__device__ __forceinline__ KeyTile key_tile_at(FwdParams const& params, int index, bool last_key_block_first,
+                                               int query_heads_per_tile = 1) {
   const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
-  const int batch_head = index / num_n_blocks;
+  const int head_groups = params.heads / query_heads_per_tile;
+  const int batch_group = index / num_n_blocks;
   const int n_index = index % num_n_blocks;
-  return {last_key_block_first ? num_n_blocks - 1 - n_index : n_index, batch_head % params.heads,
-          batch_head / params.heads};
+  return {last_key_block_first ? num_n_blocks - 1 - n_index : n_index,
+          batch_group % head_groups * query_heads_per_tile, batch_group / head_groups};
 }
 
 // One batch entry: its sequence lengths and where its rows start. A variable-length call
@@ -372,14 +376,23 @@ struct KeyBlockWork {
   // The walk visits [m_block_begin, m_block_end) starting m_rotation blocks in, wrapping around
   // (the deterministic Hopper backward's rotated walks: sm90/tile_scheduler.h); 0: in order.
   int m_rotation = 0;
+  // The query heads walked, tile.head first (the Hopper backward's GQA walks: BwdParams::
+  // query_heads_per_key_tile): each head's query blocks in the order above, head after head.
+  int query_heads = 1;
 
   __device__ bool in_sequence() const { return key_start < sequence.seqlen_k; }
   __device__ int num_m_blocks() const { return max(0, m_block_end - m_block_begin); }
-  // The query block of the walk's step i (0 <= i < num_m_blocks()).
+  // The steps of the walk: its query blocks for each of its query heads.
+  __device__ int num_steps() const { return num_m_blocks() * query_heads; }
+  // The query block of the walk's step i (0 <= i < num_m_blocks()) within a head.
   __device__ __forceinline__ int m_block_at(int i) const {
     int offset = i + m_rotation;
     if (offset >= m_block_end - m_block_begin) offset -= m_block_end - m_block_begin;
     return m_block_begin + offset;
+  }
+  // The query block of the walk's step s over all its heads (0 <= s < num_steps()).
+  __device__ __forceinline__ int m_block_of_step(int s) const {
+    return m_block_at(query_heads > 1 ? s % num_m_blocks() : s);
   }
 };
 

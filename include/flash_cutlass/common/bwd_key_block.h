@@ -80,8 +80,9 @@ __device__ __forceinline__ QueryRowBuffers query_row_buffers(BwdParams const& pa
   return {params.lse + row_offset, params.dsoftmax_sum + row_offset, params.dq_accum + row_offset * kHeadDim};
 }
 
-// dK (times the softmax scale) and dV of a key block: straight into dk and dv in the inputs' dtype,
-// or, with GQA, in fp32: per query head for the caller to sum over each group, or (kKvHeadAtomics:
+// dK (times the softmax scale) and dV of a key block: straight into dk and dv in the inputs' dtype
+// (the Hopper kernels: at the K/V head, which their walks over a whole GQA group need; the sm80
+// kernel only without GQA, at the head), or, with GQA, in fp32: per query head for the caller to sum over each group, or (kKvHeadAtomics:
 // the Hopper kernels; the sm80 kernel spilled in its loop with the branch) added with atomics to the
 // K/V head's (params.dkv_accum_heads). coords: each accumulator element's (key, column) inside the
 // block.
@@ -97,7 +98,8 @@ __device__ __forceinline__ void store_dk_dv(BwdParams const& params,
   };
   if (params.dk != nullptr) {
     const int64_t offset = sequence.k_offset(params.dkv_batch_stride, params.dkv_row_stride) +
-                           int64_t(work.key_start) * params.dkv_row_stride + int64_t(head) * params.dkv_head_stride;
+                           int64_t(work.key_start) * params.dkv_row_stride +
+                           int64_t(kKvHeadAtomics ? kv_head_of(head, params) : head) * params.dkv_head_stride;
     store(static_cast<Element*>(params.dk) + offset, params.dkv_row_stride, acc_dk, params.softmax_scale,
           params.head_dim);
     store(static_cast<Element*>(params.dv) + offset, params.dkv_row_stride, acc_dv, 1.f, params.head_dim);

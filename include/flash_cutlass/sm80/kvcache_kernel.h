@@ -220,24 +220,6 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   auto vt_stage = [&](int stage) { return make_tensor(make_smem_ptr(smem_v + stage * Traits::kSmemElemsKV),
                                                       typename Traits::SmemLayoutVt{}); };
 
-  // Q: each packed row from its own query and head; rows past the last and columns past head_dim
-  // are zero-filled.
-  {
-    constexpr int kChunksPerRow = kHeadDim / Traits::kElemsPerCopy;
-    const Element* q = static_cast<const Element*>(params.q);
-    CUTE_UNROLL
-    for (int index = tidx; index < kRows * kChunksPerRow; index += Traits::kThreads) {
-      const int row = index / kChunksPerRow;
-      const int col = (index % kChunksPerRow) * Traits::kElemsPerCopy;
-      const bool valid = first_row + row < packed_rows && col < params.head_dim;
-      const PackedRow packed = packed_row(valid ? first_row + row : 0, group, kv_head);
-      const Element* src = q + int64_t(batch) * params.q_batch_stride + int64_t(packed.query) * params.q_row_stride +
-                           int64_t(packed.head) * params.q_head_stride + (valid ? col : 0);
-      cp_async_16(&sQ(row, col), src, valid);
-    }
-    cp_async_fence();
-  }
-
   // This lane's rows of a chunk (kPasses of them, kRowsPerPass apart) and first column. A lane whose
   // column of a pass lies past head_dim (a padded head dim) reads its first column instead, with
   // zero bytes copied: every source address lies in the cache.
@@ -351,6 +333,27 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   // Prologue: chunks 0 .. kStages - 2, one cp.async group each (empty past the warp's chunks, so
   // that the group count stays uniform), with the next chunk's rows located.
   ChunkRows next_rows = locate(0);
+  // Under the call's own append (params.after_own_append) the kernel has not yet waited for it:
+  // the lengths, the split's range and the first lookups above read nothing it writes; the rotated
+  // queries and the cache's new rows below are its writes.
+  if (params.after_own_append) wait_for_previous_grid();
+  // Q: each packed row from its own query and head; rows past the last and columns past head_dim
+  // are zero-filled.
+  {
+    constexpr int kChunksPerRow = kHeadDim / Traits::kElemsPerCopy;
+    const Element* q = static_cast<const Element*>(params.q);
+    CUTE_UNROLL
+    for (int index = tidx; index < kRows * kChunksPerRow; index += Traits::kThreads) {
+      const int row = index / kChunksPerRow;
+      const int col = (index % kChunksPerRow) * Traits::kElemsPerCopy;
+      const bool valid = first_row + row < packed_rows && col < params.head_dim;
+      const PackedRow packed = packed_row(valid ? first_row + row : 0, group, kv_head);
+      const Element* src = q + int64_t(batch) * params.q_batch_stride + int64_t(packed.query) * params.q_row_stride +
+                           int64_t(packed.head) * params.q_head_stride + (valid ? col : 0);
+      cp_async_16(&sQ(row, col), src, valid);
+    }
+    cp_async_fence();
+  }
   CUTE_UNROLL
   for (int t = 0; t < kStages - 1; ++t) {
     if (t < warp_chunks) copy_chunk(t, next_rows);
@@ -633,9 +636,9 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kTh
   } else
 #endif
   {
-    // Launched under the kernel before it (the append, or the caller's): wait for its writes; the
-    // split merge may launch meanwhile.
-    wait_for_previous_grid();
+    // Launched under the kernel before it (the append, or the caller's): wait for its writes (under
+    // the call's own append, later: kvcache_tile); the split merge may launch meanwhile.
+    if (!params.after_own_append) wait_for_previous_grid();
     allow_next_grid();
     extern __shared__ __align__(128) char smem[];
     const int kv_head = int(blockIdx.x % unsigned(params.heads_k));
@@ -663,7 +666,7 @@ __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, true
     cute::prefetch_tma_descriptor(tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(tma_v.get_tma_descriptor());
   }
-  wait_for_previous_grid();  // as flash_kvcache_sm80
+  if (!params.after_own_append) wait_for_previous_grid();  // as flash_kvcache_sm80
   allow_next_grid();
   extern __shared__ __align__(1024) char tma_smem[];
   const int kv_head = int(blockIdx.x % unsigned(params.heads_k));

@@ -40,7 +40,7 @@ __device__ __forceinline__ bool stages_dk_dv_in_query_stages(BwdKernelParams<Tra
   if constexpr (!Traits::kPersistentEpilogue) {
     return false;
   } else {
-    return work.num_m_blocks() >= Traits::kHeldStages && stores_dk_dv_with_tma(kernel_params, work);
+    return work.num_steps() >= Traits::kHeldStages && stores_dk_dv_with_tma(kernel_params, work);
   }
 }
 
@@ -142,11 +142,12 @@ __device__ __forceinline__ void store_dk_dv_with_tma(BwdKernelParams<Traits> con
   if (consumer_idx == 0) {
     const TmaExtents extents = tma_extents(params);
     const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
-    const auto shape = make_shape(extents.rows_k, params.head_dim, params.heads, extents.batch);
+    const int head_k = kv_head_of(work.tile.head, params);
+    const auto shape = make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch);
     const auto k_rows = make_coord(work.sequence.k_start, _0{});
-    Tensor gdK = local_tile(domain_offset(k_rows, kernel_params.tma_dk.get_tma_tensor(shape)(_, _, work.tile.head, tma_batch)),
+    Tensor gdK = local_tile(domain_offset(k_rows, kernel_params.tma_dk.get_tma_tensor(shape)(_, _, head_k, tma_batch)),
                             TileKV{}, make_coord(work.tile.n_block, _0{}));
-    Tensor gdV = local_tile(domain_offset(k_rows, kernel_params.tma_dv.get_tma_tensor(shape)(_, _, work.tile.head, tma_batch)),
+    Tensor gdV = local_tile(domain_offset(k_rows, kernel_params.tma_dv.get_tma_tensor(shape)(_, _, head_k, tma_batch)),
                             TileKV{}, make_coord(work.tile.n_block, _0{}));
     auto [tdKgdK, tdKsK] = tma_partition(kernel_params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                          group_modes<0, 2>(gdK));
@@ -177,7 +178,7 @@ __device__ __forceinline__ void store_dk_dv_through_query_stages(BwdKernelParams
   using TileQ = typename Traits::TileQ;
   constexpr int kHeld = Traits::kHeldStages;
   BwdParams const& params = kernel_params.call;
-  const int first_step = position.steps + work.num_m_blocks() - kHeld;
+  const int first_step = position.steps + work.num_steps() - kHeld;
   auto [dk, dv] = dk_dv_in_inputs_dtype<Element>(acc_dk, acc_dv, params.softmax_scale);
   Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutdO{});
@@ -193,15 +194,16 @@ __device__ __forceinline__ void store_dk_dv_through_query_stages(BwdKernelParams
   stage_dk_dv<Traits>(typename Traits::TiledMmadKVWarpgroup{}, consumer_idx % 128, dk, dv, dk_rows, dv_rows);
   if (consumer_idx == 0) {
     const TmaExtents extents = tma_extents(params);
-    const auto shape = make_shape(extents.rows_k, params.head_dim, params.heads, extents.batch);
+    const auto shape = make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch);
     const auto k_rows = make_coord(work.sequence.k_start, _0{});
     const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
+    const int head_k = kv_head_of(work.tile.head, params);
     // (rows, columns, block of kBlockM keys)
     Tensor gdK = local_tile(
-        domain_offset(k_rows, kernel_params.tma_dk_rows.get_tma_tensor(shape)(_, _, work.tile.head, tma_batch)),
+        domain_offset(k_rows, kernel_params.tma_dk_rows.get_tma_tensor(shape)(_, _, head_k, tma_batch)),
         TileQ{}, make_coord(_, _0{}));
     Tensor gdV = local_tile(
-        domain_offset(k_rows, kernel_params.tma_dv_rows.get_tma_tensor(shape)(_, _, work.tile.head, tma_batch)),
+        domain_offset(k_rows, kernel_params.tma_dv_rows.get_tma_tensor(shape)(_, _, head_k, tma_batch)),
         TileQ{}, make_coord(_, _0{}));
     CUTE_UNROLL
     for (int held = 0; held < kHeld; ++held) {

@@ -51,6 +51,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   using TileKV = typename Traits::TileKV;
   using TileSt = typename Traits::TileSt;
 
+  // The extended kernels' tiles take one query head (BwdParams::query_heads_per_key_tile is 1 there).
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
                                                                    work.sequence.seqlen_q, work.sequence.seqlen_k);
   const Dropout<kDropout> dropout = dropout_of<kDropout>(params, work.tile.batch, work.tile.head);
@@ -107,8 +108,8 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   auto thr_load_pt_role = load_pt_role.get_thread_slice(warpgroup_thread);
 
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
-  for (int i = 0; i < work.num_m_blocks(); ++i) {
-    const int m_block = work.m_block_at(i);
+  for (int i = 0; i < work.num_steps(); ++i) {
+    const int m_block = work.m_block_of_step(i);
     const int step = position.steps + i;  // of the CTA's walk
     const int stage = step % Traits::kStages;
     const int dout_stage = step % Traits::kStagesdO;

@@ -10,6 +10,7 @@
 #include "flash_cutlass/common/bwd_stages.h"
 #include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/fwd_api.h"
+#include "flash_cutlass/select.h"
 #include "flash_cutlass/sm90/bwd_kernel.h"
 #include "flash_cutlass/sm90/tma_views.h"
 
@@ -57,15 +58,21 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   // persistent grid for causal calls, tiles in pairs, with dK/dV stored from registers, measured
   // within +-1% at 1k and -2 to -3% at 16k: not taken.)
   const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const int64_t items = int64_t(params.batch) * params.heads * num_n_blocks;
+  static_assert(Traits::kBlockN == sm90_backward_key_block(kHeadDim), "select.h's rule reads the key block");
+  // A tile walks query_heads_per_key_tile query heads (GQA: tile_scheduler.h), a divisor of the group.
+  const int query_heads = params.query_heads_per_key_tile;
+  if (query_heads < 1 || params.heads % params.heads_k != 0 || (params.heads / params.heads_k) % query_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t items = int64_t(params.batch) * (params.heads / query_heads) * num_n_blocks;
   if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;  // tiles are numbered in 32 bits
-  // dK and dV by TMA where the call writes them in the inputs' dtype (bwd_epilogue.h). Otherwise the
-  // descriptors are built over K and V, never used.
+  // dK and dV by TMA where the call writes them in the inputs' dtype (bwd_epilogue.h), shaped like K
+  // and V. Otherwise the descriptors are built over K and V, never used.
   const bool store_dkv_with_tma = params.dk != nullptr;
   auto output = [&](void* written, const void* unused, int64_t unused_row_stride, int64_t unused_head_stride,
                     int64_t unused_batch_stride) {
     if (store_dkv_with_tma) {
-      return gmem_tensor<Traits>(static_cast<Element*>(written), extents.rows_k, params.head_dim, params.heads,
+      return gmem_tensor<Traits>(static_cast<Element*>(written), extents.rows_k, params.head_dim, params.heads_k,
                                  extents.batch, params.dkv_row_stride, params.dkv_head_stride, params.dkv_batch_stride);
     }
     return gmem_tensor<Traits>(static_cast<Element*>(const_cast<void*>(unused)), extents.rows_k, params.head_dim,

@@ -276,6 +276,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   constexpr bool kDsFromRoundedP = Traits::kHeadDim <= 64 && !kExtended;
   static_assert(!(kDqUnderDk && kDqInTurns), "dQ in turns is written for dK issued before the dS barrier");
 
+  // The extended kernels' tiles take one query head (BwdParams::query_heads_per_key_tile is 1 there).
   const ScoreMods<kExtended> score_mods = score_mods_of<kExtended>(params, work.tile.batch, work.tile.head,
                                                                    work.sequence.seqlen_q, work.sequence.seqlen_k);
   const Dropout<kDropout> dropout = dropout_of<kDropout>(params, work.tile.batch, work.tile.head);
@@ -315,8 +316,8 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
 
   const bool holds_last_stages = kRotatedWalk && stages_dk_dv_in_query_stages(kernel_params, work);
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
-  for (int i = 0; i < work.num_m_blocks(); ++i) {
-    const int m_block = work.m_block_at(i);
+  for (int i = 0; i < work.num_steps(); ++i) {
+    const int m_block = work.m_block_of_step(i);
     const int step = position.steps + i;  // of the CTA's walk
     const int stage = step % Traits::kStages;
     const int ds_buffer = step & 1;
@@ -370,7 +371,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
       warpgroup_fence_operand(dst);
       // This thread's GEMMs are done with the stage's Q and dO (a persistent walk's last stages are
       // held for dK and dV: store_dk_dv_through_query_stages).
-      if (!(holds_last_stages && i + Traits::kHeldStages >= work.num_m_blocks())) {
+      if (!(holds_last_stages && i + Traits::kHeldStages >= work.num_steps())) {
         storage.pipeline.query_empty[stage].arrive();
       }
     };

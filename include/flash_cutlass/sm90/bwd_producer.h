@@ -49,8 +49,7 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   using TileKV = typename Traits::TileKV;
   if (work.m_block_begin >= work.m_block_end) return;
   BwdParams const& params = kernel_params.call;
-  const int head = work.tile.head;
-  const int head_k = kv_head_of(head, params);
+  const int head_k = kv_head_of(work.tile.head, params);  // of every query head the walk takes
 
   // TMA views (rows, head_dim, heads, batch): rows and columns past the tensor arrive as zeros; in a
   // variable-length call rows past a sequence are the next one's, zeroed below once landed.
@@ -63,17 +62,12 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   Tensor mV = kernel_params.tma_v.get_tma_tensor(make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
   const auto q_rows = make_coord(work.sequence.q_start, _0{});
   const auto k_rows = make_coord(work.sequence.k_start, _0{});
-  Tensor gQ = local_tile(domain_offset(q_rows, mQ(_, _, head, tma_batch)), TileQ{}, make_coord(_, _0{}));
-  Tensor gdO = local_tile(domain_offset(q_rows, mdO(_, _, head, tma_batch)), TileQ{}, make_coord(_, _0{}));
   Tensor gK = local_tile(domain_offset(k_rows, mK(_, _, head_k, tma_batch)), TileKV{}, make_coord(work.tile.n_block, _0{}));
   Tensor gV = local_tile(domain_offset(k_rows, mV(_, _, head_k, tma_batch)), TileKV{}, make_coord(work.tile.n_block, _0{}));
   Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutdO{});
   Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
-  auto [tQgQ, tQsQ] = tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-  auto [tdOgdO, tdOsdO] =
-      tma_partition(kernel_params.tma_dout, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
   auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
   auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
@@ -98,54 +92,67 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
     __syncwarp();
     if (lane == 0) storage.pipeline.kv_full.arrive();
   }
-  for (int i = 0; i < work.num_m_blocks(); ++i) {
-    const int m_block = work.m_block_at(i);
-    const int step = position.steps + i;
-    const int stage = step % kStages;
-    const int dout_stage = step % Traits::kStagesdO;
-    // The stage's previous block is done (the first kStages steps find it free).
-    storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
-    // Only a sequence's last query block can hold rows past it: its loads land on query_landed.
-    const int queries_in_block = work.sequence.seqlen_q - m_block * kBlockM;
-    const bool zero_query_tail = varlen && queries_in_block < kBlockM;
-    if constexpr (Traits::kSeparatedO) {
-      if (zero_query_tail) storage.pipeline.dout_empty[dout_stage].wait(((step / Traits::kStagesdO) & 1) ^ 1);
-    }
-    auto& query_arrival = zero_query_tail ? storage.pipeline.query_landed : storage.pipeline.query_full[stage];
-    if (lane == 0) {
+  const int num_m_blocks = work.num_m_blocks();
+  for (int h = 0; h < work.query_heads; ++h) {
+    const int head = work.tile.head + h;
+    Tensor gQ = local_tile(domain_offset(q_rows, mQ(_, _, head, tma_batch)), TileQ{}, make_coord(_, _0{}));
+    Tensor gdO = local_tile(domain_offset(q_rows, mdO(_, _, head, tma_batch)), TileQ{}, make_coord(_, _0{}));
+    auto [tQgQ, tQsQ] =
+        tma_partition(kernel_params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] =
+        tma_partition(kernel_params.tma_dout, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    for (int i = 0; i < num_m_blocks; ++i) {
+      const int m_block = work.m_block_at(i);
+      const int step = position.steps + h * num_m_blocks + i;
+      const int stage = step % kStages;
+      const int dout_stage = step % Traits::kStagesdO;
+      // The stage's previous block is done (the first kStages steps find it free).
+      storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
+      // Only a sequence's last query block can hold rows past it: its loads land on query_landed.
+      const int queries_in_block = work.sequence.seqlen_q - m_block * kBlockM;
+      const bool zero_query_tail = varlen && queries_in_block < kBlockM;
       if constexpr (Traits::kSeparatedO) {
-        // Q as soon as its stage is free; dO once the consumers' dV GEMMs are done with the last one.
-        if (zero_query_tail) {
-          query_arrival.arrive_and_expect_tx(2 * Traits::kBytesQ);
-        } else {
-          query_arrival.arrive_and_expect_tx(Traits::kBytesQ);
-        }
-        copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
-        auto& dout_arrival = zero_query_tail ? storage.pipeline.query_landed : storage.pipeline.dout_full[dout_stage];
-        if (!zero_query_tail) {
-          storage.pipeline.dout_empty[dout_stage].wait(((step / Traits::kStagesdO) & 1) ^ 1);
-          dout_arrival.arrive_and_expect_tx(Traits::kBytesQ);
-        }
-        copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(dout_arrival)), tdOgdO(_, m_block),
-             tdOsdO(_, dout_stage));
-      } else {
-        query_arrival.arrive_and_expect_tx(2 * Traits::kBytesQ);
-        copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
-        copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(query_arrival)), tdOgdO(_, m_block),
-             tdOsdO(_, stage));
+        if (zero_query_tail) storage.pipeline.dout_empty[dout_stage].wait(((step / Traits::kStagesdO) & 1) ^ 1);
       }
-    }
-    if (zero_query_tail) {
-      storage.pipeline.query_landed.wait(0);  // once per CTA: one tile, whose walk has one last block
-      zero_tile_rows<Traits::kHeadDim, 32>(storage.q.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
-                                           kBlockM, lane, stage);
-      zero_tile_rows<Traits::kHeadDim, 32>(storage.dout.data(), typename Traits::SmemLayoutdO{}, queries_in_block,
-                                           kBlockM, lane, dout_stage);
-      cutlass::arch::fence_view_async_shared();
-      __syncwarp();
+      auto& query_arrival = zero_query_tail ? storage.pipeline.query_landed : storage.pipeline.query_full[stage];
       if (lane == 0) {
-        storage.pipeline.query_full[stage].arrive();  // in place of the TMA transaction's arrival
-        if constexpr (Traits::kSeparatedO) storage.pipeline.dout_full[dout_stage].arrive();
+        if constexpr (Traits::kSeparatedO) {
+          // Q as soon as its stage is free; dO once the consumers' dV GEMMs are done with the last one.
+          if (zero_query_tail) {
+            query_arrival.arrive_and_expect_tx(2 * Traits::kBytesQ);
+          } else {
+            query_arrival.arrive_and_expect_tx(Traits::kBytesQ);
+          }
+          copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
+          auto& dout_arrival =
+              zero_query_tail ? storage.pipeline.query_landed : storage.pipeline.dout_full[dout_stage];
+          if (!zero_query_tail) {
+            storage.pipeline.dout_empty[dout_stage].wait(((step / Traits::kStagesdO) & 1) ^ 1);
+            dout_arrival.arrive_and_expect_tx(Traits::kBytesQ);
+          }
+          copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(dout_arrival)), tdOgdO(_, m_block),
+               tdOsdO(_, dout_stage));
+        } else {
+          query_arrival.arrive_and_expect_tx(2 * Traits::kBytesQ);
+          copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
+          copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(query_arrival)), tdOgdO(_, m_block),
+               tdOsdO(_, stage));
+        }
+      }
+      if (zero_query_tail) {
+        // Once a query head: variable-length calls walk one tile a CTA, whose walk has one last block
+        // a head.
+        storage.pipeline.query_landed.wait(h & 1);
+        zero_tile_rows<Traits::kHeadDim, 32>(storage.q.data(), typename Traits::SmemLayoutQ{}, queries_in_block,
+                                             kBlockM, lane, stage);
+        zero_tile_rows<Traits::kHeadDim, 32>(storage.dout.data(), typename Traits::SmemLayoutdO{}, queries_in_block,
+                                             kBlockM, lane, dout_stage);
+        cutlass::arch::fence_view_async_shared();
+        __syncwarp();
+        if (lane == 0) {
+          storage.pipeline.query_full[stage].arrive();  // in place of the TMA transaction's arrival
+          if constexpr (Traits::kSeparatedO) storage.pipeline.dout_full[dout_stage].arrive();
+        }
       }
     }
   }
@@ -160,30 +167,33 @@ __device__ __forceinline__ void stage_query_statistics(
     KeyWalkPosition const& position, typename Traits::SharedStorage& storage, int lane, float score_unit) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kStages = Traits::kStages;
-  const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, work.tile.head);
-  for (int i = 0; i < work.num_m_blocks(); ++i) {
-    const int m_block = work.m_block_at(i);
-    const int step = position.steps + i;
-    const int stage = step % kStages;
-    storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
-    bool exact_rows = false;
-    CUTE_UNROLL
-    for (int local_row = lane; local_row < kBlockM; local_row += 32) {
-      const int row = m_block * kBlockM + local_row;
-      float lse = INFINITY, dsum = 0.f;
-      if (row < work.sequence.seqlen_q) {
-        lse = query_rows.lse[row];
-        dsum = query_rows.dsum[row];
-        if (lse == -INFINITY) lse = INFINITY;  // a row that sees no key: P = 0, not exp(-inf + inf)
+  const int num_m_blocks = work.num_m_blocks();
+  for (int h = 0; h < work.query_heads; ++h) {
+    const QueryRowBuffers query_rows = query_row_buffers<Traits::kHeadDim>(params, work.sequence, work.tile.head + h);
+    for (int i = 0; i < num_m_blocks; ++i) {
+      const int m_block = work.m_block_at(i);
+      const int step = position.steps + h * num_m_blocks + i;
+      const int stage = step % kStages;
+      storage.pipeline.query_empty[stage].wait(((step / kStages) & 1) ^ 1);
+      bool exact_rows = false;
+      CUTE_UNROLL
+      for (int local_row = lane; local_row < kBlockM; local_row += 32) {
+        const int row = m_block * kBlockM + local_row;
+        float lse = INFINITY, dsum = 0.f;
+        if (row < work.sequence.seqlen_q) {
+          lse = query_rows.lse[row];
+          dsum = query_rows.dsum[row];
+          if (lse == -INFINITY) lse = INFINITY;  // a row that sees no key: P = 0, not exp(-inf + inf)
+        }
+        const ScoreExponent exponent = probability_exponent(lse, params.exp2_scale, score_unit);
+        exact_rows |= exponent.scale != params.exp2_scale;
+        storage.pipeline.exponent[stage][local_row] = exponent;
+        storage.pipeline.dsum[stage][local_row] = dsum;
       }
-      const ScoreExponent exponent = probability_exponent(lse, params.exp2_scale, score_unit);
-      exact_rows |= exponent.scale != params.exp2_scale;
-      storage.pipeline.exponent[stage][local_row] = exponent;
-      storage.pipeline.dsum[stage][local_row] = dsum;
+      exact_rows = __any_sync(0xffffffffu, exact_rows);
+      if (lane == 0) storage.pipeline.exact_rows[stage] = exact_rows;
+      storage.pipeline.query_full[stage].arrive();  // each lane releases its own stores
     }
-    exact_rows = __any_sync(0xffffffffu, exact_rows);
-    if (lane == 0) storage.pipeline.exact_rows[stage] = exact_rows;
-    storage.pipeline.query_full[stage].arrive();  // each lane releases its own stores
   }
 }
 
@@ -208,53 +218,59 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
   Tensor mdQ = kernel_params.tma_dq.get_tma_tensor(
       make_shape(extents.rows_q, Int<Traits::kHeadDim>{}, params.heads, extents.batch));
-  // (rows, columns, m_block, part)
-  Tensor gdQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mdQ(_, _, work.tile.head, tma_batch)),
-                          TileDq{}, make_coord(_, _));
   Tensor sdQ = make_tensor(make_smem_ptr(storage.dq.data()), typename Traits::SmemLayoutdQ{});
-  auto [tdQgdQ, tdQsdQ] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
-                                        group_modes<0, 2>(gdQ));
   const bool varlen = params.cu_seqlens_q != nullptr;
   const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work, kRotatedWalk);
-  for (int i = 0; i < work.num_m_blocks(); ++i) {
-    const int m_block = work.m_block_at(i);
-    // The block before's dQ has been read: the consumers (the first part's) refill storage.dq. In a
-    // rotated walk, once its turn has been passed too (the walk's next tile begins here as well;
-    // measured 6-15% faster at head dim 128 than freeing it before the turn); in one CTA a tile,
-    // as soon as it has been read (below).
-    if (kRotatedWalk && position.steps + i > 0) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
-    // Counted while the consumers still compute this block's dQ.
-    const int place = turns ? turns.place(work, m_block, lane) : 0;
-    const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
-    CUTE_UNROLL
-    for (int part = 0; part < kParts; ++part) {
-      if (part == 0) {
-        named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
-      } else {
-        named_barrier_sync<BwdBarrier::kDqFull, 2, kDqThreads>();
-      }
-      if (varlen && queries_in_block < Traits::kBlockM) {
-        zero_tile_rows<kDqColumns, 32>(storage.dq.data(), typename Traits::SmemLayoutdQ{}, queries_in_block,
-                                       Traits::kBlockM, lane);
-        cutlass::arch::fence_view_async_shared();  // before the TMA unit reads the tile
+  const int num_m_blocks = work.num_m_blocks();
+  const int num_steps = work.num_steps();
+  for (int h = 0; h < work.query_heads; ++h) {
+    const int head = work.tile.head + h;
+    // (rows, columns, m_block, part)
+    Tensor gdQ = local_tile(domain_offset(make_coord(work.sequence.q_start, _0{}), mdQ(_, _, head, tma_batch)),
+                            TileDq{}, make_coord(_, _));
+    auto [tdQgdQ, tdQsdQ] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
+                                          group_modes<0, 2>(gdQ));
+    for (int i = 0; i < num_m_blocks; ++i) {
+      const int m_block = work.m_block_at(i);
+      const int walk_step = h * num_m_blocks + i;
+      // The block before's dQ has been read: the consumers (the first part's) refill storage.dq. In a
+      // rotated walk, once its turn has been passed too (the walk's next tile begins here as well;
+      // measured 6-15% faster at head dim 128 than freeing it before the turn); in one CTA a tile,
+      // as soon as it has been read (below).
+      if (kRotatedWalk && position.steps + walk_step > 0) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+      // Counted while the consumers still compute this block's dQ.
+      const int place = turns ? turns.place(work, m_block, lane) : 0;
+      const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
+      CUTE_UNROLL
+      for (int part = 0; part < kParts; ++part) {
+        if (part == 0) {
+          named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
+        } else {
+          named_barrier_sync<BwdBarrier::kDqFull, 2, kDqThreads>();
+        }
+        if (varlen && queries_in_block < Traits::kBlockM) {
+          zero_tile_rows<kDqColumns, 32>(storage.dq.data(), typename Traits::SmemLayoutdQ{}, queries_in_block,
+                                         Traits::kBlockM, lane);
+          cutlass::arch::fence_view_async_shared();  // before the TMA unit reads the tile
+          __syncwarp();
+        }
+        if (lane == 0) {
+          if (part == 0 && turns) wait_for_turn(turns.counter(head, m_block), place);
+          copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block, part));
+          tma_store_arrive();
+          tma_store_wait<0>();  // the TMA unit has read storage.dq
+        }
         __syncwarp();
+        // The next part's consumers refill storage.dq, or the next block's first (in a rotated walk:
+        // above).
+        if (part + 1 < kParts) {
+          named_barrier_arrive<BwdBarrier::kDqEmpty, 2, kDqThreads>();
+        } else if (!kRotatedWalk && walk_step + 1 < num_steps) {
+          named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
+        }
       }
-      if (lane == 0) {
-        if (part == 0 && turns) wait_for_turn(turns.counters + m_block, place);
-        copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block, part));
-        tma_store_arrive();
-        tma_store_wait<0>();  // the TMA unit has read storage.dq
-      }
-      __syncwarp();
-      // The next part's consumers refill storage.dq, or the next block's first (in a rotated walk:
-      // above).
-      if (part + 1 < kParts) {
-        named_barrier_arrive<BwdBarrier::kDqEmpty, 2, kDqThreads>();
-      } else if (!kRotatedWalk && i + 1 < work.num_m_blocks()) {
-        named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
-      }
+      if (lane == 0 && turns) pass_turn_after_reductions(turns.counter(head, m_block));
     }
-    if (lane == 0 && turns) pass_turn_after_reductions(turns.counters + m_block);
   }
 }
 

@@ -43,27 +43,34 @@ __device__ __forceinline__ void pass_turn_after_reductions(int* turn) {
   pass_turn(turn);
 }
 
-// A deterministic call's turn counters of this CTA's sequence and head, one per query block of
-// kBlockM rows (params.dq_turns; null in other calls), and the place of the CTA's key block in
-// each. In order: the key blocks take turns last first, as they are walked (key_tile_at,
+// A deterministic call's turn counters of this CTA's sequence, one per query head and query block
+// of kBlockM rows (params.dq_turns; null in other calls), and the place of the CTA's key block in
+// each (the same for every query head a GQA walk takes: each head's adders are the same key
+// blocks, in the same order). In order: the key blocks take turns last first, as they are walked (key_tile_at,
 // sm90/tile_scheduler.h). Rotated walks (no mask, every key block adds to every query block): in
 // the order they reach the block, key block n at step (m - rotation(n)) mod m_blocks.
 template <int kBlockM, int kBlockN, MaskKind kMaskKind>
 struct DqTurns {
-  int* counters = nullptr;
-  int key_blocks = 0;  // of the sequence
+  int* counters = nullptr;  // of the sequence's query head 0
+  int m_blocks = 0;         // counters a query head
+  int key_blocks = 0;       // of the sequence
   bool rotated = false;
 
   __device__ DqTurns(BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
                      bool rotated_walk) {
     if (!params.deterministic) return;
-    const int m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;  // params.seqlen_q bounds every sequence
-    counters = params.dq_turns + (int64_t(work.tile.batch) * params.heads + work.tile.head) * m_blocks;
+    m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;  // params.seqlen_q bounds every sequence
+    counters = params.dq_turns + int64_t(work.tile.batch) * params.heads * m_blocks;
     key_blocks = (work.sequence.seqlen_k + kBlockN - 1) / kBlockN;
     rotated = rotated_walk;
   }
 
   __device__ explicit operator bool() const { return counters != nullptr; }
+
+  // The turn counter of query head `head`'s m_block.
+  __device__ __forceinline__ int* counter(int head, int m_block) const {
+    return counters + int64_t(head) * m_blocks + m_block;
+  }
 
   // This CTA's place at m_block; every lane of a warp calls it.
   __device__ __forceinline__ int place(KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work, int m_block,

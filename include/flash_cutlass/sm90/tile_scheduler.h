@@ -60,7 +60,9 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
 // starting at query block n * m_blocks / n_blocks, so that the adders of a query block arrive one
 // after the other in the order of their turns rather than all starting at block 0 and queueing
 // behind the last one. (Variable-length calls, whose tails the loader zeroes once per CTA, always
-// walk one tile a CTA.)
+// walk one tile a CTA.) In a GQA call a tile may take several query heads of one K/V head's group
+// (BwdParams::query_heads_per_key_tile, KeyBlockWork::query_heads): every role walks each head's
+// query blocks, head after head, while K and V stay loaded.
 
 // Where a backward CTA's walk stands in its pipelines: the query blocks (stages, phases) and the
 // key tiles that saw any (K/V's barriers) of the tiles walked before. Each role counts them alike.
@@ -70,9 +72,8 @@ struct KeyWalkPosition {
 
   template <class Work>
   __device__ __forceinline__ void advance(Work const& work) {
-    const int blocks = work.num_m_blocks();
-    if (blocks > 0) {
-      steps += blocks;
+    if (work.num_m_blocks() > 0) {
+      steps += work.num_steps();
       ++key_tiles;
     }
   }
@@ -82,16 +83,21 @@ struct KeyWalkPosition {
 // from one call site (the roles' bodies are inlined once).
 template <int kBlockM, int kBlockN, MaskKind kMaskKind, bool kRotatedWalk, class Work>
 __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& params, Work&& work) {
+  const int query_heads = params.query_heads_per_key_tile;
   if constexpr (!kRotatedWalk) {
-    const auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(
-        params, key_tile_at<kBlockN>(params, int(blockIdx.x), params.deterministic));
+    auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(
+        params, key_tile_at<kBlockN>(params, int(blockIdx.x), params.deterministic, query_heads));
+    key_block.query_heads = query_heads;
     if (key_block.in_sequence()) work(key_block, KeyWalkPosition{});
   } else {
     KeyWalkPosition position;
     const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
-    const int items = params.batch * params.heads * num_n_blocks;  // below 2^31: bwd_launch.h
+    // Below 2^31: bwd_launch.h.
+    const int items = params.batch * (params.heads / query_heads) * num_n_blocks;
     for (int item = int(blockIdx.x); item < items; item += int(gridDim.x)) {
-      auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, key_tile_at<kBlockN>(params, item, false));
+      auto key_block =
+          key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, key_tile_at<kBlockN>(params, item, false, query_heads));
+      key_block.query_heads = query_heads;
       if (!key_block.in_sequence()) continue;
       if (params.deterministic) key_block.m_rotation = key_block.tile.n_block * key_block.num_m_blocks() / num_n_blocks;
       work(key_block, position);

@@ -50,20 +50,24 @@ SUBJECT_DETERMINISTIC = "flash_cutlass_deterministic"
 # flash_cutlass's automatic choice with attention sinks (sinks=, one logit a query head, learned in
 # forward+backward); run only when asked for.
 SUBJECT_SINKS = "flash_cutlass_sinks"
-# flash_cutlass's automatic choice with the Hopper backward's GQA walks chosen by their rule
-# ($FLASH_CUTLASS_GQA_WALK_HEADS=auto, set around each call: the extension reads it per call), for
-# an A/B against SUBJECT in one process; run only when asked for.
+# flash_cutlass's automatic choice with an opt-in of the Hopper backward set around each call (the
+# extension reads these variables per call), for an A/B against SUBJECT in one process; run only
+# when asked for: the GQA walks chosen by their rule, and V loaded after the first Q and dO.
 SUBJECT_GQA_WALK = "flash_cutlass_gqa_walk"
-GQA_WALK_ENV = {SUBJECT_GQA_WALK: ("FLASH_CUTLASS_GQA_WALK_HEADS", "auto")}
+SUBJECT_V_AFTER_Q = "flash_cutlass_v_after_q"
+SUBJECT_ENVIRONMENT = {SUBJECT_GQA_WALK: ("FLASH_CUTLASS_GQA_WALK_HEADS", "auto"),
+                       SUBJECT_V_AFTER_Q: ("FLASH_CUTLASS_BWD_V_AFTER_Q", "1")}
 FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None,
-                  SUBJECT_SINKS: None, SUBJECT_GQA_WALK: None}
+                  SUBJECT_SINKS: None, **{subject: None for subject in SUBJECT_ENVIRONMENT}}
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-IMPLS = (SUBJECT, SUBJECT_SM80, SUBJECT_SM90, SUBJECT_DETERMINISTIC, SUBJECT_SINKS, SUBJECT_GQA_WALK, *SDPA_BACKENDS)
-DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl not in (SUBJECT_DETERMINISTIC, SUBJECT_SINKS, SUBJECT_GQA_WALK))
+IMPLS = (SUBJECT, SUBJECT_SM80, SUBJECT_SM90, SUBJECT_DETERMINISTIC, SUBJECT_SINKS, *SUBJECT_ENVIRONMENT,
+         *SDPA_BACKENDS)
+DEFAULT_IMPLS = tuple(impl for impl in IMPLS
+                      if impl not in (SUBJECT_DETERMINISTIC, SUBJECT_SINKS, *SUBJECT_ENVIRONMENT))
 # What is timed, and its matmul FLOPs as a multiple of the forward's (the FlashAttention
 # convention: the backward does 2.5x the forward's matmul work).
 DIRECTIONS = {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
@@ -447,9 +451,9 @@ def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: Modul
                          direction: str) -> Callable[[], object]:
     """The backward pass alone (its forward run once, outside the timed call) or forward and
     backward together, with a random upstream gradient."""
-    if impl in GQA_WALK_ENV:
+    if impl in SUBJECT_ENVIRONMENT:
         run = make_gradient_runner(SUBJECT, inputs, causal, subject, direction)
-        return with_environment(run, *GQA_WALK_ENV[impl])
+        return with_environment(run, *SUBJECT_ENVIRONMENT[impl])
     if impl in FORCED_KERNELS:
         kernel = FORCED_KERNELS[impl]
         deterministic = impl == SUBJECT_DETERMINISTIC
@@ -638,9 +642,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--impls", type=_impl_list, metavar="NAME[,NAME...]",
                         default=",".join(DEFAULT_IMPLS),
                         help=f"implementations to run, of {', '.join(IMPLS)} (default: all but "
-                             f"{SUBJECT_DETERMINISTIC}, {SUBJECT_SINKS} and {SUBJECT_GQA_WALK}, the automatic "
-                             "choice with deterministic=True, with attention sinks or with the Hopper "
-                             "backward's GQA walks); without a flash_cutlass one the extension is not imported")
+                             f"{SUBJECT_DETERMINISTIC}, {SUBJECT_SINKS}, {SUBJECT_GQA_WALK} and "
+                             f"{SUBJECT_V_AFTER_Q}, the automatic choice with deterministic=True, with "
+                             "attention sinks, with the Hopper backward's GQA walks or with its V loaded after "
+                             "the first Q and dO); without a flash_cutlass one the extension is not imported")
     parser.add_argument("--check", action="store_true",
                         help="before timing each shape, compare flash_cutlass's output with "
                              "SDPA's default backend and its LSE with fp32 math on sampled rows; "

@@ -534,6 +534,18 @@ int gqa_walk_heads(BwdParams const& params, int kernel_hdim, bool deterministic,
   return walk;
 }
 
+// $FLASH_CUTLASS_BWD_V_AFTER_Q=1: the Hopper backward loads V after its walk's first Q and dO
+// (BwdParams::v_after_first_query). Unset or 0: with K, first, as before (not yet measured on a GPU).
+constexpr const char* kVAfterQueryEnv = "FLASH_CUTLASS_BWD_V_AFTER_Q";
+
+bool v_after_first_query() {
+  const char* value = std::getenv(kVAfterQueryEnv);
+  const std::string text = value == nullptr ? "" : value;
+  TORCH_CHECK_VALUE(text.empty() || text == "0" || text == "1",
+                    message(kVAfterQueryEnv, " must be 0 or 1, got '", text, "'"));
+  return text == "1";
+}
+
 // The backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k and v, last
 // dimension contiguous). D = rowsum(dout * out) and the fp32 dQ accumulator are computed on the
 // device; D goes into dsoftmax_sum where the caller passes one (fp32, contiguous, laid out as lse:
@@ -597,6 +609,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   const int query_heads_per_key_tile =
       kernel.path == KernelPath::kSm90 ? gqa_walk_heads(params, accum_hdim, options.deterministic, q) : 1;
   params.query_heads_per_key_tile = query_heads_per_key_tile;
+  params.v_after_first_query = kernel.path == KernelPath::kSm90 && v_after_first_query();
   // dK and dV go straight into dk and dv without GQA and where a Hopper CTA walks a whole group.
   // Otherwise the Hopper kernels add a group's (or a part's) to per-K/V-head fp32 accumulators
   // with atomics; deterministic calls and the sm80 kernel store them per query head, summed below.

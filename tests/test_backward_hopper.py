@@ -419,3 +419,59 @@ def test_whole_group_walks_allocate_no_fp32_dk_dv(cuda_gen, monkeypatch, head_di
     expected = oracle_gradients(q, k, v, dout, False, torch.float32)
     for got, want in zip(grads, expected):
         assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+# $FLASH_CUTLASS_BWD_V_AFTER_Q=1 (csrc/flash_api.cpp): in walks of one tile a CTA the loader issues V
+# after the first Q and dO, on a barrier of its own.
+V_AFTER_Q_ENV = "FLASH_CUTLASS_BWD_V_AFTER_Q"
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(63, 129), (1, 300), (300, 2), (333, 700)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_v_after_the_first_query_block(cuda_gen, monkeypatch, head_dim, causal, seqlen_q, seqlen_k):
+    """MHA, GQA walked over whole groups, and the soft cap's kernels (past head dim 128 both consumer
+    warpgroups read V there): gradients against the oracle."""
+    skip_unless_hopper_backward(head_dim)
+    monkeypatch.setenv(V_AFTER_Q_ENV, "1")
+    check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, HEADS)
+    monkeypatch.setenv(WALK_ENV, "4")
+    check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, 2)
+    if not options_left_out(softcap=30.0):
+        check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, 2, softcap=30.0)
+
+
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_v_after_the_first_query_block_deterministic_and_varlen(cuda_gen, monkeypatch, head_dim):
+    """Deterministic runs stay bitwise equal; a packed batch (its key tails land with K on the zeroed
+    path, its full key blocks with V later) matches the calls that load V first."""
+    skip_unless_hopper_backward(head_dim)
+    monkeypatch.setenv(V_AFTER_Q_ENV, "1")
+    check_deterministic_runs(cuda_gen, head_dim, (333, 700), 2, True, {}, f"head dim {head_dim}, V after Q")
+    lengths = [517, 1, 300, 129]
+    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    total, max_seqlen = sum(lengths), max(lengths)
+
+    def rand(heads):
+        return torch.randn(total, heads, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+
+    q, k, v, dout = rand(HEADS), rand(2), rand(2), rand(HEADS)
+    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+
+    def gradients(order):
+        monkeypatch.setenv(V_AFTER_Q_ENV, order)
+        return flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
+                                                   max_seqlen, kernel="sm90")
+
+    for name, later, first in zip(("dq", "dk", "dv"), gradients("1"), gradients("0")):
+        torch.testing.assert_close(later.float(), first.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+def test_v_after_the_first_query_block_value_is_checked(cuda_gen, monkeypatch):
+    head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, HEADS, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    monkeypatch.setenv(V_AFTER_Q_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{V_AFTER_Q_ENV} must be 0 or 1, got 'yes'"):
+        flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90")

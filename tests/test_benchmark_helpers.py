@@ -413,12 +413,14 @@ def test_decode_benchmark_appends_the_query_tokens_behind_the_lengths_it_passes(
     assert appended["k"].shape == appended["v"].shape == (2, 3, 2, 16)
 
 
-def test_the_gqa_walk_runner_sets_its_variable_for_each_call_only(monkeypatch):
-    """flash_cutlass_gqa_walk: the automatic choice with $FLASH_CUTLASS_GQA_WALK_HEADS=auto during
-    each call (the extension reads it per call), the variable as it was around the calls."""
+@pytest.mark.parametrize("impl", ["flash_cutlass_gqa_walk", "flash_cutlass_v_after_q"])
+def test_opt_in_runners_set_their_variable_for_each_call_only(monkeypatch, impl):
+    """flash_cutlass_gqa_walk and flash_cutlass_v_after_q: the automatic choice with
+    $FLASH_CUTLASS_GQA_WALK_HEADS=auto or $FLASH_CUTLASS_BWD_V_AFTER_Q=1 during each call (the extension
+    reads them per call), the variable as it was around the calls."""
     import flash_cutlass
 
-    variable, value = bench.GQA_WALK_ENV[bench.SUBJECT_GQA_WALK]
+    variable, value = bench.SUBJECT_ENVIRONMENT[impl]
     monkeypatch.setenv(variable, "2")
     seen = bench.with_environment(lambda: os.environ[variable], variable, value)()
     assert seen == value and os.environ[variable] == "2"
@@ -426,9 +428,9 @@ def test_the_gqa_walk_runner_sets_its_variable_for_each_call_only(monkeypatch):
     case = bench.Case(head_dim=32, causal=True, seqlen=40, batch=2, heads=4, heads_k=2)
     inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
     torch.manual_seed(0)
-    walked = bench.make_runner(bench.SUBJECT_GQA_WALK, inputs, True, flash_cutlass, "backward")()
+    walked = bench.make_runner(impl, inputs, True, flash_cutlass, "backward")()
     assert variable not in os.environ
     torch.manual_seed(0)
     plain = bench.make_runner(bench.SUBJECT, inputs, True, flash_cutlass, "backward")()
     assert all(torch.equal(a, b) for a, b in zip(walked, plain))
-    assert bench.SUBJECT_GQA_WALK not in bench.DEFAULT_IMPLS
+    assert impl in bench.IMPLS and impl not in bench.DEFAULT_IMPLS

@@ -163,6 +163,10 @@ struct BwdParams : FwdParams {
   // and dV into dk and dv; with a part of it, it adds them to the K/V head's fp32 accumulators. 1:
   // one query head a tile.
   int query_heads_per_key_tile = 1;
+  // The Hopper kernels' one-tile-a-CTA walks load V after the walk's first Q and dO, so that the
+  // first S^T and its exponentials (which need K and Q) start before V has landed
+  // (sm90/bwd_producer.h, loads_v_after_first_query). false: K and V together, first.
+  bool v_after_first_query = false;
 };
 
 // One call of attention over a KV cache (flash_cutlass.flash_attention_with_kvcache): new keys

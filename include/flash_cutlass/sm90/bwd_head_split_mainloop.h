@@ -28,6 +28,7 @@
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
 #include "flash_cutlass/sm90/fp32_tile_offsets.h"
 #include "flash_cutlass/sm90/bwd_mainloop.h"
+#include "flash_cutlass/sm90/bwd_producer.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/wgmma.h"
 
@@ -107,6 +108,9 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   auto load_pt_role = make_tiled_copy_C(typename Traits::SmemLoadAtomPt{}, mma_role);
   auto thr_load_pt_role = load_pt_role.get_thread_slice(warpgroup_thread);
 
+  // V lands once in a CTA's walk (its one tile) where it comes after the first Q and dO; warpgroup
+  // 0's GEMMs (S^T, dV, dQ, dK) never read it.
+  const bool v_later = loads_v_after_first_query<kRotatedWalk, Traits>(params, work);
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
   for (int i = 0; i < work.num_steps(); ++i) {
     const int m_block = work.m_block_of_step(i);
@@ -118,6 +122,11 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     storage.pipeline.query_full[stage].wait((step / Traits::kStages) & 1);
 
     auto wait_for_dout = [&] { storage.pipeline.dout_full[dout_stage].wait((step / Traits::kStagesdO) & 1); };
+    // Before dP^T = V dO^T.
+    auto wait_before_dp = [&] {
+      wait_for_dout();
+      if (v_later && i == 0) storage.pipeline.v_full.wait(0);
+    };
     // P^T and dS^T of the block to shared memory (both warpgroups read all of them), then dV first
     // (dO's stage then goes back to the loader), dQ, and dK, under which dQ is staged. A buffer's
     // previous contents (two steps back) were read by GEMMs that both warpgroups waited for before
@@ -139,7 +148,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
         wait_for_dout();
         issue_gemm_wgmma<false>(mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, dout_stage), acc_dv);
       } else {
-        wait_for_dout();
+        wait_before_dp();
         Tensor acc_dp = partition_fragment_C(mma_role, TileSt{});
         issue_gemm_wgmma<true>(mma_role, thr_role.partition_fragment_A(sV),
                                thr_role.partition_fragment_B(sdO)(_, _, _, dout_stage), acc_dp);
@@ -165,7 +174,7 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
       probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, dout_stage), acc_s,
                                     acc_dp, tScS, params, work, score_mods, dropout, row_start,
                                     query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
-                                    wait_for_dout);
+                                    wait_before_dp);
       // This warpgroup's queries of P^T and dS^T.
       Tensor pt = convert_fragment<Element>(acc_s);
       copy(smem_tiled_copy_pt, smem_thr_copy_pt.retile_S(pt), tPsPt(_, _, _, buffer));
@@ -206,6 +215,9 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
 
   // The loader may bring the next tile's K and V while dK and dV go out.
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_empty.arrive();
+  // The epilogue stages dK and dV in K's and V's tiles: warpgroup 0 too sees V's load complete
+  // first (long done by now).
+  if (v_later && warpgroup == 0 && work.m_block_begin < work.m_block_end) storage.pipeline.v_full.wait(0);
   write_dk_dv<Traits, kRotatedWalk>(kernel_params, work, position, acc_dk, acc_dv, mma_dkv, storage, consumer_idx);
 }
 

@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     storage.pipeline.kv_full.init(1);
     storage.pipeline.kv_empty.init(Traits::kConsumerThreads);
     storage.pipeline.kv_landed.init(1);
+    storage.pipeline.v_full.init(1);
     storage.pipeline.query_landed.init(1);
     CUTE_UNROLL
     for (int stage = 0; stage < Traits::kStages; ++stage) {
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (warp == 0) {
       for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(
           params, [&](auto const& work, KeyWalkPosition const& position) {
-            load_key_block<Traits, kMaskKind>(kernel_params, work, position, storage, lane);
+            load_key_block<Traits, kMaskKind, kRotatedWalk>(kernel_params, work, position, storage, lane);
           });
     } else if (warp == 1) {
       for_each_key_tile_of_this_cta<Traits::kBlockM, Traits::kBlockN, kMaskKind, kRotatedWalk>(

@@ -31,6 +31,7 @@
 #include "flash_cutlass/sm90/barriers.h"
 #include "flash_cutlass/sm90/bwd_epilogue.h"
 #include "flash_cutlass/sm90/bwd_kernel_params.h"
+#include "flash_cutlass/sm90/bwd_producer.h"
 #include "flash_cutlass/sm90/fp32_tile_offsets.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
 #include "flash_cutlass/sm90/wgmma.h"
@@ -198,22 +199,23 @@ __device__ __forceinline__ void probabilities_of_block(TensorS& st, Coords const
 // A query block's S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), turned in place
 // into P^T and dS^T: the exponentials while dP^T is still computed (the extended kernels, which
 // need both at once, wait for both). Both consumer layouts run it on their part of the tile;
-// wait_for_dout() runs between the two GEMMs' issue (dO's own barrier, where it has one). With
+// wait_before_dp() runs between the two GEMMs' issue (dO's own barrier, where it has one, and V's
+// in a walk's first block where V comes after the first Q and dO). With
 // `rounded_pt` (a fragment in the inputs' dtype; not for the extended kernels), P^T goes there as
 // soon as it is final and dS^T is formed from it, rounded, so that the fp32 P^T is dead before
 // dP^T is waited for (fewer registers live across the wait).
 template <MaskKind kMaskKind, int kBlockM, int kBlockN, class TiledMma, class FragK, class FragQ, class FragV,
-          class FragdO, class Acc, class Coords, bool kExtended, bool kDropout, class WaitForDout,
+          class FragdO, class Acc, class Coords, bool kExtended, bool kDropout, class WaitBeforeDp,
           class RoundedPt = std::nullptr_t, class AfterPt = void (*)()>
 __device__ __forceinline__ void probabilities_and_ds_of_block(
     TiledMma& mma_sdp, FragK const& tSrK, FragQ const& tSrQ, FragV const& tdPrV, FragdO const& tdPrdO, Acc& acc_s,
     Acc& acc_dp, Coords const& tScS, BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
     ScoreMods<kExtended> const& score_mods, Dropout<kDropout> const& dropout, int row_start,
-    QueryExponents const& exponents, const float* dsum, WaitForDout&& wait_for_dout,
+    QueryExponents const& exponents, const float* dsum, WaitBeforeDp&& wait_before_dp,
     RoundedPt rounded_pt = nullptr, AfterPt&& after_pt = [] {}) {
   using namespace cute;
   issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ, acc_s);
-  wait_for_dout();
+  wait_before_dp();
   issue_gemm_wgmma<true>(mma_sdp, tdPrV, tdPrdO, acc_dp);
   Tensor st = as_rows_cols(acc_s);
   Tensor dpt = as_rows_cols(acc_dp);
@@ -315,6 +317,8 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   float* sdq = storage.dq.data();
 
   const bool holds_last_stages = kRotatedWalk && stages_dk_dv_in_query_stages(kernel_params, work);
+  // V lands once in a CTA's walk (its one tile) where it comes after the first Q and dO.
+  const bool v_later = loads_v_after_first_query<kRotatedWalk, Traits>(params, work);
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
   for (int i = 0; i < work.num_steps(); ++i) {
     const int m_block = work.m_block_of_step(i);
@@ -323,6 +327,9 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
     const int ds_buffer = step & 1;
     const int row_start = m_block * Traits::kBlockM;
     storage.pipeline.query_full[stage].wait((step / Traits::kStages) & 1);
+    auto wait_for_v = [&] {
+      if (v_later && i == 0) storage.pipeline.v_full.wait(0);
+    };
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
@@ -337,7 +344,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
         probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
                                       acc_dp, tScS, params, work, score_mods, dropout, row_start,
                                       query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
-                                      [] {});
+                                      wait_for_v);
         return convert_fragment<Element>(acc_s);
       }
     }();
@@ -349,7 +356,7 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
       probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
                                     acc_dp, tScS, params, work, score_mods, dropout, row_start,
                                     query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
-                                    [] {}, &pt, issue_dv);
+                                    wait_for_v, &pt, issue_dv);
     } else {
       issue_dv();
     }

@@ -36,8 +36,23 @@
 
 namespace flash_cutlass::sm90 {
 
+// Whether the loader issues this tile's V after its walk's first Q and dO, on v_full
+// (BwdParams::v_after_first_query): in walks of one tile a CTA (a persistent walk's next K and V
+// load under the tile before's epilogue anyway) whose K/V tile needs no zeroed rows (those land
+// together on kv_landed). The loader and the consumers both ask.
+template <bool kRotatedWalk, class Traits, class Work>
+__device__ __forceinline__ bool loads_v_after_first_query(BwdParams const& params, Work const& work) {
+  if constexpr (kRotatedWalk) {
+    return false;
+  } else {
+    const bool zero_key_tail =
+        params.cu_seqlens_q != nullptr && work.sequence.seqlen_k - work.key_start < Traits::kBlockN;
+    return params.v_after_first_query && !zero_key_tail;
+  }
+}
+
 // Run by the 32 lanes of the loader warp, once a key tile.
-template <class Traits, MaskKind kMaskKind>
+template <class Traits, MaskKind kMaskKind, bool kRotatedWalk>
 __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& kernel_params,
                                                KeyBlockWork<Traits::kBlockM, Traits::kBlockN, kMaskKind> const& work,
                                                KeyWalkPosition const& position,
@@ -75,12 +90,13 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
   const int keys_in_block = work.sequence.seqlen_k - work.key_start;
   const bool zero_key_tail = varlen && keys_in_block < Traits::kBlockN;
   auto& kv_arrival = zero_key_tail ? storage.pipeline.kv_landed : storage.pipeline.kv_full;
+  const bool v_later = loads_v_after_first_query<kRotatedWalk, Traits>(params, work);
   // The consumers are done with the tile before (the first tile finds K and V free).
   storage.pipeline.kv_empty.wait((position.key_tiles & 1) ^ 1);
   if (lane == 0) {
-    kv_arrival.arrive_and_expect_tx(2 * Traits::kBytesKV);
+    kv_arrival.arrive_and_expect_tx((v_later ? 1 : 2) * Traits::kBytesKV);
     copy(kernel_params.tma_k.with(reinterpret_cast<uint64_t&>(kv_arrival)), tKgK, tKsK);
-    copy(kernel_params.tma_v.with(reinterpret_cast<uint64_t&>(kv_arrival)), tVgV, tVsV);
+    if (!v_later) copy(kernel_params.tma_v.with(reinterpret_cast<uint64_t&>(kv_arrival)), tVgV, tVsV);
   }
   if (zero_key_tail) {
     storage.pipeline.kv_landed.wait(0);  // once per CTA: variable-length calls walk one tile a CTA
@@ -137,6 +153,10 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
           copy(kernel_params.tma_q.with(reinterpret_cast<uint64_t&>(query_arrival)), tQgQ(_, m_block), tQsQ(_, stage));
           copy(kernel_params.tma_dout.with(reinterpret_cast<uint64_t&>(query_arrival)), tdOgdO(_, m_block),
                tdOsdO(_, stage));
+        }
+        if (v_later && h == 0 && i == 0) {
+          storage.pipeline.v_full.arrive_and_expect_tx(Traits::kBytesKV);
+          copy(kernel_params.tma_v.with(reinterpret_cast<uint64_t&>(storage.pipeline.v_full)), tVgV, tVsV);
         }
       }
       if (zero_query_tail) {

@@ -146,9 +146,12 @@ struct BwdPipelineStorage {
   int exact_rows[kStages];  // whether a row of the stage takes probability_exponent's exact form
   alignas(16) float dsum[kStages][kBlockM];
   // K and V: full when the tile's TMA bytes have landed, empty when every consumer thread is done
-  // with the tile (the next tile's K and V then load while the consumers store dK and dV).
+  // with the tile (the next tile's K and V then load while the consumers store dK and dV). Where V
+  // comes after the walk's first Q and dO (loads_v_after_first_query, bwd_producer.h), kv_full
+  // counts K's bytes and V lands on v_full.
   cutlass::arch::ClusterTransactionBarrier kv_full;
   cutlass::arch::ClusterBarrier kv_empty;
+  cutlass::arch::ClusterTransactionBarrier v_full;
   // A stage is full when its Q and dO (only Q if kSeparatedO) have landed (TMA transaction bytes)
   // and every lane of the statistics warp has stored its LSE and D (an arrival each); empty when
   // every consumer thread is done with it.

@@ -500,32 +500,34 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 // $FLASH_CUTLASS_GQA_WALK_HEADS: how many query heads of a K/V head's group one Hopper backward CTA
 // walks in a GQA call (BwdParams::query_heads_per_key_tile). Unset or empty: one, as before the
 // walks (they have not yet been measured on a GPU); "auto": select.h's rule; a number: that many,
-// a divisor of the group, and in a deterministic call 1 or the whole group. Calls with a soft cap,
-// ALiBi or dropout take one head a tile whatever it says.
+// a divisor of the group, and in a deterministic call 1 or the whole group. Calls without GQA, with
+// a soft cap, ALiBi or dropout, or on the sm80 kernel take one head a tile whatever it says (its
+// form is checked in every call that launches).
 constexpr const char* kGqaWalkHeadsEnv = "FLASH_CUTLASS_GQA_WALK_HEADS";
 
-int gqa_walk_heads(BwdParams const& params, int kernel_hdim, bool deterministic, const at::Tensor& q) {
-  const int group = params.heads / params.heads_k;
-  if (group == 1 || uses_extension(params)) return 1;
+int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool deterministic, const at::Tensor& q) {
   const char* value = std::getenv(kGqaWalkHeadsEnv);
   const std::string text = value == nullptr ? "" : value;
-  if (text.empty()) return 1;
+  int walk = 1;
+  if (!text.empty() && text != "auto") {
+    size_t parsed = 0;
+    try {
+      walk = std::stoi(text, &parsed);
+    } catch (const std::exception&) {
+      parsed = 0;
+    }
+    TORCH_CHECK_VALUE(parsed == text.size() && walk >= 1, message(kGqaWalkHeadsEnv, " must be 'auto' or a positive "
+                                                                  "number of query heads, got '", text, "'"));
+  }
+  const int group = params.heads / params.heads_k;
+  if (text.empty() || group == 1 || uses_extension(params) || kernel.path != KernelPath::kSm90) return 1;
   if (text == "auto") {
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
-    const int key_block = sm90_backward_key_block(kernel_hdim);
+    const int key_block = sm90_backward_key_block(kernel.kernel_hdim);
     return sm90_backward_query_heads_per_key_tile(params.batch, params.heads, params.heads_k,
                                                   (params.seqlen_k + key_block - 1) / key_block, sms, deterministic);
   }
-  int walk = 0;
-  size_t parsed = 0;
-  try {
-    walk = std::stoi(text, &parsed);
-  } catch (const std::exception&) {
-    parsed = 0;
-  }
-  TORCH_CHECK_VALUE(parsed == text.size() && walk >= 1,
-                    message(kGqaWalkHeadsEnv, " must be 'auto' or a positive number of query heads, got '", text, "'"));
   TORCH_CHECK_VALUE(group % walk == 0, message(kGqaWalkHeadsEnv, " = ", walk, " must divide the ", group,
                                                " query heads of a K/V head (heads / heads_k) in this call"));
   TORCH_CHECK_VALUE(!deterministic || walk == 1 || walk == group,
@@ -606,10 +608,9 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     return;
   }
   at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
-  const int query_heads_per_key_tile =
-      kernel.path == KernelPath::kSm90 ? gqa_walk_heads(params, accum_hdim, options.deterministic, q) : 1;
+  const int query_heads_per_key_tile = gqa_walk_heads(params, kernel, options.deterministic, q);
   params.query_heads_per_key_tile = query_heads_per_key_tile;
-  params.v_after_first_query = kernel.path == KernelPath::kSm90 && v_after_first_query();
+  params.v_after_first_query = v_after_first_query() && kernel.path == KernelPath::kSm90;
   // dK and dV go straight into dk and dv without GQA and where a Hopper CTA walks a whole group.
   // Otherwise the Hopper kernels add a group's (or a part's) to per-K/V-head fp32 accumulators
   // with atomics; deterministic calls and the sm80 kernel store them per query head, summed below.

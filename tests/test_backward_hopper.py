@@ -430,38 +430,48 @@ V_AFTER_Q_ENV = "FLASH_CUTLASS_BWD_V_AFTER_Q"
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
 def test_v_after_the_first_query_block(cuda_gen, monkeypatch, head_dim, causal, seqlen_q, seqlen_k):
-    """MHA, GQA walked over whole groups, and the soft cap's kernels (past head dim 128 both consumer
-    warpgroups read V there): gradients against the oracle."""
+    """MHA, GQA walked over whole groups, a window (key blocks no query sees: tiles without steps),
+    and the soft cap's kernels (past head dim 128 both consumer warpgroups read V there): gradients
+    against the oracle."""
     skip_unless_hopper_backward(head_dim)
     monkeypatch.setenv(V_AFTER_Q_ENV, "1")
     check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, HEADS)
     monkeypatch.setenv(WALK_ENV, "4")
     check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, 2)
+    if not options_left_out(window_size=(40, 8)):
+        check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, 2, window_size=(40, 8))
     if not options_left_out(softcap=30.0):
         check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, 2, softcap=30.0)
 
 
 @pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
 def test_v_after_the_first_query_block_deterministic_and_varlen(cuda_gen, monkeypatch, head_dim):
-    """Deterministic runs stay bitwise equal; a packed batch (its key tails land with K on the zeroed
-    path, its full key blocks with V later) matches the calls that load V first."""
+    """Deterministic runs stay bitwise equal (one head a tile and whole-group walks); a causal packed
+    batch of other key lengths than query lengths (key tails land with K on the zeroed path, full
+    key blocks with V later; first query blocks that are tails) matches the calls that load V first."""
     skip_unless_hopper_backward(head_dim)
     monkeypatch.setenv(V_AFTER_Q_ENV, "1")
     check_deterministic_runs(cuda_gen, head_dim, (333, 700), 2, True, {}, f"head dim {head_dim}, V after Q")
-    lengths = [517, 1, 300, 129]
-    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
-    total, max_seqlen = sum(lengths), max(lengths)
+    monkeypatch.setenv(WALK_ENV, "4")
+    check_deterministic_runs(cuda_gen, head_dim, (333, 700), 2, True, {}, f"head dim {head_dim}, V after Q, walks")
+    monkeypatch.delenv(WALK_ENV)
+    lengths_q, lengths_k = [517, 1, 30, 129], [600, 257, 300, 64]
+    cu_seqlens_q, cu_seqlens_k = (
+        torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+        for lengths in (lengths_q, lengths_k))
 
-    def rand(heads):
+    def rand(total, heads):
         return torch.randn(total, heads, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
 
-    q, k, v, dout = rand(HEADS), rand(2), rand(2), rand(HEADS)
-    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    q, dout = rand(sum(lengths_q), HEADS), rand(sum(lengths_q), HEADS)
+    k, v = rand(sum(lengths_k), 2), rand(sum(lengths_k), 2)
+    max_q, max_k = max(lengths_q), max(lengths_k)
+    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal=True)
 
     def gradients(order):
         monkeypatch.setenv(V_AFTER_Q_ENV, order)
-        return flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
-                                                   max_seqlen, kernel="sm90")
+        return flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
+                                                   causal=True, kernel="sm90")
 
     for name, later, first in zip(("dq", "dk", "dv"), gradients("1"), gradients("0")):
         torch.testing.assert_close(later.float(), first.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")

@@ -164,8 +164,9 @@ struct BwdParams : FwdParams {
   // one query head a tile.
   int query_heads_per_key_tile = 1;
   // The Hopper kernels' one-tile-a-CTA walks load V after the walk's first Q and dO, so that the
-  // first S^T and its exponentials (which need K and Q) start before V has landed
-  // (sm90/bwd_producer.h, loads_v_after_first_query). false: K and V together, first.
+  // first S^T (which needs K and Q) starts before V has landed; past head dim 128 warpgroup 0's
+  // exponentials, P^T and dV too (sm90/bwd_producer.h, loads_v_after_first_query). false: K and V
+  // together, first.
   bool v_after_first_query = false;
 };
 

@@ -6,7 +6,9 @@
 #   steps: any of build test bench bench_bwd profile profile_bwd sanitize (default: build test bench profile)
 #   sanitize: compute-sanitizer memcheck and racecheck over tools/sanitize_calls.py (SANITIZE_ARGS: its options)
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
-#   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), PYTEST_ARGS.
+#   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's
+#   --impls, e.g. with flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's
+#   opt-ins), PYTEST_ARGS.
 set -uo pipefail
 
 out_dir=${1:?usage: tools/gpu_pass.sh OUT_DIR [build|test|bench|profile...]}
@@ -42,7 +44,8 @@ for step in $steps; do
       ;;
     bench_bwd)
       for direction in backward forward+backward; do
-        python3 benchmarks/benchmark_forward.py --direction "$direction" --impls flash_cutlass,flash_cutlass_sm80,sdpa_flash,sdpa_cudnn \
+        python3 benchmarks/benchmark_forward.py --direction "$direction" \
+          --impls "${BENCH_BWD_IMPLS:-flash_cutlass,flash_cutlass_sm80,sdpa_flash,sdpa_cudnn}" \
           ${BENCH_ARGS:-} --json "$out_dir/bench_$direction.json" --markdown "$out_dir/bench_$direction.md" \
           >"$out_dir/bench_$direction.log" 2>&1
       done

@@ -50,13 +50,16 @@ SUBJECT_DETERMINISTIC = "flash_cutlass_deterministic"
 # flash_cutlass's automatic choice with attention sinks (sinks=, one logit a query head, learned in
 # forward+backward); run only when asked for.
 SUBJECT_SINKS = "flash_cutlass_sinks"
-# flash_cutlass's automatic choice with an opt-in of the Hopper backward set around each call (the
-# extension reads these variables per call), for an A/B against SUBJECT in one process; run only
-# when asked for: the GQA walks chosen by their rule, and V loaded after the first Q and dO.
+# An opt-in of the Hopper backward (docs/DEVELOPING.md) set around each call of another subject (the
+# extension reads these variables per call), for an A/B against that subject in one process; run
+# only when asked for: the GQA walks chosen by their rule, V loaded after the first Q and dO, and
+# the deterministic backward's dQ halves in one turn.
 SUBJECT_GQA_WALK = "flash_cutlass_gqa_walk"
 SUBJECT_V_AFTER_Q = "flash_cutlass_v_after_q"
-SUBJECT_ENVIRONMENT = {SUBJECT_GQA_WALK: ("FLASH_CUTLASS_GQA_WALK_HEADS", "auto"),
-                       SUBJECT_V_AFTER_Q: ("FLASH_CUTLASS_BWD_V_AFTER_Q", "1")}
+SUBJECT_DETERMINISTIC_ONE_TURN = "flash_cutlass_deterministic_one_turn"
+SUBJECT_ENVIRONMENT = {SUBJECT_GQA_WALK: (SUBJECT, "FLASH_CUTLASS_GQA_WALK_HEADS", "auto"),
+                       SUBJECT_V_AFTER_Q: (SUBJECT, "FLASH_CUTLASS_BWD_V_AFTER_Q", "1"),
+                       SUBJECT_DETERMINISTIC_ONE_TURN: (SUBJECT_DETERMINISTIC, "FLASH_CUTLASS_BWD_DET_ONE_TURN", "1")}
 FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None,
                   SUBJECT_SINKS: None, **{subject: None for subject in SUBJECT_ENVIRONMENT}}
 SDPA_BACKENDS = {
@@ -452,8 +455,8 @@ def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: Modul
     """The backward pass alone (its forward run once, outside the timed call) or forward and
     backward together, with a random upstream gradient."""
     if impl in SUBJECT_ENVIRONMENT:
-        run = make_gradient_runner(SUBJECT, inputs, causal, subject, direction)
-        return with_environment(run, *SUBJECT_ENVIRONMENT[impl])
+        base, variable, value = SUBJECT_ENVIRONMENT[impl]
+        return with_environment(make_gradient_runner(base, inputs, causal, subject, direction), variable, value)
     if impl in FORCED_KERNELS:
         kernel = FORCED_KERNELS[impl]
         deterministic = impl == SUBJECT_DETERMINISTIC
@@ -642,10 +645,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--impls", type=_impl_list, metavar="NAME[,NAME...]",
                         default=",".join(DEFAULT_IMPLS),
                         help=f"implementations to run, of {', '.join(IMPLS)} (default: all but "
-                             f"{SUBJECT_DETERMINISTIC}, {SUBJECT_SINKS}, {SUBJECT_GQA_WALK} and "
-                             f"{SUBJECT_V_AFTER_Q}, the automatic choice with deterministic=True, with "
-                             "attention sinks, with the Hopper backward's GQA walks or with its V loaded after "
-                             "the first Q and dO); without a flash_cutlass one the extension is not imported")
+                             f"{SUBJECT_DETERMINISTIC}, the automatic choice with deterministic=True, "
+                             f"{SUBJECT_SINKS}, with attention sinks, and the opt-ins of docs/DEVELOPING.md, "
+                             f"{', '.join(SUBJECT_ENVIRONMENT)}); without a flash_cutlass one the extension is not "
+                             "imported")
     parser.add_argument("--check", action="store_true",
                         help="before timing each shape, compare flash_cutlass's output with "
                              "SDPA's default backend and its LSE with fp32 math on sampled rows; "

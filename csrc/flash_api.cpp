@@ -540,11 +540,17 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
 // (BwdParams::v_after_first_query). Unset or 0: with K, first, as before (not yet measured on a GPU).
 constexpr const char* kVAfterQueryEnv = "FLASH_CUTLASS_BWD_V_AFTER_Q";
 
-bool v_after_first_query() {
-  const char* value = std::getenv(kVAfterQueryEnv);
+// $FLASH_CUTLASS_BWD_DET_ONE_TURN=1: deterministic Hopper backwards past head dim 128 add dQ's two
+// halves in one turn (BwdParams::dq_halves_in_one_turn). Unset or 0: in turn, as before (not yet
+// measured on a GPU).
+constexpr const char* kDetOneTurnEnv = "FLASH_CUTLASS_BWD_DET_ONE_TURN";
+
+// An opt-in switch of the environment: unset, empty or "0" off, "1" on.
+bool opt_in(const char* variable) {
+  const char* value = std::getenv(variable);
   const std::string text = value == nullptr ? "" : value;
   TORCH_CHECK_VALUE(text.empty() || text == "0" || text == "1",
-                    message(kVAfterQueryEnv, " must be 0 or 1, got '", text, "'"));
+                    message(variable, " must be 0 or 1, got '", text, "'"));
   return text == "1";
 }
 
@@ -610,7 +616,8 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
   const int query_heads_per_key_tile = gqa_walk_heads(params, kernel, options.deterministic, q);
   params.query_heads_per_key_tile = query_heads_per_key_tile;
-  params.v_after_first_query = v_after_first_query() && kernel.path == KernelPath::kSm90;
+  params.v_after_first_query = opt_in(kVAfterQueryEnv) && kernel.path == KernelPath::kSm90;
+  params.dq_halves_in_one_turn = opt_in(kDetOneTurnEnv) && kernel.path == KernelPath::kSm90;
   // dK and dV go straight into dk and dv without GQA and where a Hopper CTA walks a whole group.
   // Otherwise the Hopper kernels add a group's (or a part's) to per-K/V-head fp32 accumulators
   // with atomics; deterministic calls and the sm80 kernel store them per query head, summed below.

@@ -485,3 +485,58 @@ def test_v_after_the_first_query_block_value_is_checked(cuda_gen, monkeypatch):
     monkeypatch.setenv(V_AFTER_Q_ENV, "yes")
     with pytest.raises(ValueError, match=f"{V_AFTER_Q_ENV} must be 0 or 1, got 'yes'"):
         flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90")
+
+
+# $FLASH_CUTLASS_BWD_DET_ONE_TURN=1 (csrc/flash_api.cpp): deterministic calls past head dim 128 (one
+# tile a CTA) stage warpgroup 1's half of dQ in the block's Q stage and add both halves in one turn.
+DET_ONE_TURN_ENV = "FLASH_CUTLASS_BWD_DET_ONE_TURN"
+HEAD_SPLIT_HEAD_DIMS = [d for d in DETERMINISTIC_HEAD_DIMS if d > 128]
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("heads_k", [8, 2], ids=["gqa1", "gqa4"])
+@pytest.mark.parametrize("head_dim", HEAD_SPLIT_HEAD_DIMS)
+def test_deterministic_halves_in_one_turn(cuda_gen, monkeypatch, head_dim, heads_k, mask):
+    """Bitwise equal runs against the oracle, over tails and several query blocks: launch-order walks
+    (causal, window; and without a mask past the rotated walks' 64 key blocks: 4,200 keys), with
+    whole-group walks and V after the first Q too."""
+    skip_unless_hopper_backward(head_dim)
+    options = {"window_size": (300, 40)} if mask == "window" else {}
+    reason = options_left_out(**options)
+    if reason:
+        pytest.skip(reason)
+    causal = mask == "causal"
+    seqlens = (333, 4200) if mask == "none" else (333, 700)
+    monkeypatch.setenv(DET_ONE_TURN_ENV, "1")
+    check_deterministic_runs(cuda_gen, head_dim, seqlens, heads_k, causal, options,
+                             f"head dim {head_dim}, {mask}, halves in one turn", batch=1)
+    monkeypatch.setenv(V_AFTER_Q_ENV, "1")
+    monkeypatch.setenv(WALK_ENV, str(HEADS // heads_k))
+    check_deterministic_runs(cuda_gen, head_dim, (333, 700), heads_k, causal, options,
+                             f"head dim {head_dim}, {mask}, halves in one turn, walks, V after Q")
+
+
+@pytest.mark.parametrize("head_dim", HEAD_SPLIT_HEAD_DIMS)
+def test_deterministic_halves_in_one_turn_varlen(cuda_gen, monkeypatch, head_dim):
+    """A packed batch (the zeroed tails of both halves' staging, each sequence its own turns): bitwise
+    equal runs, equal to the halves in turn up to rounding."""
+    skip_unless_hopper_backward(head_dim)
+    lengths = [517, 1, 300, 129]
+    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    total, max_seqlen = sum(lengths), max(lengths) + 64
+
+    def rand(heads):
+        return torch.randn(total, heads, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+
+    q, k, v, dout = rand(HEADS), rand(2), rand(2), rand(HEADS)
+    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+
+    def gradients(one_turn):
+        monkeypatch.setenv(DET_ONE_TURN_ENV, one_turn)
+        return flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
+                                                   max_seqlen, causal=True, deterministic=True, kernel="sm90")
+
+    first, again, in_turn = gradients("1"), gradients("1"), gradients("0")
+    for name, a, b, c in zip(("dq", "dk", "dv"), first, again, in_turn):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+        torch.testing.assert_close(a.float(), c.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")

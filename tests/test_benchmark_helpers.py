@@ -413,14 +413,14 @@ def test_decode_benchmark_appends_the_query_tokens_behind_the_lengths_it_passes(
     assert appended["k"].shape == appended["v"].shape == (2, 3, 2, 16)
 
 
-@pytest.mark.parametrize("impl", ["flash_cutlass_gqa_walk", "flash_cutlass_v_after_q"])
+@pytest.mark.parametrize("impl", ["flash_cutlass_gqa_walk", "flash_cutlass_v_after_q",
+                                  "flash_cutlass_deterministic_one_turn"])
 def test_opt_in_runners_set_their_variable_for_each_call_only(monkeypatch, impl):
-    """flash_cutlass_gqa_walk and flash_cutlass_v_after_q: the automatic choice with
-    $FLASH_CUTLASS_GQA_WALK_HEADS=auto or $FLASH_CUTLASS_BWD_V_AFTER_Q=1 during each call (the extension
-    reads them per call), the variable as it was around the calls."""
+    """The opt-in subjects: their base subject's call with the opt-in's variable set during each call
+    (the extension reads it per call), the variable as it was around the calls."""
     import flash_cutlass
 
-    variable, value = bench.SUBJECT_ENVIRONMENT[impl]
+    base, variable, value = bench.SUBJECT_ENVIRONMENT[impl]
     monkeypatch.setenv(variable, "2")
     seen = bench.with_environment(lambda: os.environ[variable], variable, value)()
     assert seen == value and os.environ[variable] == "2"
@@ -431,6 +431,6 @@ def test_opt_in_runners_set_their_variable_for_each_call_only(monkeypatch, impl)
     walked = bench.make_runner(impl, inputs, True, flash_cutlass, "backward")()
     assert variable not in os.environ
     torch.manual_seed(0)
-    plain = bench.make_runner(bench.SUBJECT, inputs, True, flash_cutlass, "backward")()
+    plain = bench.make_runner(base, inputs, True, flash_cutlass, "backward")()
     assert all(torch.equal(a, b) for a, b in zip(walked, plain))
     assert impl in bench.IMPLS and impl not in bench.DEFAULT_IMPLS

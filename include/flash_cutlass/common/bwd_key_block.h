@@ -82,10 +82,10 @@ __device__ __forceinline__ QueryRowBuffers query_row_buffers(BwdParams const& pa
 
 // dK (times the softmax scale) and dV of a key block: straight into dk and dv in the inputs' dtype
 // (the Hopper kernels: at the K/V head, which their walks over a whole GQA group need; the sm80
-// kernel only without GQA, at the head), or, with GQA, in fp32: per query head for the caller to sum over each group, or (kKvHeadAtomics:
-// the Hopper kernels; the sm80 kernel spilled in its loop with the branch) added with atomics to the
-// K/V head's (params.dkv_accum_heads). coords: each accumulator element's (key, column) inside the
-// block.
+// kernel only without GQA, at the head), or, with GQA, in fp32: per query head for the caller to
+// sum over each group, or (kKvHeadAtomics: the Hopper kernels; the sm80 kernel spilled in its loop
+// with the branch) added with atomics to the K/V head's (params.dkv_accum_heads). coords: each
+// accumulator element's (key, column) inside the block.
 template <class Element, int kHeadDim, int kBlockM, int kBlockN, MaskKind kMaskKind, bool kKvHeadAtomics = false,
           class Acc, class Coords>
 __device__ __forceinline__ void store_dk_dv(BwdParams const& params,

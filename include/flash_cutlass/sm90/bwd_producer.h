@@ -51,10 +51,14 @@ __device__ __forceinline__ bool loads_v_after_first_query(BwdParams const& param
   }
 }
 
-// Whether warpgroup 1 stages its half of each query block's dQ in the block's Q stage and the dQ
-// warp adds both halves in one turn (BwdParams::dq_halves_in_one_turn): deterministic head-split
-// calls that walk one tile a CTA. The dQ warp then releases the Q stage for warpgroup 1 (an arrival
-// of 128 on query_empty) once its reduce-add has read it. The consumers and the dQ warp both ask.
+// Whether warpgroup 1 stages its half of each query block's dQ in the block's Q stage, once both
+// warpgroups' dK GEMMs are done with it, rather than in storage.dq after the dQ warp has added
+// warpgroup 0's (BwdParams::dq_halves_in_one_turn): deterministic head-split calls that walk one
+// tile a CTA. A turn then no longer holds warpgroup 1's staging, unless the turn comes before it
+// is done (the dQ warp takes the turn after warpgroup 0's half is staged: waiting for warpgroup 1's
+// too before it costs the producer warps' registers 44 more bytes of spills). The dQ warp releases
+// the Q stage for warpgroup 1 (an arrival of 128 on query_empty) once its reduce-add has read it.
+// The consumers and the dQ warp both ask.
 template <class Traits, bool kRotatedWalk>
 __device__ __forceinline__ bool dq_halves_in_one_turn(BwdParams const& params) {
   if constexpr (!Traits::kHeadSplit || kRotatedWalk) {
@@ -62,6 +66,9 @@ __device__ __forceinline__ bool dq_halves_in_one_turn(BwdParams const& params) {
   } else {
     static_assert(Traits::kBytesQ == sizeof(float) * cute::cosize_v<typename Traits::SmemLayoutdQ>,
                   "a Q stage holds exactly a half of a query block's fp32 dQ");
+    static_assert(cute::cosize_v<typename Traits::SmemLayoutQ> == Traits::kStages * Traits::kBlockM * Traits::kHeadDim &&
+                      Traits::kBytesQ % 1024 == 0,
+                  "Q stages one after the other, each on whole 1024-byte swizzle atoms");
     return params.deterministic && params.dq_halves_in_one_turn;
   }
 }

@@ -95,8 +95,8 @@ __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& p
     // Below 2^31: bwd_launch.h.
     const int items = params.batch * (params.heads / query_heads) * num_n_blocks;
     for (int item = int(blockIdx.x); item < items; item += int(gridDim.x)) {
-      auto key_block =
-          key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, key_tile_at<kBlockN>(params, item, false, query_heads));
+      const KeyTile tile = key_tile_at<kBlockN>(params, item, false, query_heads);
+      auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, tile);
       key_block.query_heads = query_heads;
       if (!key_block.in_sequence()) continue;
       if (params.deterministic) key_block.m_rotation = key_block.tile.n_block * key_block.num_m_blocks() / num_n_blocks;

@@ -329,26 +329,34 @@ def test_deterministic_whole_group_walks(cuda_gen, monkeypatch, head_dim, mask):
                                  f"head dim {head_dim}, rotated whole-group walks", batch=9)
 
 
+def packed_causal_backward(gen, head_dim):
+    """kernel="sm90"'s causal backward of a packed batch of random inputs (lengths 517, 1, 300 and 129,
+    8 query heads on 2 K/V heads, max_seqlen 64 above the longest), as a function of its options."""
+    lengths = [517, 1, 300, 129]
+    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    total, max_seqlen = sum(lengths), max(lengths) + 64
+
+    def rand(heads):
+        return torch.randn(total, heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
+
+    q, k, v, dout = rand(HEADS), rand(2), rand(2), rand(HEADS)
+    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+    return lambda **options: flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens,
+                                                                 max_seqlen, max_seqlen, causal=True, kernel="sm90",
+                                                                 **options)
+
+
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
 def test_gqa_walks_in_variable_length_calls(cuda_gen, monkeypatch, head_dim):
     """Packed sequences with tails in every head's last query block (the loader's tail barrier
     changes phase once a head): half and whole walks, and deterministic whole walks (bitwise equal
     runs), against one head a tile."""
     skip_unless_hopper_backward(head_dim)
-    lengths = [517, 1, 300, 129]
-    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
-    total, max_seqlen = sum(lengths), max(lengths) + 64
-
-    def rand(heads):
-        return torch.randn(total, heads, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
-
-    q, k, v, dout = rand(HEADS), rand(2), rand(2), rand(HEADS)
-    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+    backward = packed_causal_backward(cuda_gen, head_dim)
 
     def gradients(walk, deterministic=False):
         monkeypatch.setenv(WALK_ENV, walk)
-        return flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
-                                                   max_seqlen, causal=True, deterministic=deterministic, kernel="sm90")
+        return backward(deterministic=deterministic)
 
     one_head = gradients("1")
     walks = {walk: gradients(walk) for walk in ("2", "4")}
@@ -477,16 +485,6 @@ def test_v_after_the_first_query_block_deterministic_and_varlen(cuda_gen, monkey
         torch.testing.assert_close(later.float(), first.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
-def test_v_after_the_first_query_block_value_is_checked(cuda_gen, monkeypatch):
-    head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
-    skip_unless_hopper_backward(head_dim)
-    q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, HEADS, head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v)
-    monkeypatch.setenv(V_AFTER_Q_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{V_AFTER_Q_ENV} must be 0 or 1, got 'yes'"):
-        flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90")
-
-
 # $FLASH_CUTLASS_BWD_DET_ONE_TURN=1 (csrc/flash_api.cpp): deterministic calls past head dim 128 (one
 # tile a CTA) stage warpgroup 1's half of dQ in the block's Q stage and add both halves in one turn.
 DET_ONE_TURN_ENV = "FLASH_CUTLASS_BWD_DET_ONE_TURN"
@@ -553,31 +551,23 @@ def test_deterministic_halves_in_one_turn_varlen(cuda_gen, monkeypatch, head_dim
     """A packed batch (the zeroed tails of both halves' staging, each sequence its own turns): bitwise
     the gradients of the halves in turn."""
     skip_unless_hopper_backward(head_dim)
-    lengths = [517, 1, 300, 129]
-    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
-    total, max_seqlen = sum(lengths), max(lengths) + 64
-
-    def rand(heads):
-        return torch.randn(total, heads, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
-
-    q, k, v, dout = rand(HEADS), rand(2), rand(2), rand(HEADS)
-    out, lse = flash_cutlass.flash_forward_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+    backward = packed_causal_backward(cuda_gen, head_dim)
 
     def gradients(one_turn):
         monkeypatch.setenv(DET_ONE_TURN_ENV, one_turn)
-        return flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
-                                                   max_seqlen, causal=True, deterministic=True, kernel="sm90")
+        return backward(deterministic=True)
 
     first, in_turn = gradients("1"), gradients("0")
     for name, a, b in zip(("dq", "dk", "dv"), first, in_turn):
         assert torch.equal(a, b), f"{name}: the halves in one turn differ from the halves in turn"
 
 
-def test_deterministic_halves_in_one_turn_value_is_checked(cuda_gen, monkeypatch):
+@pytest.mark.parametrize("variable", [V_AFTER_Q_ENV, DET_ONE_TURN_ENV])
+def test_opt_in_switches_take_0_or_1(cuda_gen, monkeypatch, variable):
     head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
     skip_unless_hopper_backward(head_dim)
     q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, HEADS, head_dim)
     out, lse = flash_cutlass.flash_forward(q, k, v)
-    monkeypatch.setenv(DET_ONE_TURN_ENV, "on")
-    with pytest.raises(ValueError, match=f"{DET_ONE_TURN_ENV} must be 0 or 1, got 'on'"):
+    monkeypatch.setenv(variable, "yes")
+    with pytest.raises(ValueError, match=f"{variable} must be 0 or 1, got 'yes'"):
         flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")

@@ -36,6 +36,13 @@
 
 namespace flash_cutlass::sm90 {
 
+// Whether the loader zeroes rows of this tile's K and V (a variable-length call's key block past its
+// sequence's end: TMA brings the next sequence's rows), which then land on kv_landed.
+template <class Traits, class Work>
+__device__ __forceinline__ bool zeroes_key_tail(BwdParams const& params, Work const& work) {
+  return params.cu_seqlens_q != nullptr && work.sequence.seqlen_k - work.key_start < Traits::kBlockN;
+}
+
 // Whether the loader issues this tile's V after its walk's first Q and dO, on v_full
 // (BwdParams::v_after_first_query): in walks of one tile a CTA (a persistent walk's next K and V
 // load under the tile before's epilogue anyway) whose K/V tile needs no zeroed rows (those land
@@ -45,9 +52,7 @@ __device__ __forceinline__ bool loads_v_after_first_query(BwdParams const& param
   if constexpr (kRotatedWalk) {
     return false;
   } else {
-    const bool zero_key_tail =
-        params.cu_seqlens_q != nullptr && work.sequence.seqlen_k - work.key_start < Traits::kBlockN;
-    return params.v_after_first_query && !zero_key_tail;
+    return params.v_after_first_query && !zeroes_key_tail<Traits>(params, work);
   }
 }
 
@@ -123,7 +128,7 @@ __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& ke
 
   const bool varlen = params.cu_seqlens_q != nullptr;
   const int keys_in_block = work.sequence.seqlen_k - work.key_start;
-  const bool zero_key_tail = varlen && keys_in_block < Traits::kBlockN;
+  const bool zero_key_tail = zeroes_key_tail<Traits>(params, work);
   auto& kv_arrival = zero_key_tail ? storage.pipeline.kv_landed : storage.pipeline.kv_full;
   const bool v_later = loads_v_after_first_query<kRotatedWalk, Traits>(params, work);
   // The consumers are done with the tile before (the first tile finds K and V free).

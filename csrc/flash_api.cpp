@@ -720,7 +720,7 @@ KVCacheDevice kvcache_device(int index) {
 // where its rows are the sequences (no cache_batch_idx, rows capacity positions apart) and ALiBi's
 // slopes are not per sequence (kvcache_prefill_forward's in-place numbering interleaves sequences
 // of no queries); a paged cache through its block table in a causal call without a window or
-// score options (the paged forward kernel's) where its pages are of a multiple of kPagedKeyRows
+// score options (the paged forward kernel's) where its pages are of a multiple of kPagedChunkRows
 // rows, each page's rows one after the other; otherwise gathered.
 using PrefillForm = KVCachePacked::Form;
 
@@ -732,9 +732,9 @@ PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions c
                              WindowReach(options, params.seqlen_q, params.capacity).mask_kind(true) == MaskKind::kCausal;
     const bool rows_in_pages = k_cache.stride(0) == params.page_size * k_cache.stride(1) &&
                                v_cache.stride(0) == params.page_size * v_cache.stride(1);
-    const bool positions_fit = int64_t(params.num_pages) * params.page_size < (int64_t(1) << 31) &&
+    const bool positions_fit = int64_t(params.num_pages) * params.page_size + kPagedKeyRows < (int64_t(1) << 31) &&
                                int64_t(params.batch) * params.capacity < (int64_t(1) << 31);
-    return causal_only && params.page_size % kPagedKeyRows == 0 && rows_in_pages && positions_fit
+    return causal_only && params.page_size % kPagedChunkRows == 0 && rows_in_pages && positions_fit
                ? PrefillForm::kPaged
                : PrefillForm::kGathered;
   }

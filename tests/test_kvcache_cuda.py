@@ -448,7 +448,7 @@ def call_and_forward_over_its_caches(call, causal):
 def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cache_batch_idx, causal):
     """On the Hopper path the call is flash_forward_varlen over the gathered caches, to the bit
     (the KV-cache kernel's other tiles round differently): the route is the one taken, whether it
-    reads a contiguous cache in place, pages of a multiple of 128 rows through the block table
+    reads a contiguous cache in place, pages of a multiple of 16 rows through the block table
     (causal calls), or gathers the cache first (cache_batch_idx, other pages). With the append."""
     requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
@@ -526,12 +526,12 @@ def poison_past_lengths(call, lengths):
         call[name][~used] = float("nan")
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 128, 256], ids=["p1", "p16", "p128", "p256"])
+@pytest.mark.parametrize("page_size", [1, 16, 48, 128, 256], ids=["p1", "p16", "p48", "p128", "p256"])
 def test_chunked_prefill_paged_nan_and_bad_ids_past_each_length(cuda_gen, page_size):
     """Rows past each sequence's length (inside its last page, its other pages, the spare pages) hold
     NaN and its block-table entries past its pages point out of the cache: neither the gather (pages
-    of 1 and 16) nor the forward reading the pages (128, 256) takes them in, and the output is the
-    clean cache's, to the bit."""
+    of 1) nor the forward reading the pages (16 and 48 in chunks, 128 and 256 a key block at a time)
+    takes them in, and the output is the clean cache's, to the bit."""
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     seqlens = (5, 400, 0, 770)
     call = prefill_call(gen, page_size, 0, seqlens=seqlens)
@@ -631,13 +631,15 @@ def test_chunked_prefill_without_memory_for_the_gather_runs_the_kvcache_kernel(c
     torch.testing.assert_close(lse, expected[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("page_size,causal,copies", [(128, True, False), (256, True, False), (16, True, True),
+@pytest.mark.parametrize("page_size,causal,copies", [(128, True, False), (256, True, False), (16, True, False),
+                                                     (48, True, False), (8, True, True), (1, True, True),
                                                      (256, False, True)],
-                         ids=["p128", "p256", "p16", "p256_not_causal"])
-def test_chunked_prefill_reads_pages_of_128_rows_without_a_copy(cuda_gen, page_size, causal, copies):
-    """In a causal call, pages of a multiple of 128 rows reach the forward through the block table:
-    the call allocates nothing the size of the cache (smaller pages, and calls without the causal
-    mask, are gathered into a copy first)."""
+                         ids=["p128", "p256", "p16", "p48", "p8", "p1", "p256_not_causal"])
+def test_chunked_prefill_reads_pages_through_the_table_without_a_copy(cuda_gen, page_size, causal, copies):
+    """In a causal call, pages of a multiple of 16 rows reach the forward through the block table
+    (pages of a multiple of 128 a key block at a time, others in chunks of 16 rows): the call
+    allocates nothing the size of the cache (smaller pages, and calls without the causal mask, are
+    gathered into a copy first)."""
     requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = make_call(gen, batch=2, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=8, head_dim=PREFILL_HEAD_DIM,

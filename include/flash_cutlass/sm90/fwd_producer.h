@@ -3,7 +3,8 @@
 // full/empty barrier pair, running ahead into the next tile while the consumers finish this one.
 // In a variable-length call V comes through its sequence's own descriptor (sequence_descriptors.h),
 // so that the rows a tile reads past the sequence arrive as zeros; paged K and V (chunked prefill
-// over a paged KV cache) a key block at a time from the page the block table names.
+// over a paged KV cache) a key block at a time from the page the block table names, or from pages
+// smaller than a key block in chunks, each from its page.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -64,7 +65,11 @@ struct FwdProducer {
       prefetch_tma_descriptor(v_descriptor);
     }
     if constexpr (kPagedKV) {
-      load_paged_tile(work, head_k, v_descriptor);
+      if (params.page_size % kBlockN == 0) {
+        load_paged_tile(work, head_k, v_descriptor);
+      } else {
+        load_paged_chunks(work, head_k, v_descriptor);
+      }
       return;
     }
     Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
@@ -144,6 +149,87 @@ struct FwdProducer {
             copy(kernel_params.tma_v.with(last_descriptor, barrier), tVgVLast(_, block), tVsV(_, stage));
           } else {
             copy(kernel_params.tma_v.with(barrier), tVgV(_, block), tVsV(_, stage));
+          }
+        });
+  }
+
+  // Paged K and V from pages smaller than a key block (of a multiple of kPagedChunkRows rows,
+  // params.h): each block as kPagedChunks chunks of that many rows, each from the page that holds
+  // it (Traits::TmaKVChunk: a TMA box of the chunk's rows into its rows of the stage). The lanes
+  // of the producer warp read the page rows of a block's chunks together, one block ahead (lane c
+  // holds chunk c's), and lane 0 takes each by a shuffle before issuing its loads. V's chunk that
+  // holds the sequence's last key comes through the sequence's descriptor (a copy of the chunk
+  // descriptor whose extent ends at that key's row, sequence_descriptors.h), and so do the chunks
+  // past the sequence, at a row past that extent: their rows arrive as zeros. K's rows there may
+  // hold anything (chunks past the sequence read the cache's first rows, not the block table,
+  // whose entries past the sequence may be missing): the consumers mask their scores.
+  template <class Work>
+  __device__ __forceinline__ void load_paged_chunks(Work const& work, int head_k,
+                                                    cute::TmaDescriptor const* last_descriptor) {
+    using namespace cute;
+    using ChunkShape = typename Traits::PagedChunkShape;
+    constexpr int kChunkRows = Traits::kPagedChunkRows;
+    constexpr int kChunks = Traits::kPagedChunks;
+    const PagedKeys pages = paged_keys(params, work.tile.batch);
+    const int seqlen_k = work.sequence.seqlen_k;
+    const TmaExtents extents = tma_extents(params);
+    const int last_row = pages.row_of(seqlen_k - 1);
+    const int last_shift = extents.rows_k - 1 - last_row;
+    // The chunk of the sequence descriptor's rows just past its extent (rows_k + 15 at most).
+    const int past_chunk = last_row / kChunkRows + 1;
+    Tensor mK = kernel_params.tma_k_chunk.get_tma_tensor(
+        make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
+    Tensor mV = kernel_params.tma_v_chunk.get_tma_tensor(
+        make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
+    Tensor gK = local_tile(mK(_, _, head_k, _0{}), ChunkShape{}, make_coord(_, _0{}));
+    Tensor gV = local_tile(mV(_, _, head_k, _0{}), ChunkShape{}, make_coord(_, _0{}));
+    Tensor gVLast = local_tile(domain_offset(make_coord(last_shift, _0{}), mV(_, _, head_k, _0{})), ChunkShape{},
+                               make_coord(_, _0{}));
+    // (chunk rows, head_dim, chunk, 1, stage): a stage's chunks.
+    Tensor sKChunks = flat_divide(sK, ChunkShape{});
+    Tensor sVChunks = flat_divide(sV, ChunkShape{});
+    auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k_chunk, _0{}, Layout<_1>{}, group_modes<0, 2>(sKChunks),
+                                      group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v_chunk, _0{}, Layout<_1>{}, group_modes<0, 2>(sVChunks),
+                                      group_modes<0, 2>(gV));
+    Tensor tVgVLast = get<0>(tma_partition(kernel_params.tma_v_chunk, _0{}, Layout<_1>{},
+                                           group_modes<0, 2>(sVChunks), group_modes<0, 2>(gVLast)));
+    const int lane = int(threadIdx.x) % 32;
+    // This lane's chunk of a key block: its page row, or -1 past the sequence.
+    auto chunk_row = [&](int n_block) {
+      const int position = n_block * kBlockN + lane * kChunkRows;
+      return lane < kChunks && position < seqlen_k ? pages.row_of(position) : -1;
+    };
+    const int first = work.key_blocks.begin;
+    int next_rows = chunk_row(work.key_blocks.end - 1);
+    load_blocks(
+        work,
+        [&](int n_block) {
+          const int rows = next_rows;
+          if (n_block > first) next_rows = chunk_row(n_block - 1);
+          return rows;
+        },
+        [&](int rows, int, int stage, uint64_t& barrier) {
+          CUTE_UNROLL
+          for (int chunk = 0; chunk < kChunks; ++chunk) {
+            const int row = __shfl_sync(0xffffffffu, rows, chunk);
+            if (lane == 0) {
+              copy(kernel_params.tma_k_chunk.with(barrier), tKgK(_, max(row, 0) / kChunkRows),
+                   tKsK(_, chunk, _0{}, stage));
+            }
+          }
+        },
+        [&](int rows, int n_block, int stage, uint64_t& barrier) {
+          CUTE_UNROLL
+          for (int chunk = 0; chunk < kChunks; ++chunk) {
+            const int row = __shfl_sync(0xffffffffu, rows, chunk);
+            if (lane != 0) continue;
+            if (row >= 0 && (n_block * kBlockN + (chunk + 1) * kChunkRows) <= seqlen_k) {
+              copy(kernel_params.tma_v_chunk.with(barrier), tVgV(_, row / kChunkRows), tVsV(_, chunk, _0{}, stage));
+            } else {
+              copy(kernel_params.tma_v_chunk.with(last_descriptor, barrier),
+                   tVgVLast(_, row >= 0 ? row / kChunkRows : past_chunk), tVsV(_, chunk, _0{}, stage));
+            }
           }
         });
   }

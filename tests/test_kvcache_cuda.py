@@ -448,7 +448,7 @@ def call_and_forward_over_its_caches(call, causal):
 def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cache_batch_idx, causal):
     """On the Hopper path the call is flash_forward_varlen over the gathered caches, to the bit
     (the KV-cache kernel's other tiles round differently): the route is the one taken, whether it
-    reads a contiguous cache in place, pages of a multiple of 16 rows through the block table
+    reads a contiguous cache in place, pages of a multiple of 128 rows through the block table
     (causal calls), or gathers the cache first (cache_batch_idx, other pages). With the append."""
     requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
@@ -456,6 +456,35 @@ def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cach
     out, lse, expected_out, expected_lse = call_and_forward_over_its_caches(call, causal)
     assert torch.equal(out, expected_out)
     assert torch.equal(lse, expected_lse)
+
+
+# $FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1 (csrc/flash_api.cpp, docs/DEVELOPING.md): causal chunked
+# prefill reads pages of a multiple of 16 rows that are no multiple of 128 through the block table,
+# in chunks of 16 rows (sm90/fwd_producer.h, load_paged_chunks), rather than gathering them.
+PAGED_CHUNKS_ENV = "FLASH_CUTLASS_PAGED_PREFILL_CHUNKS"
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 48, 64, 80])
+def test_chunked_prefill_over_pages_in_chunks_is_the_hopper_forward_bitwise(cuda_gen, monkeypatch, page_size):
+    """Pages read in chunks give flash_forward_varlen over the gathered caches to the bit (the same
+    consumers over the same keys and values), with the append; chunks of a key block from pages in
+    shuffled order, the sequences' last chunks cut by their lengths."""
+    requires_prefill_forward()
+    monkeypatch.setenv(PAGED_CHUNKS_ENV, "1")
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = prefill_call(gen, page_size, PREFILL_SEQLEN_Q)
+    out, lse, expected_out, expected_lse = call_and_forward_over_its_caches(call, True)
+    assert torch.equal(out, expected_out)
+    assert torch.equal(lse, expected_lse)
+
+
+def test_paged_chunks_switch_takes_0_or_1(cuda_gen, monkeypatch):
+    requires_prefill_forward()
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = prefill_call(gen, 16, PREFILL_SEQLEN_Q)
+    monkeypatch.setenv(PAGED_CHUNKS_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{PAGED_CHUNKS_ENV} must be 0 or 1, got 'yes'"):
+        run(call, causal=True)
 
 
 # Below PREFILL_SEQLEN_Q the route depends on the batch (select.h, kvcache_prefill_may_gather): a
@@ -526,12 +555,16 @@ def poison_past_lengths(call, lengths):
         call[name][~used] = float("nan")
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 48, 128, 256], ids=["p1", "p16", "p48", "p128", "p256"])
-def test_chunked_prefill_paged_nan_and_bad_ids_past_each_length(cuda_gen, page_size):
+@pytest.mark.parametrize("page_size,chunks", [(1, False), (16, False), (128, False), (256, False), (16, True),
+                                              (48, True), (80, True)],
+                         ids=["p1", "p16", "p128", "p256", "p16_chunks", "p48_chunks", "p80_chunks"])
+def test_chunked_prefill_paged_nan_and_bad_ids_past_each_length(cuda_gen, monkeypatch, page_size, chunks):
     """Rows past each sequence's length (inside its last page, its other pages, the spare pages) hold
     NaN and its block-table entries past its pages point out of the cache: neither the gather (pages
-    of 1) nor the forward reading the pages (16 and 48 in chunks, 128 and 256 a key block at a time)
-    takes them in, and the output is the clean cache's, to the bit."""
+    of 1 and 16) nor the forward reading the pages (128 and 256 a key block at a time; 16, 48 and 80
+    in chunks with $FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1) takes them in, and the output is the clean
+    cache's, to the bit."""
+    monkeypatch.setenv(PAGED_CHUNKS_ENV, "1" if chunks else "0")
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     seqlens = (5, 400, 0, 770)
     call = prefill_call(gen, page_size, 0, seqlens=seqlens)
@@ -631,16 +664,20 @@ def test_chunked_prefill_without_memory_for_the_gather_runs_the_kvcache_kernel(c
     torch.testing.assert_close(lse, expected[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("page_size,causal,copies", [(128, True, False), (256, True, False), (16, True, False),
-                                                     (48, True, False), (8, True, True), (1, True, True),
-                                                     (256, False, True)],
-                         ids=["p128", "p256", "p16", "p48", "p8", "p1", "p256_not_causal"])
-def test_chunked_prefill_reads_pages_through_the_table_without_a_copy(cuda_gen, page_size, causal, copies):
-    """In a causal call, pages of a multiple of 16 rows reach the forward through the block table
-    (pages of a multiple of 128 a key block at a time, others in chunks of 16 rows): the call
-    allocates nothing the size of the cache (smaller pages, and calls without the causal mask, are
-    gathered into a copy first)."""
+@pytest.mark.parametrize("page_size,causal,chunks,copies",
+                         [(128, True, False, False), (256, True, False, False), (16, True, False, True),
+                          (256, False, False, True), (16, True, True, False), (48, True, True, False),
+                          (8, True, True, True), (16, False, True, True)],
+                         ids=["p128", "p256", "p16", "p256_not_causal", "p16_chunks", "p48_chunks", "p8_chunks",
+                              "p16_chunks_not_causal"])
+def test_chunked_prefill_reads_pages_through_the_table_without_a_copy(cuda_gen, monkeypatch, page_size, causal,
+                                                                       chunks, copies):
+    """In a causal call, pages of a multiple of 128 rows reach the forward through the block table
+    (and, with $FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1, pages of a multiple of 16 in chunks of 16
+    rows): the call allocates nothing the size of the cache (smaller pages, and calls without the
+    causal mask, are gathered into a copy first)."""
     requires_prefill_forward()
+    monkeypatch.setenv(PAGED_CHUNKS_ENV, "1" if chunks else "0")
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = make_call(gen, batch=2, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=8, head_dim=PREFILL_HEAD_DIM,
                      seqlens=(3000, 3900), seqlen_new=0, page_size=page_size, capacity=4096, device="cuda")

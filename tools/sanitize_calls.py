@@ -22,6 +22,7 @@ result and exits 1 on any mismatch. tools/gpu_pass.sh's `sanitize` step runs bot
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's fla
 import flash_cutlass  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu runs the same calls on the reference (a check of this script)
+PAGED_CHUNKS_ENV = "FLASH_CUTLASS_PAGED_PREFILL_CHUNKS"  # docs/DEVELOPING.md's opt-ins
 TOLERANCE = 0.05  # of the largest reference value (at least 1): bf16 results of unit-scale inputs
 
 
@@ -102,7 +104,8 @@ def _kvcache_cases(head_dim, dtype, failures):
     batch, heads, heads_k = 3, 8, 2
     # 128 positions a sequence in pages of 16; chunked prefill 4,352 in pages of 128, the longest
     # sequence of more key blocks (34) than the paged forward's producer warp reads of its block
-    # table at a time (32), and 4,368 in pages of 48, which it reads in chunks of 16 rows.
+    # table at a time (32), and 4,368 in pages of 48, which it reads in chunks of 16 rows
+    # ($FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1, set for that call).
     for seqlen_q, num_splits, page, blocks in ((1, 0, 16, 8), (1, 3, 16, 8), (4, 1, 16, 8), (128, 0, 128, 34),
                                                (128, 0, 48, 91)):
         lengths = torch.tensor([0, 1, 100 if seqlen_q < 128 else 4200], dtype=torch.int32, device=DEVICE)
@@ -120,9 +123,17 @@ def _kvcache_cases(head_dim, dtype, failures):
                 table = None
             v_cache = torch.randn_like(k_cache)
             ref_k, ref_v = k_cache.clone(), v_cache.clone()
-            out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
-                                                             block_table=table, causal=True, num_splits=num_splits,
-                                                             sinks=sinks)
+            chunks_before = os.environ.get(PAGED_CHUNKS_ENV)
+            os.environ[PAGED_CHUNKS_ENV] = "1" if paged and page % 128 != 0 and seqlen_q >= 128 else "0"
+            try:
+                out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
+                                                                 block_table=table, causal=True,
+                                                                 num_splits=num_splits, sinks=sinks)
+            finally:
+                if chunks_before is None:
+                    del os.environ[PAGED_CHUNKS_ENV]
+                else:
+                    os.environ[PAGED_CHUNKS_ENV] = chunks_before
             ref_out = flash_cutlass.flash_attention_with_kvcache(
                 *_cpu(q, ref_k, ref_v, new_k, new_v), lengths.cpu(),
                 block_table=None if table is None else table.cpu(), causal=True,

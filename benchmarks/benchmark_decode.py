@@ -43,29 +43,18 @@ from there, so small shapes can show more than HBM bandwidth.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_forward import with_environment  # noqa: E402
 
 IMPLS = ("flash_cutlass", "flash_cutlass_paged_chunks", "flash_cutlass_contiguous", "flash_cutlass_full",
          "flash_cutlass_prefill", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
 PAGED_CHUNKS_ENV = "FLASH_CUTLASS_PAGED_PREFILL_CHUNKS"
-
-
-def with_environment(fn, variable: str, value: str):
-    """fn with the environment variable set to value around each call (restored after)."""
-    def run():
-        before = os.environ.get(variable)
-        os.environ[variable] = value
-        try:
-            return fn()
-        finally:
-            if before is None:
-                del os.environ[variable]
-            else:
-                os.environ[variable] = before
-    return run
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, context: int, head_dim: int) -> float:

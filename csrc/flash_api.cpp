@@ -740,9 +740,10 @@ PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions c
                                v_cache.stride(0) == params.page_size * v_cache.stride(1);
     const bool positions_fit = int64_t(params.num_pages) * params.page_size + kPagedKeyRows < (int64_t(1) << 31) &&
                                int64_t(params.batch) * params.capacity < (int64_t(1) << 31);
-    const bool pages_fit = params.page_size % kPagedKeyRows == 0 ||
-                           (params.page_size % kPagedChunkRows == 0 && opt_in(kPagedPrefillChunksEnv));
-    return causal_only && pages_fit && rows_in_pages && positions_fit
+    // The variable last: read only where it decides the route.
+    return causal_only && rows_in_pages && positions_fit &&
+                   (params.page_size % kPagedKeyRows == 0 ||
+                    (params.page_size % kPagedChunkRows == 0 && opt_in(kPagedPrefillChunksEnv)))
                ? PrefillForm::kPaged
                : PrefillForm::kGathered;
   }

@@ -426,18 +426,33 @@ def packed_for_forward(call, seqlen_new):
     return torch.cat(keys), torch.cat(values), cu_seqlens_k
 
 
-def call_and_forward_over_its_caches(call, causal):
-    """The call's (out, lse) and flash_forward_varlen's over the caches the call left (after its
-    append of seqlen_q new tokens)."""
+def forward_over_its_caches(call, causal):
+    """flash_forward_varlen's (out, lse) over the caches a call left (after its append of seqlen_q
+    new tokens; capacity 1024 at most), shaped as the call's."""
     seqlen_new = call["q"].shape[1]
-    out, lse = run(call, causal=causal)
     k, v, cu_seqlens_k = packed_for_forward(call, seqlen_new)
     batch, seqlen_q, heads, head_dim = call["q"].shape
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device="cuda")
     expected_out, expected_lse = flash_cutlass.flash_forward_varlen(
         call["q"].reshape(batch * seqlen_q, heads, head_dim), k, v, cu_seqlens_q, cu_seqlens_k, seqlen_q, 1024,
         causal=causal, kernel="sm90")
-    return out, lse, expected_out.view(out.shape), expected_lse.view(heads, batch, seqlen_q).transpose(0, 1)
+    return expected_out.view(call["q"].shape), expected_lse.view(heads, batch, seqlen_q).transpose(0, 1)
+
+
+def call_and_forward_over_its_caches(call, causal):
+    """The call's (out, lse) and flash_forward_varlen's over the caches the call left."""
+    out, lse = run(call, causal=causal)
+    return (out, lse, *forward_over_its_caches(call, causal))
+
+
+def peak_growth_of(fn):
+    """fn's result and the bytes its peak allocation grew by."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_allocated() - before
 
 
 @pytest.mark.parametrize("page_size,cache_batch_idx",
@@ -464,16 +479,31 @@ def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cach
 PAGED_CHUNKS_ENV = "FLASH_CUTLASS_PAGED_PREFILL_CHUNKS"
 
 
-@pytest.mark.parametrize("page_size", [16, 32, 48, 64, 80])
-def test_chunked_prefill_over_pages_in_chunks_is_the_hopper_forward_bitwise(cuda_gen, monkeypatch, page_size):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("page_size", [16, 32, 48, 80, 144])
+def test_chunked_prefill_over_pages_in_chunks_is_the_hopper_forward_bitwise(cuda_gen, monkeypatch, dtype, head_dim,
+                                                                             page_size):
     """Pages read in chunks give flash_forward_varlen over the gathered caches to the bit (the same
-    consumers over the same keys and values), with the append; chunks of a key block from pages in
-    shuffled order, the sequences' last chunks cut by their lengths."""
-    requires_prefill_forward()
+    consumers over the same keys and values), with the append, and allocate no copy of the cache:
+    chunks of a key block from pages in shuffled order; lengths after the append of 128, 129, 255,
+    384 (whole key blocks), 399 (a chunk's last row) and 828. None of these pages holds a whole
+    number of key blocks (128 rows, 64 at head dims 192 and 256), 144 more than one."""
+    if head_dim not in KVCACHE_HEAD_DIMS:
+        pytest.skip(f"the build's KV-cache kernels have no head dim {head_dim}")
+    reason = kernel_unavailable("sm90", head_dim, "forward") or options_left_out()
+    if reason:
+        pytest.skip(f"chunked prefill runs the KV-cache kernel here: {reason}")
     monkeypatch.setenv(PAGED_CHUNKS_ENV, "1")
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
-    call = prefill_call(gen, page_size, PREFILL_SEQLEN_Q)
-    out, lse, expected_out, expected_lse = call_and_forward_over_its_caches(call, True)
+    call = make_call(gen, batch=6, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=2, head_dim=head_dim,
+                     seqlens=(0, 1, 127, 256, 271, 700), seqlen_new=PREFILL_SEQLEN_Q, page_size=page_size,
+                     capacity=1024, dtype=dtype, device="cuda")
+    run(cloned(call), causal=True)  # warm-up
+    (out, lse), grown = peak_growth_of(lambda: run(call, causal=True))
+    gathered_bytes = 2 * call["block_table"].numel() * page_size * 2 * head_dim * call["k_cache"].element_size()
+    assert grown < gathered_bytes, f"peak grew by {grown} bytes; a gathered copy is {gathered_bytes}"
+    expected_out, expected_lse = forward_over_its_caches(call, True)
     assert torch.equal(out, expected_out)
     assert torch.equal(lse, expected_lse)
 

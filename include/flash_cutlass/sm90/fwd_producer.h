@@ -160,9 +160,11 @@ struct FwdProducer {
   // holds chunk c's), and lane 0 takes each by a shuffle before issuing its loads. V's chunk that
   // holds the sequence's last key comes through the sequence's descriptor (a copy of the chunk
   // descriptor whose extent ends at that key's row, sequence_descriptors.h), and so do the chunks
-  // past the sequence, at a row past that extent: their rows arrive as zeros. K's rows there may
-  // hold anything (chunks past the sequence read the cache's first rows, not the block table,
-  // whose entries past the sequence may be missing): the consumers mask their scores.
+  // past the sequence, at a row past that extent: their rows arrive as zeros. K's chunks past the
+  // sequence come from past the pages' rows, as zeros too, and read neither memory nor the block
+  // table (whose entries past the sequence may be missing); K's rows past the last key in its
+  // chunk may hold anything: the consumers mask their scores. Chunks wholly past the tensors'
+  // extents are TMA boxes out of bounds: zeros, with their bytes counted as any box's.
   template <class Work>
   __device__ __forceinline__ void load_paged_chunks(Work const& work, int head_k,
                                                     cute::TmaDescriptor const* last_descriptor) {
@@ -175,8 +177,10 @@ struct FwdProducer {
     const TmaExtents extents = tma_extents(params);
     const int last_row = pages.row_of(seqlen_k - 1);
     const int last_shift = extents.rows_k - 1 - last_row;
-    // The chunk of the sequence descriptor's rows just past its extent (rows_k + 15 at most).
+    // The chunk of the sequence descriptor's rows just past its extent (from rows_k to rows_k + 15),
+    // and that of the pages' rows (rows_k, a multiple of kChunkRows).
     const int past_chunk = last_row / kChunkRows + 1;
+    const int past_rows = extents.rows_k / kChunkRows;
     Tensor mK = kernel_params.tma_k_chunk.get_tma_tensor(
         make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
     Tensor mV = kernel_params.tma_v_chunk.get_tma_tensor(
@@ -214,7 +218,7 @@ struct FwdProducer {
           for (int chunk = 0; chunk < kChunks; ++chunk) {
             const int row = __shfl_sync(0xffffffffu, rows, chunk);
             if (lane == 0) {
-              copy(kernel_params.tma_k_chunk.with(barrier), tKgK(_, max(row, 0) / kChunkRows),
+              copy(kernel_params.tma_k_chunk.with(barrier), tKgK(_, row >= 0 ? row / kChunkRows : past_rows),
                    tKsK(_, chunk, _0{}, stage));
             }
           }
@@ -237,7 +241,7 @@ struct FwdProducer {
   // The tile's Q and its K/V blocks: locate(key block) is where the block's rows lie (the index
   // copy_k and copy_v take: (that, key block, stage, barrier)), asked once a block in the order of
   // the loads, before the wait for its stages. The paged kernel runs this on the producer warp's
-  // 32 lanes (load_paged_tile), its lane 0 issuing; the others on thread 0 alone.
+  // 32 lanes (load_paged_tile, load_paged_chunks), its lane 0 issuing; the others on thread 0 alone.
   template <class Work, class Locate, class CopyK, class CopyV>
   __device__ __forceinline__ void load_blocks(Work const& work, Locate const& locate, CopyK const& copy_k,
                                               CopyV const& copy_v) {

@@ -173,9 +173,11 @@ struct FwdKernelTraits {
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                              cute::take<0, 2>(SmemLayoutKV{}), cute::select<1, 2>(TileShape{}),
                                              cute::_1{}));
-  // Paged K and V from pages smaller than a key block (fwd_producer.h, load_paged_tile): a block
-  // loads as chunks of kPagedChunkRows rows, each from its page, into its rows of a stage (the rows
-  // of a whole number of swizzle atoms, so the chunk's layout is a stage's, cut short).
+  // Paged K and V from pages smaller than a key block (fwd_producer.h, load_paged_chunks): a block
+  // loads as chunks of kPagedChunkRows rows, each from its page, into its rows of a stage: the
+  // rows of a whole number of swizzle atoms (SmemLayoutKV tiles its atoms down the rows first), so
+  // a chunk's layout is a stage's cut short, its columns of atoms a stage's rows apart (a TMA box
+  // of the chunk's rows and one atom's columns, issued once a column of atoms).
   static constexpr int kPagedChunkRows = flash_cutlass::kPagedChunkRows;
   static constexpr int kPagedChunks = kBlockN / kPagedChunkRows;
   static_assert(kBlockN % kPagedChunkRows == 0 && kPagedChunks <= 32, "a key block's chunks, one a lane");

@@ -19,11 +19,8 @@ flash_cutlass_contiguous pass per-sequence lengths as a server does.
         --impls flash_cutlass,flash_cutlass_prefill
 
 From 128 queries flash_cutlass gathers the caches and runs the prefill forward over them
-(include/flash_cutlass/select.h; causal calls over pages of a multiple of 128 rows read them through
-the block table instead); --num-splits 1 keeps such calls on the KV-cache kernel, to compare the
-two. flash_cutlass_paged_chunks is flash_cutlass with $FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1 set
-around each call (docs/DEVELOPING.md's opt-ins): pages of a multiple of 16 rows read through the
-table in chunks of 16 rows rather than gathered.
+(include/flash_cutlass/select.h); --num-splits 1 keeps such calls on the KV-cache kernel, to
+compare the two.
 
 With --append, flash_cutlass's calls (paged and contiguous) bring the keys and values of their
 query tokens (k=, v=) and append them at cache_seqlens = context - seqlen_q before attending, as a
@@ -44,17 +41,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_forward import with_environment  # noqa: E402
-
-IMPLS = ("flash_cutlass", "flash_cutlass_paged_chunks", "flash_cutlass_contiguous", "flash_cutlass_full",
-         "flash_cutlass_prefill", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
-PAGED_CHUNKS_ENV = "FLASH_CUTLASS_PAGED_PREFILL_CHUNKS"
+IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_full", "flash_cutlass_prefill", "sdpa_flash",
+         "sdpa_efficient", "sdpa_cudnn", "flex")
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, context: int, head_dim: int) -> float:
@@ -123,16 +114,13 @@ def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dt
 
     q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
     lengths = new_tokens(batch, context, seqlen_q, heads_k, head_dim, dtype, append)
-    if impl in ("flash_cutlass", "flash_cutlass_paged_chunks"):
+    if impl == "flash_cutlass":
         blocks = -(-context // page_size)
         k_cache = torch.randn(batch * blocks, page_size, heads_k, head_dim, device="cuda", dtype=dtype)
         v_cache = torch.randn_like(k_cache)
         table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
-
-        def paged():
-            return flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, **lengths, block_table=table,
-                                                              causal=True, num_splits=num_splits)
-        return paged if impl == "flash_cutlass" else with_environment(paged, PAGED_CHUNKS_ENV, "1")
+        return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, **lengths, block_table=table,
+                                                                  causal=True, num_splits=num_splits)
     if impl == "flash_cutlass_contiguous":
         k_cache = torch.randn(batch, context, heads_k, head_dim, device="cuda", dtype=dtype)
         v_cache = torch.randn_like(k_cache)
@@ -189,9 +177,7 @@ def main(argv=None) -> int:
                              "chunked prefill on the KV-cache kernel)")
     parser.add_argument("--page-size", type=int, default=16, help="page size of the paged cache (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="(default: %(default)s)")
-    parser.add_argument("--impls", default=",".join(name for name in IMPLS if name != "flash_cutlass_paged_chunks"),
-                        help="comma-separated, of " + ", ".join(IMPLS) + " (default: all but "
-                             "flash_cutlass_paged_chunks, an opt-in)")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS))
     parser.add_argument("--calls", type=int, default=20,
                         help="back-to-back calls per timed measurement (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=10,
@@ -234,8 +220,7 @@ def main(argv=None) -> int:
             moved = cache_bytes + 2 * batch * args.seqlen_q * args.heads * args.head_dim * dtype.itemsize
             flops = attention_flops(batch, args.heads, args.seqlen_q, context, args.head_dim)
             for impl in impls:
-                appends = args.append and impl in ("flash_cutlass", "flash_cutlass_paged_chunks",
-                                                   "flash_cutlass_contiguous")
+                appends = args.append and impl in ("flash_cutlass", "flash_cutlass_contiguous")
                 # The new keys and values: read from k and v, written into the cache.
                 impl_moved = moved + (4 * batch * args.seqlen_q * args.heads_k * args.head_dim * dtype.itemsize
                                       if appends else 0)

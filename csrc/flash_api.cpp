@@ -536,11 +536,6 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
   return walk;
 }
 
-// $FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1: chunked prefill reads pages smaller than a key block (of a
-// multiple of kPagedChunkRows rows) through the block table in chunks (sm90/fwd_producer.h,
-// load_paged_chunks). Unset or 0: it gathers them first, as before (not yet measured on a GPU).
-constexpr const char* kPagedPrefillChunksEnv = "FLASH_CUTLASS_PAGED_PREFILL_CHUNKS";
-
 // $FLASH_CUTLASS_BWD_V_AFTER_Q=1: the Hopper backward loads V after its walk's first Q and dO
 // (BwdParams::v_after_first_query). Unset or 0: with K, first, as before (not yet measured on a GPU).
 constexpr const char* kVAfterQueryEnv = "FLASH_CUTLASS_BWD_V_AFTER_Q";
@@ -726,8 +721,7 @@ KVCacheDevice kvcache_device(int index) {
 // slopes are not per sequence (kvcache_prefill_forward's in-place numbering interleaves sequences
 // of no queries); a paged cache through its block table in a causal call without a window or
 // score options (the paged forward kernel's) where its pages are of a multiple of kPagedKeyRows
-// rows (or of kPagedChunkRows with $FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1), each page's rows one
-// after the other; otherwise gathered.
+// rows, each page's rows one after the other; otherwise gathered.
 using PrefillForm = KVCachePacked::Form;
 
 PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions const& options,
@@ -738,12 +732,9 @@ PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions c
                              WindowReach(options, params.seqlen_q, params.capacity).mask_kind(true) == MaskKind::kCausal;
     const bool rows_in_pages = k_cache.stride(0) == params.page_size * k_cache.stride(1) &&
                                v_cache.stride(0) == params.page_size * v_cache.stride(1);
-    const bool positions_fit = int64_t(params.num_pages) * params.page_size + kPagedKeyRows < (int64_t(1) << 31) &&
+    const bool positions_fit = int64_t(params.num_pages) * params.page_size < (int64_t(1) << 31) &&
                                int64_t(params.batch) * params.capacity < (int64_t(1) << 31);
-    // The variable last: read only where it decides the route.
-    return causal_only && rows_in_pages && positions_fit &&
-                   (params.page_size % kPagedKeyRows == 0 ||
-                    (params.page_size % kPagedChunkRows == 0 && opt_in(kPagedPrefillChunksEnv)))
+    return causal_only && params.page_size % kPagedKeyRows == 0 && rows_in_pages && positions_fit
                ? PrefillForm::kPaged
                : PrefillForm::kGathered;
   }

@@ -426,33 +426,18 @@ def packed_for_forward(call, seqlen_new):
     return torch.cat(keys), torch.cat(values), cu_seqlens_k
 
 
-def forward_over_its_caches(call, causal):
-    """flash_forward_varlen's (out, lse) over the caches a call left (after its append of seqlen_q
-    new tokens; capacity 1024 at most), shaped as the call's."""
+def call_and_forward_over_its_caches(call, causal):
+    """The call's (out, lse) and flash_forward_varlen's over the caches the call left (after its
+    append of seqlen_q new tokens)."""
     seqlen_new = call["q"].shape[1]
+    out, lse = run(call, causal=causal)
     k, v, cu_seqlens_k = packed_for_forward(call, seqlen_new)
     batch, seqlen_q, heads, head_dim = call["q"].shape
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device="cuda")
     expected_out, expected_lse = flash_cutlass.flash_forward_varlen(
         call["q"].reshape(batch * seqlen_q, heads, head_dim), k, v, cu_seqlens_q, cu_seqlens_k, seqlen_q, 1024,
         causal=causal, kernel="sm90")
-    return expected_out.view(call["q"].shape), expected_lse.view(heads, batch, seqlen_q).transpose(0, 1)
-
-
-def call_and_forward_over_its_caches(call, causal):
-    """The call's (out, lse) and flash_forward_varlen's over the caches the call left."""
-    out, lse = run(call, causal=causal)
-    return (out, lse, *forward_over_its_caches(call, causal))
-
-
-def peak_growth_of(fn):
-    """fn's result and the bytes its peak allocation grew by."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    result = fn()
-    torch.cuda.synchronize()
-    return result, torch.cuda.max_memory_allocated() - before
+    return out, lse, expected_out.view(out.shape), expected_lse.view(heads, batch, seqlen_q).transpose(0, 1)
 
 
 @pytest.mark.parametrize("page_size,cache_batch_idx",
@@ -471,50 +456,6 @@ def test_chunked_prefill_is_the_hopper_forward_bitwise(cuda_gen, page_size, cach
     out, lse, expected_out, expected_lse = call_and_forward_over_its_caches(call, causal)
     assert torch.equal(out, expected_out)
     assert torch.equal(lse, expected_lse)
-
-
-# $FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1 (csrc/flash_api.cpp, docs/DEVELOPING.md): causal chunked
-# prefill reads pages of a multiple of 16 rows that are no multiple of 128 through the block table,
-# in chunks of 16 rows (sm90/fwd_producer.h, load_paged_chunks), rather than gathering them.
-PAGED_CHUNKS_ENV = "FLASH_CUTLASS_PAGED_PREFILL_CHUNKS"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
-@pytest.mark.parametrize("page_size", [16, 32, 48, 80, 144])
-def test_chunked_prefill_over_pages_in_chunks_is_the_hopper_forward_bitwise(cuda_gen, monkeypatch, dtype, head_dim,
-                                                                             page_size):
-    """Pages read in chunks give flash_forward_varlen over the gathered caches to the bit (the same
-    consumers over the same keys and values), with the append, and allocate no copy of the cache:
-    chunks of a key block from pages in shuffled order; lengths after the append of 128, 129, 255,
-    384 (whole key blocks), 399 (a chunk's last row) and 828. None of these pages holds a whole
-    number of key blocks (128 rows, 64 at head dims 192 and 256), 144 more than one."""
-    if head_dim not in KVCACHE_HEAD_DIMS:
-        pytest.skip(f"the build's KV-cache kernels have no head dim {head_dim}")
-    reason = kernel_unavailable("sm90", head_dim, "forward") or options_left_out()
-    if reason:
-        pytest.skip(f"chunked prefill runs the KV-cache kernel here: {reason}")
-    monkeypatch.setenv(PAGED_CHUNKS_ENV, "1")
-    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
-    call = make_call(gen, batch=6, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=2, head_dim=head_dim,
-                     seqlens=(0, 1, 127, 256, 271, 700), seqlen_new=PREFILL_SEQLEN_Q, page_size=page_size,
-                     capacity=1024, dtype=dtype, device="cuda")
-    run(cloned(call), causal=True)  # warm-up
-    (out, lse), grown = peak_growth_of(lambda: run(call, causal=True))
-    gathered_bytes = 2 * call["block_table"].numel() * page_size * 2 * head_dim * call["k_cache"].element_size()
-    assert grown < gathered_bytes, f"peak grew by {grown} bytes; a gathered copy is {gathered_bytes}"
-    expected_out, expected_lse = forward_over_its_caches(call, True)
-    assert torch.equal(out, expected_out)
-    assert torch.equal(lse, expected_lse)
-
-
-def test_paged_chunks_switch_takes_0_or_1(cuda_gen, monkeypatch):
-    requires_prefill_forward()
-    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
-    call = prefill_call(gen, 16, PREFILL_SEQLEN_Q)
-    monkeypatch.setenv(PAGED_CHUNKS_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{PAGED_CHUNKS_ENV} must be 0 or 1, got 'yes'"):
-        run(call, causal=True)
 
 
 # Below PREFILL_SEQLEN_Q the route depends on the batch (select.h, kvcache_prefill_may_gather): a
@@ -585,16 +526,12 @@ def poison_past_lengths(call, lengths):
         call[name][~used] = float("nan")
 
 
-@pytest.mark.parametrize("page_size,chunks", [(1, False), (16, False), (128, False), (256, False), (16, True),
-                                              (48, True), (80, True)],
-                         ids=["p1", "p16", "p128", "p256", "p16_chunks", "p48_chunks", "p80_chunks"])
-def test_chunked_prefill_paged_nan_and_bad_ids_past_each_length(cuda_gen, monkeypatch, page_size, chunks):
+@pytest.mark.parametrize("page_size", [1, 16, 128, 256], ids=["p1", "p16", "p128", "p256"])
+def test_chunked_prefill_paged_nan_and_bad_ids_past_each_length(cuda_gen, page_size):
     """Rows past each sequence's length (inside its last page, its other pages, the spare pages) hold
     NaN and its block-table entries past its pages point out of the cache: neither the gather (pages
-    of 1 and 16) nor the forward reading the pages (128 and 256 a key block at a time; 16, 48 and 80
-    in chunks with $FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1) takes them in, and the output is the clean
-    cache's, to the bit."""
-    monkeypatch.setenv(PAGED_CHUNKS_ENV, "1" if chunks else "0")
+    of 1 and 16) nor the forward reading the pages (128, 256) takes them in, and the output is the
+    clean cache's, to the bit."""
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     seqlens = (5, 400, 0, 770)
     call = prefill_call(gen, page_size, 0, seqlens=seqlens)
@@ -694,20 +631,14 @@ def test_chunked_prefill_without_memory_for_the_gather_runs_the_kvcache_kernel(c
     torch.testing.assert_close(lse, expected[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("page_size,causal,chunks,copies",
-                         [(128, True, False, False), (256, True, False, False), (16, True, False, True),
-                          (256, False, False, True), (16, True, True, False), (48, True, True, False),
-                          (8, True, True, True), (16, False, True, True)],
-                         ids=["p128", "p256", "p16", "p256_not_causal", "p16_chunks", "p48_chunks", "p8_chunks",
-                              "p16_chunks_not_causal"])
-def test_chunked_prefill_reads_pages_through_the_table_without_a_copy(cuda_gen, monkeypatch, page_size, causal,
-                                                                       chunks, copies):
-    """In a causal call, pages of a multiple of 128 rows reach the forward through the block table
-    (and, with $FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1, pages of a multiple of 16 in chunks of 16
-    rows): the call allocates nothing the size of the cache (smaller pages, and calls without the
-    causal mask, are gathered into a copy first)."""
+@pytest.mark.parametrize("page_size,causal,copies", [(128, True, False), (256, True, False), (16, True, True),
+                                                     (256, False, True)],
+                         ids=["p128", "p256", "p16", "p256_not_causal"])
+def test_chunked_prefill_reads_pages_of_128_rows_without_a_copy(cuda_gen, page_size, causal, copies):
+    """In a causal call, pages of a multiple of 128 rows reach the forward through the block table:
+    the call allocates nothing the size of the cache (smaller pages, and calls without the causal
+    mask, are gathered into a copy first)."""
     requires_prefill_forward()
-    monkeypatch.setenv(PAGED_CHUNKS_ENV, "1" if chunks else "0")
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = make_call(gen, batch=2, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=8, head_dim=PREFILL_HEAD_DIM,
                      seqlens=(3000, 3900), seqlen_new=0, page_size=page_size, capacity=4096, device="cuda")

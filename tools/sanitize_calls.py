@@ -11,7 +11,7 @@ more key tiles than SMs (72 heads), deterministic and not; a variable-length bat
 and 130); the window, soft cap, ALiBi and dropout kernels where the build has them, and a causal
 call with attention sinks; and KV-cache calls (paged, pages of 16 in shuffled order, lengths 0, 1
 and 100 with as many appended tokens as queries, split and unsplit, with sinks; a contiguous cache; 4 queries a sequence; 128, chunked prefill, over
-pages of 128 and of 48 that the Hopper forward reads through the block table, the last length 4,200: 34 key
+pages of 128 that the Hopper forward reads through the block table, the last length 4,200: 34 key
 blocks). Each result is checked
 against the same call on CPU copies (the pure-PyTorch reference, fp32 inside), loosely: this is
 for the sanitizer, the tests check accuracy, but a kernel that ran and wrote garbage fails here too
@@ -22,7 +22,6 @@ result and exits 1 on any mismatch. tools/gpu_pass.sh's `sanitize` step runs bot
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -32,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's fla
 import flash_cutlass  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu runs the same calls on the reference (a check of this script)
-PAGED_CHUNKS_ENV = "FLASH_CUTLASS_PAGED_PREFILL_CHUNKS"  # docs/DEVELOPING.md's opt-ins
 TOLERANCE = 0.05  # of the largest reference value (at least 1): bf16 results of unit-scale inputs
 
 
@@ -102,12 +100,11 @@ def _varlen_case(name, head_dim, dtype, heads, lengths, causal, backward, failur
 
 def _kvcache_cases(head_dim, dtype, failures):
     batch, heads, heads_k = 3, 8, 2
-    # 128 positions a sequence in pages of 16; chunked prefill 4,352 in pages of 128, the longest
-    # sequence of more key blocks (34) than the paged forward's producer warp reads of its block
-    # table at a time (32), and 4,368 in pages of 48, which it reads in chunks of 16 rows
-    # ($FLASH_CUTLASS_PAGED_PREFILL_CHUNKS=1, set for that call).
-    for seqlen_q, num_splits, page, blocks in ((1, 0, 16, 8), (1, 3, 16, 8), (4, 1, 16, 8), (128, 0, 128, 34),
-                                               (128, 0, 48, 91)):
+    for seqlen_q, num_splits in ((1, 0), (1, 3), (4, 1), (128, 0)):
+        # 128 positions a sequence in pages of 16; chunked prefill 4,352 in pages of 128, the longest
+        # sequence of more key blocks (34) than the paged forward's producer warp reads of its block
+        # table at a time (32).
+        page, blocks = (16, 8) if seqlen_q < 128 else (128, 34)
         lengths = torch.tensor([0, 1, 100 if seqlen_q < 128 else 4200], dtype=torch.int32, device=DEVICE)
         q = torch.randn(batch, seqlen_q, heads, head_dim, device=DEVICE, dtype=dtype)
         new_k = torch.randn(batch, seqlen_q, heads_k, head_dim, device=DEVICE, dtype=dtype)
@@ -123,22 +120,14 @@ def _kvcache_cases(head_dim, dtype, failures):
                 table = None
             v_cache = torch.randn_like(k_cache)
             ref_k, ref_v = k_cache.clone(), v_cache.clone()
-            chunks_before = os.environ.get(PAGED_CHUNKS_ENV)
-            os.environ[PAGED_CHUNKS_ENV] = "1" if paged and page % 128 != 0 and seqlen_q >= 128 else "0"
-            try:
-                out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
-                                                                 block_table=table, causal=True,
-                                                                 num_splits=num_splits, sinks=sinks)
-            finally:
-                if chunks_before is None:
-                    del os.environ[PAGED_CHUNKS_ENV]
-                else:
-                    os.environ[PAGED_CHUNKS_ENV] = chunks_before
+            out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
+                                                             block_table=table, causal=True, num_splits=num_splits,
+                                                             sinks=sinks)
             ref_out = flash_cutlass.flash_attention_with_kvcache(
                 *_cpu(q, ref_k, ref_v, new_k, new_v), lengths.cpu(),
                 block_table=None if table is None else table.cpu(), causal=True,
                 sinks=None if sinks is None else sinks.cpu())
-            name = (f"kvcache d{head_dim} {f'pages of {page}' if paged else 'contiguous'} seqlen_q {seqlen_q} "
+            name = (f"kvcache d{head_dim} {'paged' if paged else 'contiguous'} seqlen_q {seqlen_q} "
                     f"num_splits {num_splits}{' sinks' if sinks is not None else ''}")
             _close(name, out.cpu(), ref_out, failures)
 

@@ -117,11 +117,9 @@ struct FwdParams {
   int num_pages = 0;
 };
 
-// The Hopper forward reads paged keys and values (sm90/fwd_producer.h) a key block at a time from
-// pages of a multiple of kPagedKeyRows rows (its largest key block), or in chunks of
-// kPagedChunkRows rows, each from the page that holds it, from pages of a multiple of that.
+// The Hopper forward reads paged keys and values a key block at a time, each block from one page
+// (sm90/fwd_producer.h): it takes pages of a multiple of this many rows, its largest key block.
 inline constexpr int kPagedKeyRows = 128;
-inline constexpr int kPagedChunkRows = 16;
 
 // Whether a call sets any option of the extended instantiations: a soft cap, ALiBi or dropout.
 inline bool uses_extension(FwdParams const& params) {

@@ -54,10 +54,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     prefetch_tma_descriptor(kernel_params.tma_q.get_tma_descriptor());
     prefetch_tma_descriptor(kernel_params.tma_k.get_tma_descriptor());
     prefetch_tma_descriptor(kernel_params.tma_v.get_tma_descriptor());
-    if (kPagedKV && params.page_size % Traits::kBlockN != 0) {  // pages in chunks (fwd_producer.h)
-      prefetch_tma_descriptor(kernel_params.tma_k_chunk.get_tma_descriptor());
-      prefetch_tma_descriptor(kernel_params.tma_v_chunk.get_tma_descriptor());
-    }
     storage.q_full.init(1);
     storage.q_empty.init(Traits::kConsumerThreads);
   }

@@ -15,10 +15,6 @@ struct FwdKernelParams {
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
   typename Traits::TmaO tma_o;  // over out when store_o_with_tma, else a valid descriptor left unused
-  // Paged K and V in chunks (pages smaller than a key block: fwd_producer.h, load_paged_chunks);
-  // left default-constructed, unused, in every other call.
-  typename Traits::TmaKVChunk tma_k_chunk;
-  typename Traits::TmaKVChunk tma_v_chunk;
   bool store_o_with_tma;
   PersistentWork persistent_work;  // with Traits::kPersistent
 };

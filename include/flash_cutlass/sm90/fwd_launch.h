@@ -50,29 +50,19 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutKV{}), select<1, 2>(TileShape{}), _1{}),
       make_tma_copy(SM90_TMA_STORE{}, out, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
-      typename Traits::TmaKVChunk{},
-      typename Traits::TmaKVChunk{},
       store_o_with_tma,
       PersistentWork{},
   };
 
   // Paged K and V (params.h, block_table; chunked prefill over a paged KV cache): a variable-length
-  // causal call without score options over pages of a multiple of kPagedChunkRows rows, in a kernel
-  // of its own (fwd_producer.h: a key block at a time from pages of a multiple of the key blocks,
-  // else in chunks), which builds without the KV-cache kernels leave out.
+  // causal call without score options over pages of a multiple of the key blocks, in a kernel of its
+  // own (fwd_producer.h, load_paged_tile), which builds without the KV-cache kernels leave out.
   constexpr bool kPagedKernel =
       compiled::kKVCache && kMaskKind == MaskKind::kCausal && kExtension == Extension::kNone;
   const bool paged = params.block_table != nullptr;
   if (paged && (!kPagedKernel || params.cu_seqlens_k == nullptr || params.page_size <= 0 ||
-                params.page_size % kPagedChunkRows != 0)) {
+                params.page_size % Traits::kBlockN != 0)) {
     return cudaErrorInvalidValue;
-  }
-  const bool paged_in_chunks = paged && params.page_size % Traits::kBlockN != 0;
-  if (paged_in_chunks) {
-    using ChunkLayout = typename Traits::SmemLayoutKVChunk;
-    using ChunkShape = typename Traits::PagedChunkShape;
-    kernel_params.tma_k_chunk = make_tma_copy(SM90_TMA_LOAD{}, k, ChunkLayout{}, ChunkShape{}, _1{});
-    kernel_params.tma_v_chunk = make_tma_copy(SM90_TMA_LOAD{}, v, ChunkLayout{}, ChunkShape{}, _1{});
   }
 
   // A persistent grid (tile_config.h, per head dim): CTAs take tiles in turn, causal ones in pairs
@@ -106,10 +96,8 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
     // V's per-sequence descriptors (sequence_descriptors.h), in stream order before the kernel.
     if (params.sequence_descriptors == nullptr) return cudaErrorInvalidValue;
     constexpr int kSequencesPerCta = 128;
-    const TmaDescriptor& value_descriptor = paged_in_chunks ? *kernel_params.tma_v_chunk.get_tma_descriptor()
-                                                           : *kernel_params.tma_v.get_tma_descriptor();
     shift_value_descriptors<Element><<<(params.batch + kSequencesPerCta - 1) / kSequencesPerCta, kSequencesPerCta, 0,
-                                       stream>>>(value_descriptor, params);
+                                       stream>>>(*kernel_params.tma_v.get_tma_descriptor(), params);
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
   }

@@ -3,8 +3,7 @@
 // full/empty barrier pair, running ahead into the next tile while the consumers finish this one.
 // In a variable-length call V comes through its sequence's own descriptor (sequence_descriptors.h),
 // so that the rows a tile reads past the sequence arrive as zeros; paged K and V (chunked prefill
-// over a paged KV cache) a key block at a time from the page the block table names, or from pages
-// smaller than a key block in chunks, each from its page.
+// over a paged KV cache) a key block at a time from the page the block table names.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -65,11 +64,7 @@ struct FwdProducer {
       prefetch_tma_descriptor(v_descriptor);
     }
     if constexpr (kPagedKV) {
-      if (params.page_size % kBlockN == 0) {
-        load_paged_tile(work, head_k, v_descriptor);
-      } else {
-        load_paged_chunks(work, head_k, v_descriptor);
-      }
+      load_paged_tile(work, head_k, v_descriptor);
       return;
     }
     Tensor gK = local_tile(domain_offset(make_coord(work.sequence.k_start, _0{}), mK(_, _, head_k, tma_batch)),
@@ -153,95 +148,10 @@ struct FwdProducer {
         });
   }
 
-  // Paged K and V from pages smaller than a key block (of a multiple of kPagedChunkRows rows,
-  // params.h): each block as kPagedChunks chunks of that many rows, each from the page that holds
-  // it (Traits::TmaKVChunk: a TMA box of the chunk's rows into its rows of the stage). The lanes
-  // of the producer warp read the page rows of a block's chunks together, one block ahead (lane c
-  // holds chunk c's), and lane 0 takes each by a shuffle before issuing its loads. V's chunk that
-  // holds the sequence's last key comes through the sequence's descriptor (a copy of the chunk
-  // descriptor whose extent ends at that key's row, sequence_descriptors.h), and so do the chunks
-  // past the sequence, at a row past that extent: their rows arrive as zeros. K's chunks past the
-  // sequence come from past the pages' rows, as zeros too, and read neither memory nor the block
-  // table (whose entries past the sequence may be missing); K's rows past the last key in its
-  // chunk may hold anything: the consumers mask their scores. Chunks wholly past the tensors'
-  // extents are TMA boxes out of bounds: zeros, with their bytes counted as any box's.
-  template <class Work>
-  __device__ __forceinline__ void load_paged_chunks(Work const& work, int head_k,
-                                                    cute::TmaDescriptor const* last_descriptor) {
-    using namespace cute;
-    using ChunkShape = typename Traits::PagedChunkShape;
-    constexpr int kChunkRows = Traits::kPagedChunkRows;
-    constexpr int kChunks = Traits::kPagedChunks;
-    const PagedKeys pages = paged_keys(params, work.tile.batch);
-    const int seqlen_k = work.sequence.seqlen_k;
-    const TmaExtents extents = tma_extents(params);
-    const int last_row = pages.row_of(seqlen_k - 1);
-    const int last_shift = extents.rows_k - 1 - last_row;
-    // The chunk of the sequence descriptor's rows just past its extent (from rows_k to rows_k + 15),
-    // and that of the pages' rows (rows_k, a multiple of kChunkRows).
-    const int past_chunk = last_row / kChunkRows + 1;
-    const int past_rows = extents.rows_k / kChunkRows;
-    Tensor mK = kernel_params.tma_k_chunk.get_tma_tensor(
-        make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
-    Tensor mV = kernel_params.tma_v_chunk.get_tma_tensor(
-        make_shape(extents.rows_k, params.head_dim, params.heads_k, extents.batch));
-    Tensor gK = local_tile(mK(_, _, head_k, _0{}), ChunkShape{}, make_coord(_, _0{}));
-    Tensor gV = local_tile(mV(_, _, head_k, _0{}), ChunkShape{}, make_coord(_, _0{}));
-    Tensor gVLast = local_tile(domain_offset(make_coord(last_shift, _0{}), mV(_, _, head_k, _0{})), ChunkShape{},
-                               make_coord(_, _0{}));
-    // (chunk rows, head_dim, chunk, 1, stage): a stage's chunks.
-    Tensor sKChunks = flat_divide(sK, ChunkShape{});
-    Tensor sVChunks = flat_divide(sV, ChunkShape{});
-    auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k_chunk, _0{}, Layout<_1>{}, group_modes<0, 2>(sKChunks),
-                                      group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v_chunk, _0{}, Layout<_1>{}, group_modes<0, 2>(sVChunks),
-                                      group_modes<0, 2>(gV));
-    Tensor tVgVLast = get<0>(tma_partition(kernel_params.tma_v_chunk, _0{}, Layout<_1>{},
-                                           group_modes<0, 2>(sVChunks), group_modes<0, 2>(gVLast)));
-    const int lane = int(threadIdx.x) % 32;
-    // This lane's chunk of a key block: its page row, or -1 past the sequence.
-    auto chunk_row = [&](int n_block) {
-      const int position = n_block * kBlockN + lane * kChunkRows;
-      return lane < kChunks && position < seqlen_k ? pages.row_of(position) : -1;
-    };
-    const int first = work.key_blocks.begin;
-    int next_rows = chunk_row(work.key_blocks.end - 1);
-    load_blocks(
-        work,
-        [&](int n_block) {
-          const int rows = next_rows;
-          if (n_block > first) next_rows = chunk_row(n_block - 1);
-          return rows;
-        },
-        [&](int rows, int, int stage, uint64_t& barrier) {
-          CUTE_UNROLL
-          for (int chunk = 0; chunk < kChunks; ++chunk) {
-            const int row = __shfl_sync(0xffffffffu, rows, chunk);
-            if (lane == 0) {
-              copy(kernel_params.tma_k_chunk.with(barrier), tKgK(_, row >= 0 ? row / kChunkRows : past_rows),
-                   tKsK(_, chunk, _0{}, stage));
-            }
-          }
-        },
-        [&](int rows, int n_block, int stage, uint64_t& barrier) {
-          CUTE_UNROLL
-          for (int chunk = 0; chunk < kChunks; ++chunk) {
-            const int row = __shfl_sync(0xffffffffu, rows, chunk);
-            if (lane != 0) continue;
-            if (row >= 0 && (n_block * kBlockN + (chunk + 1) * kChunkRows) <= seqlen_k) {
-              copy(kernel_params.tma_v_chunk.with(barrier), tVgV(_, row / kChunkRows), tVsV(_, chunk, _0{}, stage));
-            } else {
-              copy(kernel_params.tma_v_chunk.with(last_descriptor, barrier),
-                   tVgVLast(_, row >= 0 ? row / kChunkRows : past_chunk), tVsV(_, chunk, _0{}, stage));
-            }
-          }
-        });
-  }
-
   // The tile's Q and its K/V blocks: locate(key block) is where the block's rows lie (the index
   // copy_k and copy_v take: (that, key block, stage, barrier)), asked once a block in the order of
   // the loads, before the wait for its stages. The paged kernel runs this on the producer warp's
-  // 32 lanes (load_paged_tile, load_paged_chunks), its lane 0 issuing; the others on thread 0 alone.
+  // 32 lanes (load_paged_tile), its lane 0 issuing; the others on thread 0 alone.
   template <class Work, class Locate, class CopyK, class CopyV>
   __device__ __forceinline__ void load_blocks(Work const& work, Locate const& locate, CopyK const& copy_k,
                                               CopyV const& copy_v) {

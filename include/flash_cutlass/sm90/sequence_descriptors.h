@@ -30,8 +30,7 @@ __device__ __forceinline__ int value_row_origin(FwdParams const& params, Sequenc
 // lengths the forward kernel derives). The address may lie before V's allocation; TMA reads only
 // the rows of the extent's last `length` rows, the sequence's own. Paged V (params.block_table;
 // value_descriptor built over the pages' rows): the extent ends at the page row of the sequence's
-// last key instead, for the key block (or chunk) that holds it (fwd_producer.h, load_paged_tile and
-// load_paged_chunks: value_descriptor is then the chunks' descriptor).
+// last key instead, for the key block that holds it (fwd_producer.h, load_paged_tile).
 template <class Element>
 __global__ void shift_value_descriptors(const __grid_constant__ cute::TmaDescriptor value_descriptor,
                                         const __grid_constant__ FwdParams params) {

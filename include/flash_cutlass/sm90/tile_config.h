@@ -9,8 +9,6 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "flash_cutlass/params.h"
-
 namespace flash_cutlass::sm90 {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPersistent_, class Element_>
@@ -173,20 +171,6 @@ struct FwdKernelTraits {
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                              cute::take<0, 2>(SmemLayoutKV{}), cute::select<1, 2>(TileShape{}),
                                              cute::_1{}));
-  // Paged K and V from pages smaller than a key block (fwd_producer.h, load_paged_chunks): a block
-  // loads as chunks of kPagedChunkRows rows, each from its page, into its rows of a stage: the
-  // rows of a whole number of swizzle atoms (SmemLayoutKV tiles its atoms down the rows first), so
-  // a chunk's layout is a stage's cut short, its columns of atoms a stage's rows apart (a TMA box
-  // of the chunk's rows and one atom's columns, issued once a column of atoms).
-  static constexpr int kPagedChunkRows = flash_cutlass::kPagedChunkRows;
-  static constexpr int kPagedChunks = kBlockN / kPagedChunkRows;
-  static_assert(kBlockN % kPagedChunkRows == 0 && kPagedChunks <= 32, "a key block's chunks, one a lane");
-  using PagedChunkShape = cute::Shape<cute::Int<kPagedChunkRows>, cute::Int<kHeadDim>>;
-  using SmemLayoutKVChunk = decltype(cute::composition(
-      cute::take<0, 2>(SmemLayoutKV{}),
-      cute::make_layout(PagedChunkShape{}, cute::Stride<cute::_1, cute::Int<kBlockN>>{})));
-  using TmaKVChunk = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKVChunk{},
-                                                  PagedChunkShape{}, cute::_1{}));
 };
 
 // Tile sizes per head dim: consumer warpgroups of 64 query rows each, which ping-pong

@@ -52,14 +52,11 @@ SUBJECT_DETERMINISTIC = "flash_cutlass_deterministic"
 SUBJECT_SINKS = "flash_cutlass_sinks"
 # An opt-in of the Hopper backward (docs/DEVELOPING.md) set around each call of another subject (the
 # extension reads these variables per call), for an A/B against that subject in one process; run
-# only when asked for: the GQA walks chosen by their rule, V loaded after the first Q and dO, and
-# the deterministic backward's dQ halves in one turn.
+# only when asked for: the GQA walks chosen by their rule and V loaded after the first Q and dO.
 SUBJECT_GQA_WALK = "flash_cutlass_gqa_walk"
 SUBJECT_V_AFTER_Q = "flash_cutlass_v_after_q"
-SUBJECT_DETERMINISTIC_ONE_TURN = "flash_cutlass_deterministic_one_turn"
 SUBJECT_ENVIRONMENT = {SUBJECT_GQA_WALK: (SUBJECT, "FLASH_CUTLASS_GQA_WALK_HEADS", "auto"),
-                       SUBJECT_V_AFTER_Q: (SUBJECT, "FLASH_CUTLASS_BWD_V_AFTER_Q", "1"),
-                       SUBJECT_DETERMINISTIC_ONE_TURN: (SUBJECT_DETERMINISTIC, "FLASH_CUTLASS_BWD_DET_ONE_TURN", "1")}
+                       SUBJECT_V_AFTER_Q: (SUBJECT, "FLASH_CUTLASS_BWD_V_AFTER_Q", "1")}
 FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None,
                   SUBJECT_SINKS: None, **{subject: None for subject in SUBJECT_ENVIRONMENT}}
 SDPA_BACKENDS = {

@@ -498,11 +498,14 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 }
 
 // $FLASH_CUTLASS_GQA_WALK_HEADS: how many query heads of a K/V head's group one Hopper backward CTA
-// walks in a GQA call (BwdParams::query_heads_per_key_tile). Unset or empty: one, as before the
-// walks (they have not yet been measured on a GPU); "auto": select.h's rule; a number: that many,
-// a divisor of the group, and in a deterministic call 1 or the whole group. Calls without GQA, with
-// a soft cap, ALiBi or dropout, or on the sm80 kernel take one head a tile whatever it says (its
-// form is checked in every call that launches).
+// walks in a GQA call (BwdParams::query_heads_per_key_tile). Unset or empty: select.h's rule in
+// calls without a mask that are not deterministic, one head a tile in the others (H200, head dim
+// 128, 64 / 8 heads: whole-group walks 1.12x one head a tile at 4k and 1.01x at 16k without a mask,
+// 0.77x and 0.89x causal, where a group's key tiles differ in cost; deterministic walks not yet
+// measured); "auto": select.h's rule in every call; a number: that many, a divisor of the group,
+// and in a deterministic call 1 or the whole group. Calls without GQA, with a soft cap, ALiBi or
+// dropout, or on the sm80 kernel take one head a tile whatever it says (its form is checked in
+// every call that launches).
 constexpr const char* kGqaWalkHeadsEnv = "FLASH_CUTLASS_GQA_WALK_HEADS";
 
 int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool deterministic, const at::Tensor& q) {
@@ -520,8 +523,9 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
                                                                   "number of query heads, got '", text, "'"));
   }
   const int group = params.heads / params.heads_k;
-  if (text.empty() || group == 1 || uses_extension(params) || kernel.path != KernelPath::kSm90) return 1;
-  if (text == "auto") {
+  if (group == 1 || uses_extension(params) || kernel.path != KernelPath::kSm90) return 1;
+  if (text.empty() && (params.mask != MaskKind::kNone || deterministic)) return 1;
+  if (text.empty() || text == "auto") {
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
     const int key_block = sm90_backward_key_block(kernel.kernel_hdim);
@@ -539,11 +543,6 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
 // $FLASH_CUTLASS_BWD_V_AFTER_Q=1: the Hopper backward loads V after its walk's first Q and dO
 // (BwdParams::v_after_first_query). Unset or 0: with K, first, as before (not yet measured on a GPU).
 constexpr const char* kVAfterQueryEnv = "FLASH_CUTLASS_BWD_V_AFTER_Q";
-
-// $FLASH_CUTLASS_BWD_DET_ONE_TURN=1: deterministic Hopper backwards past head dim 128 add dQ's two
-// halves in one turn (BwdParams::dq_halves_in_one_turn). Unset or 0: in turn, as before (not yet
-// measured on a GPU).
-constexpr const char* kDetOneTurnEnv = "FLASH_CUTLASS_BWD_DET_ONE_TURN";
 
 // An opt-in switch of the environment: unset, empty or "0" off, "1" on.
 bool opt_in(const char* variable) {
@@ -617,7 +616,6 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   const int query_heads_per_key_tile = gqa_walk_heads(params, kernel, options.deterministic, q);
   params.query_heads_per_key_tile = query_heads_per_key_tile;
   params.v_after_first_query = opt_in(kVAfterQueryEnv) && kernel.path == KernelPath::kSm90;
-  params.dq_halves_in_one_turn = opt_in(kDetOneTurnEnv) && kernel.path == KernelPath::kSm90;
   // dK and dV go straight into dk and dv without GQA and where a Hopper CTA walks a whole group.
   // Otherwise the Hopper kernels add a group's (or a part's) to per-K/V-head fp32 accumulators
   // with atomics; deterministic calls and the sm80 kernel store them per query head, summed below.

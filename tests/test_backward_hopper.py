@@ -235,10 +235,11 @@ def test_automatic_deterministic_backward_runs_on_the_hopper_kernel(cuda_gen, he
 
 
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
-def test_gqa_hopper_backward_accumulates_per_kv_head(cuda_gen, head_dim):
-    # 16 query heads on 2 K/V heads: the group's dK and dV are added per K/V head (fp32, 2 heads'
-    # worth), not kept per query head (16 heads' worth) and summed afterwards.
+def test_gqa_hopper_backward_accumulates_per_kv_head(cuda_gen, monkeypatch, head_dim):
+    # 16 query heads on 2 K/V heads, one head a tile: the group's dK and dV are added per K/V head
+    # (fp32, 2 heads' worth), not kept per query head (16 heads' worth) and summed afterwards.
     skip_unless_hopper_backward(head_dim)
+    monkeypatch.setenv(WALK_ENV, "1")
     batch, seqlen, heads, heads_k = 1, 2048, 16, 2
     dtype = torch.bfloat16
     q, dout = (torch.randn(batch, seqlen, heads, head_dim, generator=cuda_gen, device="cuda").to(dtype)
@@ -397,6 +398,49 @@ def test_gqa_walk_values_are_checked(cuda_gen, monkeypatch, value, deterministic
         flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=deterministic, kernel="sm90")
 
 
+def backward_peak_bytes(dout, q, k, v, out, lse, **options):
+    """flash_backward's gradients and the bytes its peak allocation grew by."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90", **options)
+    torch.cuda.synchronize()
+    return grads, torch.cuda.max_memory_allocated() - baseline
+
+
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_default_walks_whole_groups_without_a_mask_only(cuda_gen, monkeypatch, head_dim):
+    """$FLASH_CUTLASS_GQA_WALK_HEADS unset: cuDNN's 64 / 8 heads at 4k walk whole groups without a
+    mask (no fp32 dK/dV accumulators), and one head a tile causal (the K/V heads' accumulators)
+    and deterministic; the same gradients as one head a tile."""
+    skip_unless_hopper_backward(head_dim)
+    monkeypatch.delenv(WALK_ENV, raising=False)
+    batch, seqlen, heads, heads_k = 1, 4096, 64, 8
+    q, dout = (torch.randn(batch, seqlen, heads, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+               for _ in range(2))
+    k, v = (torch.randn(batch, seqlen, heads_k, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+            for _ in range(2))
+    per_kv_head = 2 * batch * seqlen * heads_k * head_dim * 4
+    for causal, deterministic, walks in ((False, False, True), (True, False, False), (False, True, False)):
+        out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
+        monkeypatch.delenv(WALK_ENV, raising=False)
+        grads, peak = backward_peak_bytes(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+        gradients = sum(g.numel() * g.element_size() for g in grads)
+        dq_accumulator = batch * seqlen * heads * head_dim * 4
+        label = f"causal {causal}, deterministic {deterministic}"
+        if walks:
+            assert peak <= gradients + dq_accumulator + (1 << 20), f"{label}: fp32 dK/dV allocated ({peak} bytes)"
+        else:
+            assert peak >= gradients + dq_accumulator + per_kv_head, f"{label}: no fp32 dK/dV ({peak} bytes)"
+        monkeypatch.setenv(WALK_ENV, "1")
+        one_head = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                                                kernel="sm90")
+        for name, got, want in zip(("dq", "dk", "dv"), grads, one_head):
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda m: f"{label}, {name}: {m}")
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
 def test_whole_group_walks_allocate_no_fp32_dk_dv(cuda_gen, monkeypatch, head_dim, deterministic):
@@ -485,85 +529,8 @@ def test_v_after_the_first_query_block_deterministic_and_varlen(cuda_gen, monkey
         torch.testing.assert_close(later.float(), first.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
-# $FLASH_CUTLASS_BWD_DET_ONE_TURN=1 (csrc/flash_api.cpp): deterministic calls past head dim 128 (one
-# tile a CTA) stage warpgroup 1's half of dQ in the block's Q stage and add both halves in one turn.
-DET_ONE_TURN_ENV = "FLASH_CUTLASS_BWD_DET_ONE_TURN"
-HEAD_SPLIT_HEAD_DIMS = [d for d in DETERMINISTIC_HEAD_DIMS if d > 128]
-
-
-def deterministic_gradients_both_ways(gen, monkeypatch, head_dim, seqlens, heads_k, causal, options):
-    """Deterministic kernel="sm90" gradients of random inputs with the halves in one turn and in turn."""
-    q, k, v, dout = random_inputs(gen, 1, *seqlens, heads_k, head_dim)
-    result = flash_cutlass.flash_forward(q, k, v, causal=causal, **options)
-    out, lse = result[0], result[1]
-    extra = {"rng_state": result[2]} if len(result) == 3 else {}
-
-    def gradients(one_turn):
-        monkeypatch.setenv(DET_ONE_TURN_ENV, one_turn)
-        return flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, kernel="sm90",
-                                            **options, **extra)
-
-    return gradients("1"), gradients("0")
-
-
-@pytest.mark.parametrize("case", ["long_queries", "softcap", "dropout"])
-@pytest.mark.parametrize("head_dim", HEAD_SPLIT_HEAD_DIMS)
-def test_deterministic_halves_in_one_turn_equal_the_halves_in_turn(cuda_gen, monkeypatch, head_dim, case):
-    """The same adds in the same order: bitwise the gradients of the halves in turn. 2,000 queries on
-    300 keys (32 query blocks a key block: each Q stage reused 16 times), and the soft cap's and
-    dropout's kernels (both warpgroups compute S^T and dP^T there)."""
-    skip_unless_hopper_backward(head_dim)
-    options = {"long_queries": {}, "softcap": {"softcap": 30.0}, "dropout": {"dropout_p": 0.2}}[case]
-    reason = options_left_out(**options)
-    if reason:
-        pytest.skip(reason)
-    seqlens = (2000, 300) if case == "long_queries" else (333, 700)
-    one_turn, in_turn = deterministic_gradients_both_ways(cuda_gen, monkeypatch, head_dim, seqlens, 2, True, options)
-    for name, a, b in zip(("dq", "dk", "dv"), one_turn, in_turn):
-        assert torch.equal(a, b), f"{name}: the halves in one turn differ from the halves in turn ({case})"
-
-
-@pytest.mark.parametrize("mask", ["none", "causal", "window"])
-@pytest.mark.parametrize("heads_k", [8, 2], ids=["gqa1", "gqa4"])
-@pytest.mark.parametrize("head_dim", HEAD_SPLIT_HEAD_DIMS)
-def test_deterministic_halves_in_one_turn(cuda_gen, monkeypatch, head_dim, heads_k, mask):
-    """Bitwise equal runs against the oracle, over tails and several query blocks: launch-order walks
-    (causal, window; and without a mask past the rotated walks' 64 key blocks: 4,200 keys), with
-    whole-group walks and V after the first Q too."""
-    skip_unless_hopper_backward(head_dim)
-    options = {"window_size": (300, 40)} if mask == "window" else {}
-    reason = options_left_out(**options)
-    if reason:
-        pytest.skip(reason)
-    causal = mask == "causal"
-    seqlens = (333, 4200) if mask == "none" else (333, 700)
-    monkeypatch.setenv(DET_ONE_TURN_ENV, "1")
-    check_deterministic_runs(cuda_gen, head_dim, seqlens, heads_k, causal, options,
-                             f"head dim {head_dim}, {mask}, halves in one turn", batch=1)
-    monkeypatch.setenv(V_AFTER_Q_ENV, "1")
-    monkeypatch.setenv(WALK_ENV, str(HEADS // heads_k))
-    check_deterministic_runs(cuda_gen, head_dim, (333, 700), heads_k, causal, options,
-                             f"head dim {head_dim}, {mask}, halves in one turn, walks, V after Q")
-
-
-@pytest.mark.parametrize("head_dim", HEAD_SPLIT_HEAD_DIMS)
-def test_deterministic_halves_in_one_turn_varlen(cuda_gen, monkeypatch, head_dim):
-    """A packed batch (the zeroed tails of both halves' staging, each sequence its own turns): bitwise
-    the gradients of the halves in turn."""
-    skip_unless_hopper_backward(head_dim)
-    backward = packed_causal_backward(cuda_gen, head_dim)
-
-    def gradients(one_turn):
-        monkeypatch.setenv(DET_ONE_TURN_ENV, one_turn)
-        return backward(deterministic=True)
-
-    first, in_turn = gradients("1"), gradients("0")
-    for name, a, b in zip(("dq", "dk", "dv"), first, in_turn):
-        assert torch.equal(a, b), f"{name}: the halves in one turn differ from the halves in turn"
-
-
-@pytest.mark.parametrize("variable", [V_AFTER_Q_ENV, DET_ONE_TURN_ENV])
-def test_opt_in_switches_take_0_or_1(cuda_gen, monkeypatch, variable):
+def test_v_after_q_switch_takes_0_or_1(cuda_gen, monkeypatch):
+    variable = V_AFTER_Q_ENV
     head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
     skip_unless_hopper_backward(head_dim)
     q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, HEADS, head_dim)

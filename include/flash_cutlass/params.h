@@ -168,11 +168,6 @@ struct BwdParams : FwdParams {
   // exponentials, P^T and dV too (sm90/bwd_producer.h, loads_v_after_first_query). false: K and V
   // together, first.
   bool v_after_first_query = false;
-  // Deterministic calls of the Hopper kernels past head dim 128 (one tile a CTA): warpgroup 1
-  // stages its half of a query block's dQ in the block's Q stage instead of after warpgroup 0's in
-  // the one staging tile, so that the dQ warp adds both halves in one turn (sm90/bwd_producer.h,
-  // dq_halves_in_one_turn). false: the halves in turn through the staging tile.
-  bool dq_halves_in_one_turn = false;
 };
 
 // One call of attention over a KV cache (flash_cutlass.flash_attention_with_kvcache): new keys

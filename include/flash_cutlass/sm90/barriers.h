@@ -31,10 +31,6 @@ enum class BwdBarrier : int {
   // The head-split layout's warpgroup 0 (which computes S^T and P^T) has stored a query block's
   // P^T, which warpgroup 1 (which computes dP^T) reads for dS^T: 128 arrivals and 128 syncs.
   kPReady = 7,
-  // The head-split layout with dQ's halves in one turn (dq_halves_in_one_turn, bwd_producer.h):
-  // both warpgroups' dK GEMMs are done with a query block's Q stage, where warpgroup 1 then stages
-  // its half of dQ: 128 arrivals (warpgroup 0) and 128 syncs (warpgroup 1).
-  kQStageFree = 8,
 };
 
 // bar.sync / bar.arrive with the id (a FwdBarrier or a BwdBarrier) as an immediate.

@@ -111,8 +111,6 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
   // V lands once in a CTA's walk (its one tile) where it comes after the first Q and dO; warpgroup
   // 0's GEMMs (S^T, dV, dQ, dK) never read it.
   const bool v_later = loads_v_after_first_query<kRotatedWalk, Traits>(params, work);
-  // Deterministic calls may stage warpgroup 1's half of dQ in the Q stage (bwd_producer.h).
-  const bool one_turn = dq_halves_in_one_turn<Traits, kRotatedWalk>(params);
   if (work.m_block_begin < work.m_block_end) storage.pipeline.kv_full.wait(position.key_tiles & 1);
   for (int i = 0; i < work.num_steps(); ++i) {
     const int m_block = work.m_block_of_step(i);
@@ -194,18 +192,6 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     warpgroup_fence_operand(acc_dq);
     storage.pipeline.dout_empty[dout_stage].arrive();
 
-    if (one_turn && warpgroup == 1) {
-      // This warpgroup's half of dQ into the block's Q stage once both warpgroups' dK GEMMs are
-      // done with it; the dQ warp releases the stage once it has added both halves.
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dk);
-      named_barrier_sync<BwdBarrier::kQStageFree, 0, Traits::kConsumerThreads>();
-      store_fp32_tile<Traits::kBlockM>(q_stage_as_dq_half<Traits>(storage, stage), acc_dq, tdQcdQ,
-                                       kHeadDim / Traits::kConsumerWarpgroups);
-      cutlass::arch::fence_view_async_shared();
-      named_barrier_arrive<BwdBarrier::kDqFull, 2, kDqThreads>();
-      continue;
-    }
     // The staging tile is free: warpgroup 0 waits for the dQ warp to have read the block before's
     // second half, warpgroup 1 for this block's first. Immediate barrier ids (a computed one costs
     // registers).
@@ -223,8 +209,6 @@ __device__ __forceinline__ void consume_query_blocks_head_split(
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dk);
-    // The Q stage is free for warpgroup 1's half of dQ (dq_halves_in_one_turn).
-    if (one_turn) named_barrier_arrive<BwdBarrier::kQStageFree, 0, Traits::kConsumerThreads>();
     // This thread's GEMMs are done with the stage's Q.
     storage.pipeline.query_empty[stage].arrive();
   }

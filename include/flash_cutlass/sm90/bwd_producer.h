@@ -56,41 +56,6 @@ __device__ __forceinline__ bool loads_v_after_first_query(BwdParams const& param
   }
 }
 
-// Whether warpgroup 1 stages its half of each query block's dQ in the block's Q stage, once both
-// warpgroups' dK GEMMs are done with it, rather than in storage.dq after the dQ warp has added
-// warpgroup 0's (BwdParams::dq_halves_in_one_turn): deterministic head-split calls that walk one
-// tile a CTA. A turn then no longer holds warpgroup 1's staging, unless the turn comes before it
-// is done (the dQ warp takes the turn after warpgroup 0's half is staged: waiting for warpgroup 1's
-// too before it costs the producer warps' registers 44 more bytes of spills). The dQ warp releases
-// the Q stage for warpgroup 1 (an arrival of 128 on query_empty) once its reduce-add has read it.
-// The consumers and the dQ warp both ask.
-template <class Traits, bool kRotatedWalk>
-__device__ __forceinline__ bool dq_halves_in_one_turn(BwdParams const& params) {
-  if constexpr (!Traits::kHeadSplit || kRotatedWalk) {
-    return false;
-  } else {
-    static_assert(Traits::kBytesQ == sizeof(float) * cute::cosize_v<typename Traits::SmemLayoutdQ>,
-                  "a Q stage holds exactly a half of a query block's fp32 dQ");
-    static_assert(cute::cosize_v<typename Traits::SmemLayoutQ> == Traits::kStages * Traits::kBlockM * Traits::kHeadDim &&
-                      Traits::kBytesQ % 1024 == 0,
-                  "Q stages one after the other, each on whole 1024-byte swizzle atoms");
-    return params.deterministic && params.dq_halves_in_one_turn;
-  }
-}
-
-// A Q stage as a staging tile of dQ's fp32 half (dq_halves_in_one_turn).
-template <class Traits>
-__device__ __forceinline__ float* q_stage_as_dq_half(typename Traits::SharedStorage& storage, int stage) {
-  return reinterpret_cast<float*>(storage.q.data() + stage * (Traits::kBlockM * Traits::kHeadDim));
-}
-
-// mbarrier arrival of `count` threads' worth.
-__device__ __forceinline__ void mbarrier_arrive_count(cutlass::arch::ClusterBarrier& barrier, uint32_t count) {
-  const uint32_t address = cute::cast_smem_ptr_to_uint(&barrier);
-  uint64_t state;
-  asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1], %2;" : "=l"(state) : "r"(address), "r"(count) : "memory");
-}
-
 // Run by the 32 lanes of the loader warp, once a key tile.
 template <class Traits, MaskKind kMaskKind, bool kRotatedWalk>
 __device__ __forceinline__ void load_key_block(BwdKernelParams<Traits> const& kernel_params,
@@ -281,7 +246,6 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   Tensor sdQ = make_tensor(make_smem_ptr(storage.dq.data()), typename Traits::SmemLayoutdQ{});
   const bool varlen = params.cu_seqlens_q != nullptr;
   const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work, kRotatedWalk);
-  const bool one_turn = dq_halves_in_one_turn<Traits, kRotatedWalk>(params);
   const int num_m_blocks = work.num_m_blocks();
   const int num_steps = work.num_steps();
   int walk_step = 0;
@@ -302,43 +266,30 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
       // Counted while the consumers still compute this block's dQ.
       const int place = turns ? turns.place(work, m_block, lane) : 0;
       const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
-      // With dq_halves_in_one_turn the second half comes from the block's Q stage.
-      const int q_stage = (position.steps + walk_step) % Traits::kStages;
       CUTE_UNROLL
       for (int part = 0; part < kParts; ++part) {
-        const bool from_q_stage = part == 1 && one_turn;
-        float* const staged = from_q_stage ? q_stage_as_dq_half<Traits>(storage, q_stage) : storage.dq.data();
         if (part == 0) {
           named_barrier_sync<BwdBarrier::kDqFull, 0, kDqThreads>();
         } else {
           named_barrier_sync<BwdBarrier::kDqFull, 2, kDqThreads>();
         }
         if (varlen && queries_in_block < Traits::kBlockM) {
-          zero_tile_rows<kDqColumns, 32>(staged, typename Traits::SmemLayoutdQ{}, queries_in_block, Traits::kBlockM,
-                                         lane);
+          zero_tile_rows<kDqColumns, 32>(storage.dq.data(), typename Traits::SmemLayoutdQ{}, queries_in_block,
+                                         Traits::kBlockM, lane);
           cutlass::arch::fence_view_async_shared();  // before the TMA unit reads the tile
           __syncwarp();
         }
         if (lane == 0) {
           if (part == 0 && turns) wait_for_turn(turns.counter(head, m_block), place);
-          if (from_q_stage) {
-            Tensor sdQ_stage = make_tensor(make_smem_ptr(staged), typename Traits::SmemLayoutdQ{});
-            auto [tdQgdQ_stage, tdQsdQ_stage] = tma_partition(kernel_params.tma_dq, _0{}, Layout<_1>{},
-                                                              group_modes<0, 2>(sdQ_stage), group_modes<0, 2>(gdQ));
-            copy(kernel_params.tma_dq, tdQsdQ_stage, tdQgdQ_stage(_, m_block, part));
-          } else {
-            copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block, part));
-          }
+          copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block, part));
           tma_store_arrive();
-          tma_store_wait<0>();  // the TMA unit has read the staged half
-          // Warpgroup 1's share of the Q stage's release.
-          if (from_q_stage) mbarrier_arrive_count(storage.pipeline.query_empty[q_stage], 128);
+          tma_store_wait<0>();  // the TMA unit has read storage.dq
         }
         __syncwarp();
-        // The next part's consumers refill storage.dq (with dq_halves_in_one_turn they staged their
-        // half already), or the next block's first (in a rotated walk: above).
+        // The next part's consumers refill storage.dq, or the next block's first (in a rotated walk:
+        // above).
         if (part + 1 < kParts) {
-          if (!one_turn) named_barrier_arrive<BwdBarrier::kDqEmpty, 2, kDqThreads>();
+          named_barrier_arrive<BwdBarrier::kDqEmpty, 2, kDqThreads>();
         } else if (!kRotatedWalk && walk_step + 1 < num_steps) {
           named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
         }

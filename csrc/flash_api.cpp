@@ -497,10 +497,31 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   run_forward(q, k, v, out, lse, drawn_rng_state, options_from_python(options_object));
 }
 
+// Device `index`'s SM count and per-block shared memory limit, queried once per device and process,
+// so that a decode step or a backward's walk rule asks the driver nothing (the kernels keep their
+// own attributes per device: sm80/kvcache_launch.h).
+KVCacheDevice kvcache_device(int index) {
+  auto attribute = [index](cudaDeviceAttr which) {
+    int value = 0;
+    const cudaError_t status = cudaDeviceGetAttribute(&value, which, index);
+    return status == cudaSuccess ? value : -int(status);
+  };
+  static PerDeviceValue sm_counts, smem_limits, majors, minors;
+  const int sm_count = sm_counts.get(index, [&] { return attribute(cudaDevAttrMultiProcessorCount); });
+  if (sm_count < 0) C10_CUDA_CHECK(cudaError_t(-sm_count));
+  const int smem = smem_limits.get(index, [&] { return attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); });
+  if (smem < 0) C10_CUDA_CHECK(cudaError_t(-smem));
+  const int major = majors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMajor); });
+  if (major < 0) C10_CUDA_CHECK(cudaError_t(-major));
+  const int minor = minors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMinor); });
+  if (minor < 0) C10_CUDA_CHECK(cudaError_t(-minor));
+  return {index, sm_count, smem, major, minor};
+}
+
 // $FLASH_CUTLASS_GQA_WALK_HEADS: how many query heads of a K/V head's group one Hopper backward CTA
 // walks in a GQA call (BwdParams::query_heads_per_key_tile). Unset or empty: select.h's rule in
 // calls without a mask that are not deterministic, at the head dims whose walks have passed their
-// GPU tests (kDefaultWalkHeadDims), one head a tile in the others (H200, head dim 128, 64 / 8
+// GPU tests (walks_by_default), one head a tile in the others (H200, head dim 128, 64 / 8
 // heads: whole-group walks 1.12x one head a tile at 4k and 1.01x at 16k without a mask, 0.77x and
 // 0.89x causal, where a group's key tiles differ in cost; deterministic walks not yet measured);
 // "auto": select.h's rule in every call; a number: that many, a divisor of the group,
@@ -532,8 +553,7 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
     return 1;
   }
   if (text.empty() || text == "auto") {
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
+    const int sms = kvcache_device(q.get_device()).sm_count;
     const int key_block = sm90_backward_key_block(kernel.kernel_hdim);
     return sm90_backward_query_heads_per_key_tile(params.batch, params.heads, params.heads_k,
                                                   (params.seqlen_k + key_block - 1) / key_block, sms, deterministic);
@@ -699,26 +719,6 @@ const int* kvcache_indices(const std::optional<at::Tensor>& t, const char* name,
   return t->data_ptr<int>();
 }
 
-// Device `index`'s SM count and per-block shared memory limit, queried once per device and process,
-// so that a decode step asks the driver nothing (the kernels keep their own attributes per device:
-// sm80/kvcache_launch.h).
-KVCacheDevice kvcache_device(int index) {
-  auto attribute = [index](cudaDeviceAttr which) {
-    int value = 0;
-    const cudaError_t status = cudaDeviceGetAttribute(&value, which, index);
-    return status == cudaSuccess ? value : -int(status);
-  };
-  static PerDeviceValue sm_counts, smem_limits, majors, minors;
-  const int sm_count = sm_counts.get(index, [&] { return attribute(cudaDevAttrMultiProcessorCount); });
-  if (sm_count < 0) C10_CUDA_CHECK(cudaError_t(-sm_count));
-  const int smem = smem_limits.get(index, [&] { return attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); });
-  if (smem < 0) C10_CUDA_CHECK(cudaError_t(-smem));
-  const int major = majors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMajor); });
-  if (major < 0) C10_CUDA_CHECK(cudaError_t(-major));
-  const int minor = minors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMinor); });
-  if (minor < 0) C10_CUDA_CHECK(cudaError_t(-minor));
-  return {index, sm_count, smem, major, minor};
-}
 
 // How chunked prefill's forward reads the cache (KVCachePacked::Form): a contiguous cache in place
 // where its rows are the sequences (no cache_batch_idx, rows capacity positions apart) and ALiBi's

@@ -719,7 +719,6 @@ const int* kvcache_indices(const std::optional<at::Tensor>& t, const char* name,
   return t->data_ptr<int>();
 }
 
-
 // How chunked prefill's forward reads the cache (KVCachePacked::Form): a contiguous cache in place
 // where its rows are the sequences (no cache_batch_idx, rows capacity positions apart) and ALiBi's
 // slopes are not per sequence (kvcache_prefill_forward's in-place numbering interleaves sequences

@@ -234,6 +234,17 @@ def test_automatic_deterministic_backward_runs_on_the_hopper_kernel(cuda_gen, he
         assert torch.equal(a, b), f"{name} of kernel='auto' differs from kernel='sm90''s"
 
 
+def backward_peak_bytes(dout, q, k, v, out, lse, **options):
+    """flash_backward's gradients and the bytes its peak allocation grew by."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no cached block larger than a request counts toward the peak
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90", **options)
+    torch.cuda.synchronize()
+    return grads, torch.cuda.max_memory_allocated() - baseline
+
+
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
 def test_gqa_hopper_backward_accumulates_per_kv_head(cuda_gen, monkeypatch, head_dim):
     # 16 query heads on 2 K/V heads, one head a tile: the group's dK and dV are added per K/V head
@@ -247,13 +258,7 @@ def test_gqa_hopper_backward_accumulates_per_kv_head(cuda_gen, monkeypatch, head
     k, v = (torch.randn(batch, seqlen, heads_k, head_dim, generator=cuda_gen, device="cuda").to(dtype)
             for _ in range(2))
     out, lse = flash_cutlass.flash_forward(q, k, v)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # no cached block larger than a request counts toward the peak
-    torch.cuda.reset_peak_memory_stats()
-    baseline = torch.cuda.memory_allocated()
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90")
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - baseline
+    grads, peak = backward_peak_bytes(dout, q, k, v, out, lse)
     gradients = sum(g.numel() * g.element_size() for g in grads)
     dq_accumulator = batch * seqlen * heads * head_dim * 4  # fp32; a compiled head dim: no padding
     per_kv_head = 2 * batch * seqlen * heads_k * head_dim * 4
@@ -398,17 +403,6 @@ def test_gqa_walk_values_are_checked(cuda_gen, monkeypatch, value, deterministic
         flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=deterministic, kernel="sm90")
 
 
-def backward_peak_bytes(dout, q, k, v, out, lse, **options):
-    """flash_backward's gradients and the bytes its peak allocation grew by."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    baseline = torch.cuda.memory_allocated()
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, kernel="sm90", **options)
-    torch.cuda.synchronize()
-    return grads, torch.cuda.max_memory_allocated() - baseline
-
-
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
 def test_default_walks_whole_groups_without_a_mask_only(cuda_gen, monkeypatch, head_dim):
     """$FLASH_CUTLASS_GQA_WALK_HEADS unset: cuDNN's 64 / 8 heads at 4k walk whole groups without a
@@ -456,13 +450,7 @@ def test_whole_group_walks_allocate_no_fp32_dk_dv(cuda_gen, monkeypatch, head_di
     k, v = (torch.randn(batch, seqlen, heads_k, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
             for _ in range(2))
     out, lse = flash_cutlass.flash_forward(q, k, v)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    baseline = torch.cuda.memory_allocated()
-    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=deterministic, kernel="sm90")
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - baseline
+    grads, peak = backward_peak_bytes(dout, q, k, v, out, lse, deterministic=deterministic)
     gradients = sum(g.numel() * g.element_size() for g in grads)
     dq_accumulator = batch * seqlen * heads * head_dim * 4
     per_kv_head = 2 * batch * seqlen * heads_k * head_dim * 4

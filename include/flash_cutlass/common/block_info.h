@@ -210,23 +210,12 @@ __device__ __forceinline__ QueryTile longest_first_query_tile_of_this_cta(FwdPar
   return {num_m_blocks - 1 - in_band / band_size, batch_head % params.heads, batch_head / params.heads};
 }
 
-// The backward kernels' key tiles, (key block, head, batch) flattened in one of these orders. The
-// sm80 path runs one CTA per tile, the Hopper path walks them (sm90/tile_scheduler.h). A tile of a
-// walk over query_heads_per_tile query heads (BwdParams::query_heads_per_key_tile) names the first of
-// them: the tiles are then (key block, group of query heads, batch), heads / query_heads_per_tile
-// groups.
-enum class KeyTileOrder {
-  // Key block fastest, in increasing order: under a causal mask each head's longest tile first.
-  kHeadMajor,
-  // Key block fastest, in decreasing order (the deterministic Hopper backward: ordered_reduce.h).
-  kLastKeyBlockFirst,
-  // Key block slowest: key block 0 of every (head group, batch), then key block 1, ... Under a
-  // causal mask the longest tiles of the whole grid first (the Hopper backward's causal GQA walks,
-  // whose tiles on the diagonal differ in cost by up to a group's heads times the query blocks: in
-  // head-major order the last head's longest tile would start a wave late).
-  kKeyBlockMajor,
-};
-
+// The backward kernels' key tiles, (key block, head, batch) flattened with the key block fastest:
+// in increasing order (the longest first under a causal mask), or with last_key_block_first in
+// decreasing order (the deterministic Hopper backward: ordered_reduce.h). The sm80 path runs one
+// CTA per tile, the Hopper path walks them (sm90/tile_scheduler.h). A tile of a walk over
+// query_heads_per_tile query heads (BwdParams::query_heads_per_key_tile) names the first of them:
+// the tiles are then (key block, group of query heads, batch), heads / query_heads_per_tile groups.
 struct KeyTile {
   int n_block;
   int head;
@@ -234,18 +223,13 @@ struct KeyTile {
 };
 
 template <int kBlockN>
-__device__ __forceinline__ KeyTile key_tile_at(FwdParams const& params, int index, KeyTileOrder order,
+__device__ __forceinline__ KeyTile key_tile_at(FwdParams const& params, int index, bool last_key_block_first,
                                                int query_heads_per_tile = 1) {
   const int num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
   const int head_groups = params.heads / query_heads_per_tile;
-  if (order == KeyTileOrder::kKeyBlockMajor) {
-    const int batch_groups = params.batch * head_groups;
-    const int batch_group = index % batch_groups;
-    return {index / batch_groups, batch_group % head_groups * query_heads_per_tile, batch_group / head_groups};
-  }
   const int batch_group = index / num_n_blocks;
   const int n_index = index % num_n_blocks;
-  return {order == KeyTileOrder::kLastKeyBlockFirst ? num_n_blocks - 1 - n_index : n_index,
+  return {last_key_block_first ? num_n_blocks - 1 - n_index : n_index,
           batch_group % head_groups * query_heads_per_tile, batch_group / head_groups};
 }
 
@@ -424,8 +408,7 @@ __device__ __forceinline__ KeyBlockWork<kBlockM, kBlockN, kKind> key_block_work_
 
 template <int kBlockM, int kBlockN, MaskKind kKind>
 __device__ __forceinline__ KeyBlockWork<kBlockM, kBlockN, kKind> key_block_work_of_this_cta(FwdParams const& params) {
-  return key_block_work_of<kBlockM, kBlockN, kKind>(
-      params, key_tile_at<kBlockN>(params, int(blockIdx.x), KeyTileOrder::kHeadMajor));
+  return key_block_work_of<kBlockM, kBlockN, kKind>(params, key_tile_at<kBlockN>(params, int(blockIdx.x), false));
 }
 
 }  // namespace flash_cutlass

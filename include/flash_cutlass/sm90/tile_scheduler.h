@@ -52,8 +52,7 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
 }
 
 // The backward's walk over key tiles (key_tile_at). Usually one CTA per key tile, in the launch
-// order (deterministic calls: last key block first, ordered_reduce.h; causal GQA walks of several
-// query heads a tile: key block major, the longest tiles of the grid first). Fixed-length calls without a
+// order (deterministic calls: last key block first, ordered_reduce.h). Fixed-length calls without a
 // mask or score modifications walk persistently instead (a kernel of its own, kRotatedWalk: CTAs
 // take key tiles blockIdx.x, blockIdx.x + gridDim.x, ...; bwd_launch.h): non-deterministic ones at
 // head dim 64 (kPersistentEpilogue), and deterministic ones of few key blocks (no more than the query blocks),
@@ -86,11 +85,8 @@ template <int kBlockM, int kBlockN, MaskKind kMaskKind, bool kRotatedWalk, class
 __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& params, Work&& work) {
   const int query_heads = params.query_heads_per_key_tile;
   if constexpr (!kRotatedWalk) {
-    const KeyTileOrder order = params.deterministic ? KeyTileOrder::kLastKeyBlockFirst
-                               : kMaskKind == MaskKind::kCausal && query_heads > 1 ? KeyTileOrder::kKeyBlockMajor
-                                                                                    : KeyTileOrder::kHeadMajor;
     auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(
-        params, key_tile_at<kBlockN>(params, int(blockIdx.x), order, query_heads));
+        params, key_tile_at<kBlockN>(params, int(blockIdx.x), params.deterministic, query_heads));
     key_block.query_heads = query_heads;
     if (key_block.in_sequence()) work(key_block, KeyWalkPosition{});
   } else {
@@ -99,7 +95,7 @@ __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& p
     // Below 2^31: bwd_launch.h.
     const int items = params.batch * (params.heads / query_heads) * num_n_blocks;
     for (int item = int(blockIdx.x); item < items; item += int(gridDim.x)) {
-      const KeyTile tile = key_tile_at<kBlockN>(params, item, KeyTileOrder::kHeadMajor, query_heads);
+      const KeyTile tile = key_tile_at<kBlockN>(params, item, false, query_heads);
       auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, tile);
       key_block.query_heads = query_heads;
       if (!key_block.in_sequence()) continue;

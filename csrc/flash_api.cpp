@@ -520,18 +520,22 @@ KVCacheDevice kvcache_device(int index) {
 
 // $FLASH_CUTLASS_GQA_WALK_HEADS: how many query heads of a K/V head's group one Hopper backward CTA
 // walks in a GQA call (BwdParams::query_heads_per_key_tile). Unset or empty: select.h's rule in
-// calls without a mask that are not deterministic, at the head dims whose walks have passed their
-// GPU tests (walks_by_default), one head a tile in the others (H200, head dim 128, 64 / 8
-// heads: whole-group walks 1.12x one head a tile at 4k and 1.01x at 16k without a mask, 0.77x and
-// 0.89x causal, where a group's key tiles differ in cost; deterministic walks not yet measured);
-// "auto": select.h's rule in every call; a number: that many, a divisor of the group,
-// and in a deterministic call 1 or the whole group. Calls without GQA, with a soft cap, ALiBi or
-// dropout, or on the sm80 kernel take one head a tile whatever it says (its form is checked in
-// every call that launches).
+// calls without a mask where walks_by_default says so, one head a tile in the others; "auto":
+// select.h's rule in every call; a number: that many, a divisor of the group, and in a
+// deterministic call 1 or the whole group. Calls without GQA, with a soft cap, ALiBi or dropout, or
+// on the sm80 kernel take one head a tile whatever it says (its form is checked in every call that
+// launches).
 constexpr const char* kGqaWalkHeadsEnv = "FLASH_CUTLASS_GQA_WALK_HEADS";
-// The Hopper backward kernels (by head dim) whose walks ran their GPU tests (2026-12-05): 64, 96
-// and 192 walk only when asked until theirs have run.
-bool walks_by_default(int kernel_hdim) { return kernel_hdim == 128 || kernel_hdim == 256; }
+// Whole-group walks against one head a tile, 64 / 8 heads without a mask, backward TFLOPS at 4k /
+// 16k (2026-12-05): head dim 128 1.12 / 1.01x (H200), deterministic 1.10 / 1.01x (H100); 96 1.05 /
+// 1.00x, 64 1.05 / 0.98x and 192 0.99 / 0.99x (H100); 256 walks by default since its tests passed
+// (its walks not timed alone). Causal walks were slower wherever timed: whole groups at 128 0.77 /
+// 0.89x (H200), launched key block major 0.80 / 0.81x at 128 and 0.51 / 0.51x at 256 (H100), parts
+// of a group 0.93-0.98x (docs/PERFORMANCE.md, What was tried).
+bool walks_by_default(int kernel_hdim, bool deterministic) {
+  if (deterministic) return kernel_hdim == 128;
+  return kernel_hdim == 96 || kernel_hdim == 128 || kernel_hdim == 256;
+}
 
 int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool deterministic, const at::Tensor& q) {
   const char* value = std::getenv(kGqaWalkHeadsEnv);
@@ -549,7 +553,7 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
   }
   const int group = params.heads / params.heads_k;
   if (group == 1 || uses_extension(params) || kernel.path != KernelPath::kSm90) return 1;
-  if (text.empty() && (params.mask != MaskKind::kNone || deterministic || !walks_by_default(kernel.kernel_hdim))) {
+  if (text.empty() && (params.mask != MaskKind::kNone || !walks_by_default(kernel.kernel_hdim, deterministic))) {
     return 1;
   }
   if (text.empty() || text == "auto") {

@@ -406,9 +406,9 @@ def test_gqa_walk_values_are_checked(cuda_gen, monkeypatch, value, deterministic
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
 def test_default_walks_whole_groups_without_a_mask_only(cuda_gen, monkeypatch, head_dim):
     """$FLASH_CUTLASS_GQA_WALK_HEADS unset: cuDNN's 64 / 8 heads at 4k walk whole groups without a
-    mask (no fp32 dK/dV accumulators) at head dims 128 and 256 (csrc/flash_api.cpp,
-    walks_by_default), and one head a tile causal (the K/V heads' accumulators), deterministic and
-    at the other head dims; the same gradients as one head a tile."""
+    mask (no fp32 dK/dV accumulators) at head dims 96, 128 and 256, deterministic at 128
+    (csrc/flash_api.cpp, walks_by_default), and one head a tile causal (the K/V heads'
+    accumulators) and elsewhere; the same gradients as one head a tile."""
     skip_unless_hopper_backward(head_dim)
     monkeypatch.delenv(WALK_ENV, raising=False)
     batch, seqlen, heads, heads_k = 1, 4096, 64, 8
@@ -417,8 +417,8 @@ def test_default_walks_whole_groups_without_a_mask_only(cuda_gen, monkeypatch, h
     k, v = (torch.randn(batch, seqlen, heads_k, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
             for _ in range(2))
     per_kv_head = 2 * batch * seqlen * heads_k * head_dim * 4
-    default_walks = head_dim in (128, 256)
-    for causal, deterministic, walks in ((False, False, default_walks), (True, False, False), (False, True, False)):
+    cases = ((False, False, head_dim in (96, 128, 256)), (True, False, False), (False, True, head_dim == 128))
+    for causal, deterministic, walks in cases:
         out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
         monkeypatch.delenv(WALK_ENV, raising=False)
         grads, peak = backward_peak_bytes(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)

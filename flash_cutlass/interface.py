@@ -254,8 +254,9 @@ def flash_backward(dout, q, k, v, out, lse, softmax_scale: Optional[float] = Non
     the forward call, and with dropout_p > 0, rng_state the one it returned (the same mask). deterministic=True
     sums dQ in a fixed order (key blocks in turn on the Hopper backward, a second kernel pass on the
     sm80 path) instead of with atomics, and with GQA dK and dV per query head then over each group
-    (the Hopper backward otherwise adds a group's with atomics), so two runs give bitwise identical
-    gradients. kernel picks
+    (the Hopper backward otherwise adds a group's with atomics; where one of its CTAs walks a whole
+    group's query heads, as in calls without a mask at head dim 128, it sums them in registers), so
+    two runs give bitwise identical gradients. kernel picks
     the CUDA kernel as in flash_forward ($FLASH_CUTLASS_BACKWARD_KERNEL when None): 'auto' runs the
     Hopper backward on compute capability 9.0 where it is built for the head dim, and the sm80 path
     otherwise. CPU tensors run

@@ -55,8 +55,10 @@ SUBJECT_SINKS = "flash_cutlass_sinks"
 # only when asked for: the GQA walks chosen by their rule and V loaded after the first Q and dO.
 SUBJECT_GQA_WALK = "flash_cutlass_gqa_walk"
 SUBJECT_V_AFTER_Q = "flash_cutlass_v_after_q"
+SUBJECT_DQ_FIRST_STORE = "flash_cutlass_dq_first_store"
 SUBJECT_ENVIRONMENT = {SUBJECT_GQA_WALK: (SUBJECT, "FLASH_CUTLASS_GQA_WALK_HEADS", "auto"),
-                       SUBJECT_V_AFTER_Q: (SUBJECT, "FLASH_CUTLASS_BWD_V_AFTER_Q", "1")}
+                       SUBJECT_V_AFTER_Q: (SUBJECT, "FLASH_CUTLASS_BWD_V_AFTER_Q", "1"),
+                       SUBJECT_DQ_FIRST_STORE: (SUBJECT, "FLASH_CUTLASS_BWD_DQ_FIRST_STORE", "1")}
 FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None,
                   SUBJECT_SINKS: None, **{subject: None for subject in SUBJECT_ENVIRONMENT}}
 SDPA_BACKENDS = {

@@ -570,6 +570,11 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
   return walk;
 }
 
+// $FLASH_CUTLASS_BWD_DQ_FIRST_STORE=1: in the Hopper backward of fixed-length calls that are not
+// deterministic, the first key block to reach a query block stores its dQ and the others add to
+// it, so that the preprocess need not zero dq_accum (BwdParams::dq_arrivals; not yet measured).
+constexpr const char* kDqFirstStoreEnv = "FLASH_CUTLASS_BWD_DQ_FIRST_STORE";
+
 // $FLASH_CUTLASS_BWD_V_AFTER_Q=1: the Hopper backward loads V after its walk's first Q and dO
 // (BwdParams::v_after_first_query). Unset or 0: with K, first, as before (not yet measured on a GPU).
 constexpr const char* kVAfterQueryEnv = "FLASH_CUTLASS_BWD_V_AFTER_Q";
@@ -690,6 +695,15 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     dq_turns = at::zeros({int64_t(params.batch) * params.heads * ((params.seqlen_q + 63) / 64)},
                          q.options().dtype(at::kInt));
     params.dq_turns = dq_turns.data_ptr<int>();
+  }
+  at::Tensor dq_arrivals;
+  if (opt_in(kDqFirstStoreEnv) && kernel.path == KernelPath::kSm90 && !options.deterministic &&
+      !options.is_varlen()) {
+    // Counters per query block of at least 64 rows (the Hopper kernels' smallest), zeroed by the
+    // preprocess.
+    dq_arrivals = at::empty({int64_t(params.batch) * params.heads * ((params.seqlen_q + 63) / 64)},
+                            q.options().dtype(at::kInt));
+    params.dq_arrivals = dq_arrivals.data_ptr<int>();
   }
   if (options.is_varlen()) params.dout_batch_stride = params.dq_batch_stride = params.dkv_batch_stride = 0;
 

@@ -528,3 +528,78 @@ def test_v_after_q_switch_takes_0_or_1(cuda_gen, monkeypatch):
     monkeypatch.setenv(variable, "yes")
     with pytest.raises(ValueError, match=f"{variable} must be 0 or 1, got 'yes'"):
         flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")
+
+
+# $FLASH_CUTLASS_BWD_DQ_FIRST_STORE=1 (csrc/flash_api.cpp): the first key block to reach a query block
+# stores its dQ, the others add to it; dq_accum is never zeroed.
+DQ_FIRST_STORE_ENV = "FLASH_CUTLASS_BWD_DQ_FIRST_STORE"
+# Tails, seqlen 1, more queries than keys (causal: the first rows see no key, their blocks unreached),
+# fewer, and more key blocks than query blocks (rotated starts that coincide).
+DQ_FIRST_STORE_SEQLENS = [(1, 1), (63, 129), (300, 2), (2, 300), (1000, 1000), (700, 4500)]
+
+
+def poison_cached_memory(megabytes=256):
+    """Leaves NaNs in memory the caching allocator hands out next, so that a buffer a kernel reads
+    before writing shows up as NaN rather than as the zeros of fresh memory."""
+    torch.full((megabytes << 18,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("heads_k", [8, 2], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", DQ_FIRST_STORE_SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_dq_first_store(cuda_gen, monkeypatch, head_dim, causal, seqlen_q, seqlen_k, heads_k):
+    """dQ's first store against the oracle, over memory left full of NaNs (an unwritten block of
+    dq_accum would show), MHA and GQA (walks by default without a mask at some head dims)."""
+    skip_unless_hopper_backward(head_dim)
+    monkeypatch.setenv(DQ_FIRST_STORE_ENV, "1")
+    poison_cached_memory()
+    check_hopper_backward(cuda_gen, head_dim, causal, seqlen_q, seqlen_k, heads_k)
+
+
+@pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
+def test_dq_first_store_with_a_window_and_in_a_cuda_graph(cuda_gen, monkeypatch, head_dim):
+    """A window (query blocks no key block reaches: zeros), and graph replays equal to the eager
+    call (the counters zeroed by each replay's preprocess)."""
+    skip_unless_hopper_backward(head_dim)
+    monkeypatch.setenv(DQ_FIRST_STORE_ENV, "1")
+    options = {"window_size": (100, 0)}
+    if not options_left_out(**options):
+        poison_cached_memory()
+        check_hopper_backward(cuda_gen, head_dim, False, 500, 300, 2, **options)
+    q, k, v, dout = random_inputs(cuda_gen, 2, 333, 700, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    eager = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, kernel="sm90")
+    graph, replayed = capture_graph(
+        lambda: flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, kernel="sm90"))
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, got, want in zip(("dq", "dk", "dv"), replayed, eager):
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda m: f"graph replay, {name}: {m}")
+
+
+def test_dq_first_store_leaves_deterministic_and_varlen_calls_alone(cuda_gen, monkeypatch):
+    """Deterministic calls keep their turns (bitwise equal to the same call without the switch) and
+    variable-length calls their zeroed accumulator."""
+    head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 2, 333, 700, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+
+    def gradients(switch):
+        monkeypatch.setenv(DQ_FIRST_STORE_ENV, switch)
+        return flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, kernel="sm90")
+
+    for name, on, off in zip(("dq", "dk", "dv"), gradients("1"), gradients("0")):
+        assert torch.equal(on, off), f"deterministic {name} changed with {DQ_FIRST_STORE_ENV}=1"
+    backward = packed_causal_backward(cuda_gen, head_dim)
+    monkeypatch.setenv(DQ_FIRST_STORE_ENV, "0")
+    off = backward()
+    monkeypatch.setenv(DQ_FIRST_STORE_ENV, "1")
+    poison_cached_memory()
+    for name, on, want in zip(("dq", "dk", "dv"), backward(), off):
+        torch.testing.assert_close(on.float(), want.float(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda m: f"varlen {name} with {DQ_FIRST_STORE_ENV}=1: {m}")

@@ -29,9 +29,15 @@ constexpr int kThreadsPerRow = threads_per_row(kHeadDim);
 constexpr int kPrePostThreads = 128;
 static_assert(kThreadsPerRow<256> <= 32 && kPrePostThreads % 32 == 0);
 
+// Where a query row's block counts the main kernel's arrivals (BwdParams::dq_arrivals).
+__device__ __forceinline__ int64_t dq_arrival_index(BwdParams const& params, int batch, int head, int query) {
+  const int64_t blocks = (params.seqlen_q + params.dq_block_rows - 1) / params.dq_block_rows;
+  return (int64_t(batch) * params.heads + head) * blocks + query / params.dq_block_rows;
+}
+
 // One row (batch, query, head) per kThreadsPerRow threads, rows in memory order of dout:
 // dsoftmax_sum[batch, head, query] = sum(dout * out) over the head dim, in fp32, and the row of
-// dq_accum zeroed.
+// dq_accum zeroed (with dQ's first store, each block's arrival count instead).
 template <int kHeadDim, class Element>
 __global__ void __launch_bounds__(kPrePostThreads)
     flash_bwd_preprocess(__grid_constant__ const BwdParams params) {
@@ -59,14 +65,21 @@ __global__ void __launch_bounds__(kPrePostThreads)
   if (row < rows && col < kHeadDim) {
     const int64_t out_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
     if (lane == 0) params.dsoftmax_sum[out_row] = sum;
-    float4* dq_accum = reinterpret_cast<float4*>(params.dq_accum + out_row * kHeadDim + col);
-    dq_accum[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    dq_accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (params.dq_arrivals != nullptr) {
+      if (lane == 0 && query % params.dq_block_rows == 0) {
+        params.dq_arrivals[dq_arrival_index(params, batch, head, query)] = 0;
+      }
+    } else {
+      float4* dq_accum = reinterpret_cast<float4*>(params.dq_accum + out_row * kHeadDim + col);
+      dq_accum[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      dq_accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 }
 
 // dq[batch, query, head, :head_dim] = softmax_scale * dq_accum[batch, head, query, :head_dim] in
-// Element, one row per kThreadsPerRow threads as above.
+// Element, one row per kThreadsPerRow threads as above (zeros where dQ's first store left the
+// row's block unwritten: no key block reached it).
 template <int kHeadDim, class Element>
 __global__ void __launch_bounds__(kPrePostThreads)
     flash_bwd_postprocess(__grid_constant__ const BwdParams params) {
@@ -80,7 +93,10 @@ __global__ void __launch_bounds__(kPrePostThreads)
   const int batch = int(row / (int64_t(params.heads) * params.seqlen_q));
   const int64_t accum_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
   const float4* src = reinterpret_cast<const float4*>(params.dq_accum + accum_row * kHeadDim + col);
-  const float4 lo = src[0], hi = src[1];
+  const bool written =
+      params.dq_arrivals == nullptr || params.dq_arrivals[dq_arrival_index(params, batch, head, query)] != 0;
+  const float4 zeros = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4 lo = written ? src[0] : zeros, hi = written ? src[1] : zeros;
   cutlass::Array<float, 8> values;
   values[0] = lo.x, values[1] = lo.y, values[2] = lo.z, values[3] = lo.w;
   values[4] = hi.x, values[5] = hi.y, values[6] = hi.z, values[7] = hi.w;

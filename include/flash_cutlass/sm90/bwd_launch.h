@@ -19,11 +19,19 @@ namespace flash_cutlass::sm90 {
 // The preprocess, the Hopper main kernel (dK, dV; dQ by TMA reduce-add, in key-block order when
 // deterministic), the postprocess (common/bwd_stages.h).
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
-cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
+cudaError_t run_bwd(BwdParams const& call, cudaStream_t stream) {
   using namespace cute;
   using Element = typename ElementOf<kDType>::type;
   using Traits = BwdTraitsFor<kHeadDim, Element>;
-  if (params.deterministic && params.dq_turns == nullptr) return cudaErrorInvalidValue;
+  if (call.deterministic && call.dq_turns == nullptr) return cudaErrorInvalidValue;
+  // dQ's first store: in fixed-length calls that are not deterministic only (a variable-length
+  // tail block's store would overwrite the next sequence's first rows; deterministic calls keep
+  // their turns), its arrivals counted per query block of this kernel's rows.
+  if (call.dq_arrivals != nullptr && (call.deterministic || call.cu_seqlens_q != nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  BwdParams params = call;
+  params.dq_block_rows = Traits::kBlockM;
   const TmaExtents extents = tma_extents(params);
   // An operand's TMA view: (rows, head_dim, heads, batch) with its strides.
   auto operand = [&](const void* base, int rows, int heads, int64_t row_stride, int64_t head_stride,
@@ -105,6 +113,7 @@ cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
       tma_k,
       tma_v,
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{}, dq_accum, typename Traits::SmemLayoutdQ{}, typename Traits::TileDq{}, _1{}),
       make_tma_copy(SM90_TMA_STORE{},
                     output(params.dk, params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride),
                     typename Traits::SmemLayoutKV{}, TileKV{}, _1{}),

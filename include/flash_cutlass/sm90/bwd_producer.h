@@ -246,6 +246,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   Tensor sdQ = make_tensor(make_smem_ptr(storage.dq.data()), typename Traits::SmemLayoutdQ{});
   const bool varlen = params.cu_seqlens_q != nullptr;
   const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work, kRotatedWalk);
+  const DqArrivals<Traits::kBlockM> arrivals(params, work.tile.batch);
   const int num_m_blocks = work.num_m_blocks();
   const int num_steps = work.num_steps();
   int walk_step = 0;
@@ -265,6 +266,8 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
       if (kRotatedWalk && position.steps + walk_step > 0) named_barrier_arrive<BwdBarrier::kDqEmpty, 0, kDqThreads>();
       // Counted while the consumers still compute this block's dQ.
       const int place = turns ? turns.place(work, m_block, lane) : 0;
+      const bool first_store =
+          arrivals && lane == 0 && arrive_first_or_wait_for_store(arrivals.counter(head, m_block));
       const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
       CUTE_UNROLL
       for (int part = 0; part < kParts; ++part) {
@@ -281,7 +284,11 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
         }
         if (lane == 0) {
           if (part == 0 && turns) wait_for_turn(turns.counter(head, m_block), place);
-          copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block, part));
+          if (first_store) {
+            copy(kernel_params.tma_dq_store, tdQsdQ, tdQgdQ(_, m_block, part));
+          } else {
+            copy(kernel_params.tma_dq, tdQsdQ, tdQgdQ(_, m_block, part));
+          }
           tma_store_arrive();
           tma_store_wait<0>();  // the TMA unit has read storage.dq
         }
@@ -295,6 +302,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
         }
       }
       if (lane == 0 && turns) pass_turn_after_reductions(turns.counter(head, m_block));
+      if (first_store) mark_stored_after_stores(arrivals.counter(head, m_block));
     }
   }
 }

@@ -122,6 +122,10 @@ struct BwdCommonTraits {
   template <class SmemLayoutdQ, class TileDq>
   using TmadQFor = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutdQ{},
                                                 TileDq{}, cute::_1{}));
+  // The same tile stored instead (the first of a query block's adders: BwdParams::dq_arrivals).
+  template <class SmemLayoutdQ, class TileDq>
+  using TmaStoredQFor = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensordQ{}, SmemLayoutdQ{},
+                                                     TileDq{}, cute::_1{}));
   // A GQA call's dK or dV added to its K/V head's fp32 accumulator by TMA's reduce-add
   // (bwd_epilogue.h): half the head dim at a time, 128-byte swizzled, staged in K's tile and V's
   // (each as many bytes as one half). Where a half is no whole number of 32-float atoms (head dim
@@ -241,6 +245,7 @@ struct BwdKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_, kStages_
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
 
   using TmadQ = typename Base::template TmadQFor<SmemLayoutdQ, TileDq>;
+  using TmaStoredQ = typename Base::template TmaStoredQFor<SmemLayoutdQ, TileDq>;
 };
 
 // The wide head dims (256): dK and dV of 64 keys x 256 do not fit one warpgroup's registers next
@@ -297,6 +302,7 @@ struct BwdHeadSplitKernelTraits : BwdCommonTraits<kHeadDim_, kBlockM_, kBlockN_,
   using TileDq = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>>;
   using SmemLayoutdQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{}, TileDq{}));
   using TmadQ = typename Base::template TmadQFor<SmemLayoutdQ, TileDq>;
+  using TmaStoredQ = typename Base::template TmaStoredQFor<SmemLayoutdQ, TileDq>;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>> q;

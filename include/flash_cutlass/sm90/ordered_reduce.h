@@ -5,7 +5,8 @@
 // source to be read), and passes the turn on by incrementing the counter. The CTAs of earlier
 // turns are never waiting on later ones (the grid launches them first and each walks its tiles in
 // one direction; rotated walks run a head's key blocks at once, each CTA taking its heads in the
-// same order), so the chain cannot deadlock.
+// same order), so the chain cannot deadlock. Below it, dQ's first store (calls that are not
+// deterministic), which orders only each block's first arrival before the others.
 #pragma once
 
 #include "flash_cutlass/common/block_info.h"
@@ -91,5 +92,57 @@ struct DqTurns {
     return earlier;
   }
 };
+
+// dQ's first store (BwdParams::dq_arrivals; calls that are not deterministic): the preprocess leaves
+// dq_accum unwritten, and the first CTA to reach a query block stores its dQ tile there while the
+// others add theirs. Each block's counter (zeroed by the preprocess) counts the arrivals; the first
+// adds kDqStored once its store has completed, and the others wait for that bit before adding.
+// None waits on a later arrival, so the waits cannot deadlock; walks whose key blocks would all
+// reach a block at once start at rotated blocks (sm90/tile_scheduler.h), so that the first arrival
+// at a block is usually a step ahead of the others.
+inline constexpr int kDqStored = 1 << 30;
+
+template <int kBlockM>
+struct DqArrivals {
+  int* counters = nullptr;  // of the batch entry's query head 0
+  int m_blocks = 0;         // counters a query head
+
+  __device__ DqArrivals(BwdParams const& params, int batch) {
+    if (params.dq_arrivals == nullptr) return;
+    m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+    counters = params.dq_arrivals + int64_t(batch) * params.heads * m_blocks;
+  }
+
+  __device__ explicit operator bool() const { return counters != nullptr; }
+
+  __device__ __forceinline__ int* counter(int head, int m_block) const {
+    return counters + int64_t(head) * m_blocks + m_block;
+  }
+};
+
+// Counts this CTA's arrival at a block; true for the first. Then, for the others, polls until the
+// first's store has completed (bounded as wait_for_turn), the proxy fence ordering it before this
+// thread's reduce-add.
+__device__ __forceinline__ bool arrive_first_or_wait_for_store(int* counter) {
+  int arrived;
+  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(arrived) : "l"(counter) : "memory");
+  if (arrived == 0) return true;
+  constexpr unsigned kMaxPolls = 1u << 26;
+  for (unsigned polls = 0; (arrived & kDqStored) == 0; ++polls) {
+    if (polls == kMaxPolls) __trap();
+    __nanosleep(64);
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(arrived) : "l"(counter) : "memory");
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  return false;
+}
+
+// After the first arrival's committed bulk stores: waits for them to complete in global memory, then
+// releases the block to the other arrivals.
+__device__ __forceinline__ void mark_stored_after_stores(int* counter) {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(counter), "r"(kDqStored) : "memory");
+}
 
 }  // namespace flash_cutlass::sm90

@@ -79,6 +79,14 @@ struct KeyWalkPosition {
   }
 };
 
+// Where a walk without a mask starts when its key blocks are to reach each query block one after
+// the other (deterministic rotated walks; dQ's first store, BwdParams::dq_arrivals): key block n of
+// num_n_blocks at query block n * m_blocks / num_n_blocks.
+template <class Work>
+__device__ __forceinline__ int rotated_start(Work const& work, int num_n_blocks) {
+  return work.tile.n_block * work.num_m_blocks() / num_n_blocks;
+}
+
 // Calls work(key_block_work, position) for every key tile of this CTA that lies in its sequence,
 // from one call site (the roles' bodies are inlined once).
 template <int kBlockM, int kBlockN, MaskKind kMaskKind, bool kRotatedWalk, class Work>
@@ -88,6 +96,9 @@ __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& p
     auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(
         params, key_tile_at<kBlockN>(params, int(blockIdx.x), params.deterministic, query_heads));
     key_block.query_heads = query_heads;
+    if (kMaskKind == MaskKind::kNone && params.dq_arrivals != nullptr) {
+      key_block.m_rotation = rotated_start(key_block, (params.seqlen_k + kBlockN - 1) / kBlockN);
+    }
     if (key_block.in_sequence()) work(key_block, KeyWalkPosition{});
   } else {
     KeyWalkPosition position;
@@ -99,7 +110,9 @@ __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& p
       auto key_block = key_block_work_of<kBlockM, kBlockN, kMaskKind>(params, tile);
       key_block.query_heads = query_heads;
       if (!key_block.in_sequence()) continue;
-      if (params.deterministic) key_block.m_rotation = key_block.tile.n_block * key_block.num_m_blocks() / num_n_blocks;
+      if (params.deterministic || params.dq_arrivals != nullptr) {
+        key_block.m_rotation = rotated_start(key_block, num_n_blocks);
+      }
       work(key_block, position);
       position.advance(key_block);
     }

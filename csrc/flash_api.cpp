@@ -570,9 +570,10 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
   return walk;
 }
 
-// $FLASH_CUTLASS_BWD_DQ_FIRST_STORE=1: in the Hopper backward of fixed-length calls that are not
-// deterministic, the first key block to reach a query block stores its dQ and the others add to
-// it, so that the preprocess need not zero dq_accum (BwdParams::dq_arrivals; not yet measured).
+// $FLASH_CUTLASS_BWD_DQ_FIRST_STORE=1: in the Hopper backward of fixed-length calls, the first key
+// block to reach a query block (in a deterministic call the first turn) stores its dQ and the
+// others add to it, so that the preprocess need not zero dq_accum (BwdParams::dq_first_store; not
+// yet measured).
 constexpr const char* kDqFirstStoreEnv = "FLASH_CUTLASS_BWD_DQ_FIRST_STORE";
 
 // $FLASH_CUTLASS_BWD_V_AFTER_Q=1: the Hopper backward loads V after its walk's first Q and dO
@@ -690,19 +691,20 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     params.dkv_head_stride = dk.stride(2);
   }
   params.deterministic = options.deterministic;
-  at::Tensor dq_turns;
+  // Counters per query block of at least 64 rows (the Hopper kernels' smallest): zeroed here, or
+  // with dQ's first store by the preprocess.
+  params.dq_first_store = opt_in(kDqFirstStoreEnv) && kernel.path == KernelPath::kSm90 && !options.is_varlen();
+  const int64_t block_counters = int64_t(params.batch) * params.heads * ((params.seqlen_q + 63) / 64);
+  const auto counters = [&] {
+    const auto int32 = q.options().dtype(at::kInt);
+    return params.dq_first_store ? at::empty({block_counters}, int32) : at::zeros({block_counters}, int32);
+  };
+  at::Tensor dq_turns, dq_arrivals;
   if (options.deterministic && kernel.path == KernelPath::kSm90) {
-    dq_turns = at::zeros({int64_t(params.batch) * params.heads * ((params.seqlen_q + 63) / 64)},
-                         q.options().dtype(at::kInt));
+    dq_turns = counters();
     params.dq_turns = dq_turns.data_ptr<int>();
-  }
-  at::Tensor dq_arrivals;
-  if (opt_in(kDqFirstStoreEnv) && kernel.path == KernelPath::kSm90 && !options.deterministic &&
-      !options.is_varlen()) {
-    // Counters per query block of at least 64 rows (the Hopper kernels' smallest), zeroed by the
-    // preprocess.
-    dq_arrivals = at::empty({int64_t(params.batch) * params.heads * ((params.seqlen_q + 63) / 64)},
-                            q.options().dtype(at::kInt));
+  } else if (params.dq_first_store) {
+    dq_arrivals = counters();
     params.dq_arrivals = dq_arrivals.data_ptr<int>();
   }
   if (options.is_varlen()) params.dout_batch_stride = params.dq_batch_stride = params.dkv_batch_stride = 0;

@@ -581,20 +581,34 @@ def test_dq_first_store_with_a_window_and_in_a_cuda_graph(cuda_gen, monkeypatch,
                                        msg=lambda m: f"graph replay, {name}: {m}")
 
 
-def test_dq_first_store_leaves_deterministic_and_varlen_calls_alone(cuda_gen, monkeypatch):
-    """Deterministic calls keep their turns (bitwise equal to the same call without the switch) and
-    variable-length calls their zeroed accumulator."""
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_dq_first_store_in_deterministic_calls(cuda_gen, monkeypatch, head_dim, causal):
+    """Deterministic calls store at their first turn and add after it in the same order: bitwise
+    equal to the call without the switch (0 + x is x), over memory left full of NaNs; causal with
+    more queries than keys (blocks no key block reaches), and rotated walks without a mask (1050 /
+    1000), MHA and GQA walks of whole groups."""
+    skip_unless_hopper_backward(head_dim)
+    for seqlen_q, seqlen_k, heads_k in ((700, 333, 2), (1050, 1000, 8), (1050, 1000, 2)):
+        q, k, v, dout = random_inputs(cuda_gen, 2, seqlen_q, seqlen_k, heads_k, head_dim)
+        out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
+
+        def gradients(switch):
+            monkeypatch.setenv(DQ_FIRST_STORE_ENV, switch)
+            poison_cached_memory()
+            return flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True,
+                                                kernel="sm90")
+
+        for name, on, off in zip(("dq", "dk", "dv"), gradients("1"), gradients("0")):
+            assert torch.equal(on, off), (f"deterministic {name} ({seqlen_q}, {seqlen_k}, heads_k {heads_k}) "
+                                          f"changed with {DQ_FIRST_STORE_ENV}=1")
+
+
+def test_dq_first_store_leaves_varlen_calls_alone(cuda_gen, monkeypatch):
+    """Variable-length calls keep their zeroed accumulator (a tail block's store would overwrite
+    the next sequence's first rows)."""
     head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
     skip_unless_hopper_backward(head_dim)
-    q, k, v, dout = random_inputs(cuda_gen, 2, 333, 700, 2, head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
-
-    def gradients(switch):
-        monkeypatch.setenv(DQ_FIRST_STORE_ENV, switch)
-        return flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, kernel="sm90")
-
-    for name, on, off in zip(("dq", "dk", "dv"), gradients("1"), gradients("0")):
-        assert torch.equal(on, off), f"deterministic {name} changed with {DQ_FIRST_STORE_ENV}=1"
     backward = packed_causal_backward(cuda_gen, head_dim)
     monkeypatch.setenv(DQ_FIRST_STORE_ENV, "0")
     off = backward()

@@ -156,12 +156,13 @@ struct BwdParams : FwdParams {
   // have added to that query block (64: the smallest block of rows a Hopper backward walks).
   bool deterministic = false;
   int* dq_turns = nullptr;
-  // dQ's first store (opt-in, Hopper path, fixed-length calls that are not deterministic): the
-  // preprocess leaves dq_accum unwritten and zeroes dq_arrivals instead, int32 (batch, heads,
-  // ceil(seqlen_q / dq_block_rows)), where the main kernel counts the key blocks that reach each
-  // query block of dq_block_rows rows (its kBlockM): the first stores its dQ tile, the others add
-  // theirs once that store has completed (sm90/ordered_reduce.h), and the postprocess writes zeros
-  // for blocks that none reached.
+  // dQ's first store (opt-in, Hopper path, fixed-length calls): the preprocess leaves dq_accum
+  // unwritten and zeroes the counters of the query blocks instead (dq_turns in a deterministic call,
+  // else dq_arrivals: int32 (batch, heads, ceil(seqlen_q / dq_block_rows)), dq_block_rows the main
+  // kernel's kBlockM), which count the key blocks that reach each block. The first to reach one (a
+  // deterministic call's first turn) stores its dQ tile and the others add theirs once that store
+  // has completed (sm90/ordered_reduce.h); the postprocess writes zeros for blocks none reached.
+  bool dq_first_store = false;
   int* dq_arrivals = nullptr;
   int dq_block_rows = 0;
   // GQA on the Hopper path: the query heads one CTA's key tile walks (sm90/tile_scheduler.h), a

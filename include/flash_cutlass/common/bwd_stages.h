@@ -29,8 +29,13 @@ constexpr int kThreadsPerRow = threads_per_row(kHeadDim);
 constexpr int kPrePostThreads = 128;
 static_assert(kThreadsPerRow<256> <= 32 && kPrePostThreads % 32 == 0);
 
-// Where a query row's block counts the main kernel's arrivals (BwdParams::dq_arrivals).
-__device__ __forceinline__ int64_t dq_arrival_index(BwdParams const& params, int batch, int head, int query) {
+// With dQ's first store (BwdParams::dq_first_store), the counters of the key blocks that reach each
+// query block, and where a query row's block is counted; else nullptr.
+__device__ __forceinline__ int* dq_block_counts(BwdParams const& params) {
+  if (!params.dq_first_store) return nullptr;
+  return params.deterministic ? params.dq_turns : params.dq_arrivals;
+}
+__device__ __forceinline__ int64_t dq_block_index(BwdParams const& params, int batch, int head, int query) {
   const int64_t blocks = (params.seqlen_q + params.dq_block_rows - 1) / params.dq_block_rows;
   return (int64_t(batch) * params.heads + head) * blocks + query / params.dq_block_rows;
 }
@@ -65,10 +70,8 @@ __global__ void __launch_bounds__(kPrePostThreads)
   if (row < rows && col < kHeadDim) {
     const int64_t out_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
     if (lane == 0) params.dsoftmax_sum[out_row] = sum;
-    if (params.dq_arrivals != nullptr) {
-      if (lane == 0 && query % params.dq_block_rows == 0) {
-        params.dq_arrivals[dq_arrival_index(params, batch, head, query)] = 0;
-      }
+    if (int* counts = dq_block_counts(params)) {
+      if (lane == 0 && query % params.dq_block_rows == 0) counts[dq_block_index(params, batch, head, query)] = 0;
     } else {
       float4* dq_accum = reinterpret_cast<float4*>(params.dq_accum + out_row * kHeadDim + col);
       dq_accum[0] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -93,8 +96,8 @@ __global__ void __launch_bounds__(kPrePostThreads)
   const int batch = int(row / (int64_t(params.heads) * params.seqlen_q));
   const int64_t accum_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
   const float4* src = reinterpret_cast<const float4*>(params.dq_accum + accum_row * kHeadDim + col);
-  const bool written =
-      params.dq_arrivals == nullptr || params.dq_arrivals[dq_arrival_index(params, batch, head, query)] != 0;
+  const int* counts = dq_block_counts(params);
+  const bool written = counts == nullptr || counts[dq_block_index(params, batch, head, query)] != 0;
   const float4 zeros = make_float4(0.f, 0.f, 0.f, 0.f);
   const float4 lo = written ? src[0] : zeros, hi = written ? src[1] : zeros;
   cutlass::Array<float, 8> values;

@@ -24,10 +24,10 @@ cudaError_t run_bwd(BwdParams const& call, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
   using Traits = BwdTraitsFor<kHeadDim, Element>;
   if (call.deterministic && call.dq_turns == nullptr) return cudaErrorInvalidValue;
-  // dQ's first store: in fixed-length calls that are not deterministic only (a variable-length
-  // tail block's store would overwrite the next sequence's first rows; deterministic calls keep
-  // their turns), its arrivals counted per query block of this kernel's rows.
-  if (call.dq_arrivals != nullptr && (call.deterministic || call.cu_seqlens_q != nullptr)) {
+  // dQ's first store: in fixed-length calls only (a variable-length tail block's store would
+  // overwrite the next sequence's first rows), its counters per query block of this kernel's rows.
+  if (call.dq_first_store && (call.cu_seqlens_q != nullptr ||
+                              (call.deterministic ? call.dq_turns : call.dq_arrivals) == nullptr)) {
     return cudaErrorInvalidValue;
   }
   BwdParams params = call;

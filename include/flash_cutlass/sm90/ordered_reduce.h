@@ -5,8 +5,9 @@
 // source to be read), and passes the turn on by incrementing the counter. The CTAs of earlier
 // turns are never waiting on later ones (the grid launches them first and each walks its tiles in
 // one direction; rotated walks run a head's key blocks at once, each CTA taking its heads in the
-// same order), so the chain cannot deadlock. Below it, dQ's first store (calls that are not
-// deterministic), which orders only each block's first arrival before the others.
+// same order), so the chain cannot deadlock. With dQ's first store the first turn stores instead
+// of adding. Below it, dQ's first store in calls that are not deterministic, which orders only each
+// block's first arrival before the others.
 #pragma once
 
 #include "flash_cutlass/common/block_info.h"
@@ -93,9 +94,9 @@ struct DqTurns {
   }
 };
 
-// dQ's first store (BwdParams::dq_arrivals; calls that are not deterministic): the preprocess leaves
-// dq_accum unwritten, and the first CTA to reach a query block stores its dQ tile there while the
-// others add theirs. Each block's counter (zeroed by the preprocess) counts the arrivals; the first
+// dQ's first store (BwdParams::dq_first_store) in calls that are not deterministic (deterministic
+// ones store at their first turn): the preprocess leaves dq_accum unwritten, and the first CTA to
+// reach a query block stores its dQ tile there while the others add theirs. Each block's counter (zeroed by the preprocess) counts the arrivals; the first
 // adds kDqStored once its store has completed, and the others wait for that bit before adding.
 // None waits on a later arrival, so the waits cannot deadlock; walks whose key blocks would all
 // reach a block at once start at rotated blocks (sm90/tile_scheduler.h), so that the first arrival

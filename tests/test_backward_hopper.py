@@ -35,6 +35,18 @@ def skip_unless_hopper_backward(head_dim: int) -> None:
         pytest.skip(reason)
 
 
+def assert_gradients_close(got, want, label):
+    """dq, dk and dv of two calls equal up to the rounding that atomics' orders leave."""
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{label}, {name}: {m}")
+
+
+def assert_gradients_equal(got, want, label):
+    """dq, dk and dv of two calls bitwise equal."""
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), f"{label}: {name} differs"
+
+
 def oracle_gradients(q, k, v, dout, causal, dtype, **options):
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     out, _ = naive_attention(*leaves, 1.0 / math.sqrt(q.shape[-1]), causal, **options)
@@ -120,8 +132,7 @@ def check_deterministic_runs(gen, head_dim, seqlens, heads_k, causal, options, l
     runs = [flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, kernel="sm90",
                                          **options) for _ in range(3)]
     for run in runs[1:]:
-        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
-            assert torch.equal(first, again), f"{name} differs between two deterministic runs ({label})"
+        assert_gradients_equal(run, runs[0], f"two deterministic runs ({label})")
     oracle = oracle_gradients(q, k, v, dout, causal, torch.float32, **options)
     same_dtype = oracle_gradients(q, k, v, dout, causal, torch.bfloat16, **options)
     for name, grad, ref, base in zip(("dq", "dk", "dv"), runs[0], oracle, same_dtype):
@@ -213,12 +224,10 @@ def test_deterministic_varlen_hopper_backward_is_bitwise_reproducible(cuda_gen):
     runs = [flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                                 causal=True, deterministic=True, kernel="sm90") for _ in range(3)]
     for run in runs[1:]:
-        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
-            assert torch.equal(first, again), f"{name} differs between two deterministic varlen runs"
+        assert_gradients_equal(run, runs[0], "two deterministic varlen runs")
     atomics = flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
                                                   max_seqlen, causal=True, kernel="sm90")
-    for name, grad, ref in zip(("dq", "dk", "dv"), runs[0], atomics):
-        torch.testing.assert_close(grad, ref, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    assert_gradients_close(runs[0], atomics, "deterministic varlen against atomics")
 
 
 @pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
@@ -230,8 +239,7 @@ def test_automatic_deterministic_backward_runs_on_the_hopper_kernel(cuda_gen, he
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
     auto = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, kernel="auto")
     hopper = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, kernel="sm90")
-    for name, a, b in zip(("dq", "dk", "dv"), auto, hopper):
-        assert torch.equal(a, b), f"{name} of kernel='auto' differs from kernel='sm90''s"
+    assert_gradients_equal(auto, hopper, "kernel='auto' against kernel='sm90'")
 
 
 def backward_peak_bytes(dout, q, k, v, out, lse, **options):
@@ -368,12 +376,9 @@ def test_gqa_walks_in_variable_length_calls(cuda_gen, monkeypatch, head_dim):
     walks = {walk: gradients(walk) for walk in ("2", "4")}
     walks["4, deterministic"] = gradients("4", deterministic=True)
     again = gradients("4", deterministic=True)
-    for name, first, second in zip(("dq", "dk", "dv"), walks["4, deterministic"], again):
-        assert torch.equal(first, second), f"{name} differs between two deterministic varlen walks"
+    assert_gradients_equal(again, walks["4, deterministic"], "two deterministic varlen walks")
     for walk, grads in walks.items():
-        for name, grad, ref in zip(("dq", "dk", "dv"), grads, one_head):
-            torch.testing.assert_close(grad.float(), ref.float(), atol=2e-2, rtol=2e-2,
-                                       msg=lambda m: f"walk {walk}, {name}: {m}")
+        assert_gradients_close(grads, one_head, f"walk {walk}")
 
 
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
@@ -432,9 +437,7 @@ def test_default_walks_whole_groups_without_a_mask_only(cuda_gen, monkeypatch, h
         monkeypatch.setenv(WALK_ENV, "1")
         one_head = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
                                                 kernel="sm90")
-        for name, got, want in zip(("dq", "dk", "dv"), grads, one_head):
-            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2,
-                                       msg=lambda m: f"{label}, {name}: {m}")
+        assert_gradients_close(grads, one_head, label)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -515,8 +518,7 @@ def test_v_after_the_first_query_block_deterministic_and_varlen(cuda_gen, monkey
         return flash_cutlass.flash_backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                                                    causal=True, kernel="sm90")
 
-    for name, later, first in zip(("dq", "dk", "dv"), gradients("1"), gradients("0")):
-        torch.testing.assert_close(later.float(), first.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    assert_gradients_close(gradients("1"), gradients("0"), "V after Q against V with K")
 
 
 def test_v_after_q_switch_takes_0_or_1(cuda_gen, monkeypatch):
@@ -576,9 +578,7 @@ def test_dq_first_store_with_a_window_and_in_a_cuda_graph(cuda_gen, monkeypatch,
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()
-        for name, got, want in zip(("dq", "dk", "dv"), replayed, eager):
-            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2,
-                                       msg=lambda m: f"graph replay, {name}: {m}")
+        assert_gradients_close(replayed, eager, "graph replay")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -599,9 +599,8 @@ def test_dq_first_store_in_deterministic_calls(cuda_gen, monkeypatch, head_dim, 
             return flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True,
                                                 kernel="sm90")
 
-        for name, on, off in zip(("dq", "dk", "dv"), gradients("1"), gradients("0")):
-            assert torch.equal(on, off), (f"deterministic {name} ({seqlen_q}, {seqlen_k}, heads_k {heads_k}) "
-                                          f"changed with {DQ_FIRST_STORE_ENV}=1")
+        assert_gradients_equal(gradients("1"), gradients("0"), f"deterministic ({seqlen_q}, {seqlen_k}, heads_k "
+                                                                 f"{heads_k}) with {DQ_FIRST_STORE_ENV}=1")
 
 
 def test_dq_first_store_leaves_varlen_calls_alone(cuda_gen, monkeypatch):
@@ -614,6 +613,4 @@ def test_dq_first_store_leaves_varlen_calls_alone(cuda_gen, monkeypatch):
     off = backward()
     monkeypatch.setenv(DQ_FIRST_STORE_ENV, "1")
     poison_cached_memory()
-    for name, on, want in zip(("dq", "dk", "dv"), backward(), off):
-        torch.testing.assert_close(on.float(), want.float(), atol=2e-2, rtol=2e-2,
-                                   msg=lambda m: f"varlen {name} with {DQ_FIRST_STORE_ENV}=1: {m}")
+    assert_gradients_close(backward(), off, f"varlen with {DQ_FIRST_STORE_ENV}=1")

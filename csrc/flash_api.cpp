@@ -570,10 +570,10 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
   return walk;
 }
 
-// $FLASH_CUTLASS_BWD_DQ_FIRST_STORE=1: in the Hopper backward of fixed-length calls, the first key
-// block to reach a query block (in a deterministic call the first turn) stores its dQ and the
-// others add to it, so that the preprocess need not zero dq_accum (BwdParams::dq_first_store; not
-// yet measured).
+// $FLASH_CUTLASS_BWD_DQ_FIRST_STORE=1: in the Hopper backward of fixed-length calls without a soft
+// cap, ALiBi or dropout, the first key block to reach a query block (in a deterministic call the
+// first turn) stores its dQ and the others add to it, so that the preprocess need not zero
+// dq_accum (BwdParams::dq_first_store; not yet measured).
 constexpr const char* kDqFirstStoreEnv = "FLASH_CUTLASS_BWD_DQ_FIRST_STORE";
 
 // $FLASH_CUTLASS_BWD_V_AFTER_Q=1: the Hopper backward loads V after its walk's first Q and dO
@@ -693,7 +693,9 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   params.deterministic = options.deterministic;
   // Counters per query block of at least 64 rows (the Hopper kernels' smallest): zeroed here, or
   // with dQ's first store by the preprocess.
-  params.dq_first_store = opt_in(kDqFirstStoreEnv) && kernel.path == KernelPath::kSm90 && !options.is_varlen();
+  // (Not in the soft-cap, ALiBi and dropout kernels: their walks start together at block 0.)
+  params.dq_first_store = opt_in(kDqFirstStoreEnv) && kernel.path == KernelPath::kSm90 && !options.is_varlen() &&
+                          !uses_extension(params);
   const int64_t block_counters = int64_t(params.batch) * params.heads * ((params.seqlen_q + 63) / 64);
   const auto counters = [&] {
     const auto int32 = q.options().dtype(at::kInt);

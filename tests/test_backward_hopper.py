@@ -422,6 +422,8 @@ def test_default_walks_whole_groups_without_a_mask_only(cuda_gen, monkeypatch, h
     k, v = (torch.randn(batch, seqlen, heads_k, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
             for _ in range(2))
     per_kv_head = 2 * batch * seqlen * heads_k * head_dim * 4
+    row_buffers = batch * heads * seqlen * 4 + (1 << 20)  # D (1 MiB here) and under 1 MiB of turn counters
+    assert per_kv_head > 4 * row_buffers
     cases = ((False, False, head_dim in (96, 128, 256)), (True, False, False), (False, True, head_dim == 128))
     for causal, deterministic, walks in cases:
         out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
@@ -431,7 +433,7 @@ def test_default_walks_whole_groups_without_a_mask_only(cuda_gen, monkeypatch, h
         dq_accumulator = batch * seqlen * heads * head_dim * 4
         label = f"causal {causal}, deterministic {deterministic}"
         if walks:
-            assert peak <= gradients + dq_accumulator + (1 << 20), f"{label}: fp32 dK/dV allocated ({peak} bytes)"
+            assert peak <= gradients + dq_accumulator + row_buffers, f"{label}: fp32 dK/dV allocated ({peak} bytes)"
         else:
             assert peak >= gradients + dq_accumulator + per_kv_head, f"{label}: no fp32 dK/dV ({peak} bytes)"
         monkeypatch.setenv(WALK_ENV, "1")

@@ -691,11 +691,11 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     params.dkv_head_stride = dk.stride(2);
   }
   params.deterministic = options.deterministic;
-  // Counters per query block of at least 64 rows (the Hopper kernels' smallest): zeroed here, or
-  // with dQ's first store by the preprocess.
-  // (Not in the soft-cap, ALiBi and dropout kernels: their walks start together at block 0.)
+  // Not in the soft-cap, ALiBi and dropout kernels, whose walks all start at block 0.
   params.dq_first_store = opt_in(kDqFirstStoreEnv) && kernel.path == KernelPath::kSm90 && !options.is_varlen() &&
                           !uses_extension(params);
+  // Counters per query block of at least 64 rows (the Hopper kernels' smallest): zeroed here, or
+  // with dQ's first store by the preprocess.
   const int64_t block_counters = int64_t(params.batch) * params.heads * ((params.seqlen_q + 63) / 64);
   const auto counters = [&] {
     const auto int32 = q.options().dtype(at::kInt);

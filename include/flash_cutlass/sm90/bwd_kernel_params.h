@@ -15,7 +15,7 @@ struct BwdKernelParams {
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
   typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum from the staged dQ tile
-  typename Traits::TmaStoredQ tma_dq_store;  // the same tile stored (BwdParams::dq_arrivals)
+  typename Traits::TmaStoredQ tma_dq_store;  // the same tile stored (BwdParams::dq_first_store)
   typename Traits::TmaStoreKV tma_dk;
   typename Traits::TmaStoreKV tma_dv;
   // The same over boxes of a query block's rows (persistent walks: bwd_epilogue.h).

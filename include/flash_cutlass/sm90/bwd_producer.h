@@ -269,7 +269,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
       // dQ's first store: a deterministic call's first turn, or else the first arrival.
       bool first_store = false;
       if (lane == 0 && params.dq_first_store) {
-        first_store = turns ? place == 0 : arrive_first_or_wait_for_store(arrivals.counter(head, m_block));
+        first_store = turns ? place == 0 : arrivals.arrive_first_or_wait_for_store(head, m_block);
       }
       const int queries_in_block = work.sequence.seqlen_q - m_block * Traits::kBlockM;
       CUTE_UNROLL
@@ -305,7 +305,7 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
         }
       }
       if (lane == 0 && turns) pass_turn_after_reductions(turns.counter(head, m_block));
-      if (first_store && !turns) mark_stored_after_stores(arrivals.counter(head, m_block));
+      if (first_store && !turns) arrivals.mark_stored(head, m_block);
     }
   }
 }

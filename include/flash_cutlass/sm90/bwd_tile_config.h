@@ -122,7 +122,7 @@ struct BwdCommonTraits {
   template <class SmemLayoutdQ, class TileDq>
   using TmadQFor = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensordQ{}, SmemLayoutdQ{},
                                                 TileDq{}, cute::_1{}));
-  // The same tile stored instead (the first of a query block's adders: BwdParams::dq_arrivals).
+  // The same tile stored instead (the first of a query block's adders: BwdParams::dq_first_store).
   template <class SmemLayoutdQ, class TileDq>
   using TmaStoredQFor = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensordQ{}, SmemLayoutdQ{},
                                                      TileDq{}, cute::_1{}));

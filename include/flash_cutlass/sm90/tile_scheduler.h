@@ -59,7 +59,8 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
 // rotated: a grid of whole heads (a multiple of the key blocks, all resident at once), key block n
 // starting at query block n * m_blocks / n_blocks, so that the adders of a query block arrive one
 // after the other in the order of their turns rather than all starting at block 0 and queueing
-// behind the last one. (Variable-length calls, whose tails the loader zeroes once per CTA, always
+// behind the last one (with dQ's first store, walks without a mask start rotated in every
+// non-deterministic kernel too, so that a block's first arrival comes a step before the others). (Variable-length calls, whose tails the loader zeroes once per CTA, always
 // walk one tile a CTA.) In a GQA call a tile may take several query heads of one K/V head's group
 // (BwdParams::query_heads_per_key_tile, KeyBlockWork::query_heads): every role walks each head's
 // query blocks, head after head, while K and V stay loaded.
@@ -80,8 +81,8 @@ struct KeyWalkPosition {
 };
 
 // Where a walk without a mask starts when its key blocks are to reach each query block one after
-// the other (deterministic rotated walks; dQ's first store, BwdParams::dq_arrivals): key block n of
-// num_n_blocks at query block n * m_blocks / num_n_blocks.
+// the other (deterministic rotated walks; dQ's first store in other calls, BwdParams::dq_arrivals):
+// key block n of num_n_blocks at query block n * m_blocks / num_n_blocks.
 template <class Work>
 __device__ __forceinline__ int rotated_start(Work const& work, int num_n_blocks) {
   return work.tile.n_block * work.num_m_blocks() / num_n_blocks;

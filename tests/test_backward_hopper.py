@@ -523,17 +523,6 @@ def test_v_after_the_first_query_block_deterministic_and_varlen(cuda_gen, monkey
     assert_gradients_close(gradients("1"), gradients("0"), "V after Q against V with K")
 
 
-def test_v_after_q_switch_takes_0_or_1(cuda_gen, monkeypatch):
-    variable = V_AFTER_Q_ENV
-    head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
-    skip_unless_hopper_backward(head_dim)
-    q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, HEADS, head_dim)
-    out, lse = flash_cutlass.flash_forward(q, k, v)
-    monkeypatch.setenv(variable, "yes")
-    with pytest.raises(ValueError, match=f"{variable} must be 0 or 1, got 'yes'"):
-        flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")
-
-
 # $FLASH_CUTLASS_BWD_DQ_FIRST_STORE=1 (csrc/flash_api.cpp): the first key block to reach a query block
 # stores its dQ, the others add to it; dq_accum is never zeroed.
 DQ_FIRST_STORE_ENV = "FLASH_CUTLASS_BWD_DQ_FIRST_STORE"
@@ -616,3 +605,14 @@ def test_dq_first_store_leaves_varlen_calls_alone(cuda_gen, monkeypatch):
     monkeypatch.setenv(DQ_FIRST_STORE_ENV, "1")
     poison_cached_memory()
     assert_gradients_close(backward(), off, f"varlen with {DQ_FIRST_STORE_ENV}=1")
+
+
+@pytest.mark.parametrize("variable", [V_AFTER_Q_ENV, DQ_FIRST_STORE_ENV])
+def test_opt_in_switches_take_0_or_1(cuda_gen, monkeypatch, variable):
+    head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, HEADS, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    monkeypatch.setenv(variable, "yes")
+    with pytest.raises(ValueError, match=f"{variable} must be 0 or 1, got 'yes'"):
+        flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")

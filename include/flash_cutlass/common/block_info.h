@@ -365,6 +365,13 @@ __device__ __forceinline__ int later_key_blocks(KeyMask<kKind> const& mask, int 
 // What a backward CTA derives from its key tile: its sequence and mask, and the query blocks
 // [m_block_begin, m_block_end) whose rows see any of its keys. A variable-length call's key
 // blocks past their sequence's end (shorter sequences have fewer than the grid) have nothing to do.
+// Where a rotated walk without a mask starts (KeyBlockWork::m_rotation): key block n_block of
+// n_blocks at query block n_block * m_blocks / n_blocks, so that its key blocks reach each query
+// block one after the other (the deterministic rotated walks; dQ's first store in other calls).
+__device__ __forceinline__ int rotated_start(int n_block, int m_blocks, int n_blocks) {
+  return n_block * m_blocks / n_blocks;
+}
+
 template <int kBlockM, int kBlockN, MaskKind kKind>
 struct KeyBlockWork {
   KeyTile tile;

@@ -103,7 +103,7 @@ struct DqTurns {
     // The rotations as the walk sets them (m_blocks >= key_blocks, so that no two are equal).
     const int m_blocks = work.num_m_blocks();
     auto step_at = [&](int n_block) {
-      const int step = m_block - work.m_block_begin - n_block * m_blocks / key_blocks;
+      const int step = m_block - work.m_block_begin - rotated_start(n_block, m_blocks, key_blocks);
       return step < 0 ? step + m_blocks : step;
     };
     const int own_step = step_at(work.tile.n_block);

@@ -60,8 +60,8 @@ __device__ __forceinline__ void for_each_tile_of_this_cta(FwdParams const& param
 // starting at query block n * m_blocks / n_blocks, so that the adders of a query block arrive one
 // after the other in the order of their turns rather than all starting at block 0 and queueing
 // behind the last one (with dQ's first store, walks without a mask start rotated in every
-// non-deterministic kernel too, so that a block's first arrival comes a step before the others). (Variable-length calls, whose tails the loader zeroes once per CTA, always
-// walk one tile a CTA.) In a GQA call a tile may take several query heads of one K/V head's group
+// non-deterministic kernel too, so that a block's first arrival comes a step before the others).
+// (Variable-length calls, whose tails the loader zeroes once per CTA, always walk one tile a CTA.) In a GQA call a tile may take several query heads of one K/V head's group
 // (BwdParams::query_heads_per_key_tile, KeyBlockWork::query_heads): every role walks each head's
 // query blocks, head after head, while K and V stay loaded.
 
@@ -80,14 +80,6 @@ struct KeyWalkPosition {
   }
 };
 
-// Where a walk without a mask starts when its key blocks are to reach each query block one after
-// the other (deterministic rotated walks; dQ's first store in other calls, BwdParams::dq_arrivals):
-// key block n of num_n_blocks at query block n * m_blocks / num_n_blocks.
-template <class Work>
-__device__ __forceinline__ int rotated_start(Work const& work, int num_n_blocks) {
-  return work.tile.n_block * work.num_m_blocks() / num_n_blocks;
-}
-
 // Calls work(key_block_work, position) for every key tile of this CTA that lies in its sequence,
 // from one call site (the roles' bodies are inlined once).
 template <int kBlockM, int kBlockN, MaskKind kMaskKind, bool kRotatedWalk, class Work>
@@ -98,7 +90,8 @@ __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& p
         params, key_tile_at<kBlockN>(params, int(blockIdx.x), params.deterministic, query_heads));
     key_block.query_heads = query_heads;
     if (kMaskKind == MaskKind::kNone && params.dq_arrivals != nullptr) {
-      key_block.m_rotation = rotated_start(key_block, (params.seqlen_k + kBlockN - 1) / kBlockN);
+      key_block.m_rotation = rotated_start(key_block.tile.n_block, key_block.num_m_blocks(),
+                                           (params.seqlen_k + kBlockN - 1) / kBlockN);
     }
     if (key_block.in_sequence()) work(key_block, KeyWalkPosition{});
   } else {
@@ -112,7 +105,7 @@ __device__ __forceinline__ void for_each_key_tile_of_this_cta(BwdParams const& p
       key_block.query_heads = query_heads;
       if (!key_block.in_sequence()) continue;
       if (params.deterministic || params.dq_arrivals != nullptr) {
-        key_block.m_rotation = rotated_start(key_block, num_n_blocks);
+        key_block.m_rotation = rotated_start(key_block.tile.n_block, key_block.num_m_blocks(), num_n_blocks);
       }
       work(key_block, position);
       position.advance(key_block);

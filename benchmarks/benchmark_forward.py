@@ -50,15 +50,16 @@ SUBJECT_DETERMINISTIC = "flash_cutlass_deterministic"
 # flash_cutlass's automatic choice with attention sinks (sinks=, one logit a query head, learned in
 # forward+backward); run only when asked for.
 SUBJECT_SINKS = "flash_cutlass_sinks"
-# An opt-in of the Hopper backward (docs/DEVELOPING.md) set around each call of another subject (the
+# A switch of the Hopper backward (docs/DEVELOPING.md) set around each call of another subject (the
 # extension reads these variables per call), for an A/B against that subject in one process; run
-# only when asked for: the GQA walks chosen by their rule and V loaded after the first Q and dO.
+# only when asked for: the GQA walks chosen by their rule, V loaded after the first Q and dO, and
+# dQ's first store switched off (dq_accum zeroed by the preprocess, as before it became the default).
 SUBJECT_GQA_WALK = "flash_cutlass_gqa_walk"
 SUBJECT_V_AFTER_Q = "flash_cutlass_v_after_q"
-SUBJECT_DQ_FIRST_STORE = "flash_cutlass_dq_first_store"
+SUBJECT_DQ_ZEROED = "flash_cutlass_dq_zeroed"
 SUBJECT_ENVIRONMENT = {SUBJECT_GQA_WALK: (SUBJECT, "FLASH_CUTLASS_GQA_WALK_HEADS", "auto"),
                        SUBJECT_V_AFTER_Q: (SUBJECT, "FLASH_CUTLASS_BWD_V_AFTER_Q", "1"),
-                       SUBJECT_DQ_FIRST_STORE: (SUBJECT, "FLASH_CUTLASS_BWD_DQ_FIRST_STORE", "1")}
+                       SUBJECT_DQ_ZEROED: (SUBJECT, "FLASH_CUTLASS_BWD_DQ_FIRST_STORE", "0")}
 FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None,
                   SUBJECT_SINKS: None, **{subject: None for subject in SUBJECT_ENVIRONMENT}}
 SDPA_BACKENDS = {
@@ -645,7 +646,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         default=",".join(DEFAULT_IMPLS),
                         help=f"implementations to run, of {', '.join(IMPLS)} (default: all but "
                              f"{SUBJECT_DETERMINISTIC}, the automatic choice with deterministic=True, "
-                             f"{SUBJECT_SINKS}, with attention sinks, and the opt-ins of docs/DEVELOPING.md, "
+                             f"{SUBJECT_SINKS}, with attention sinks, and the switches of docs/DEVELOPING.md, "
                              f"{', '.join(SUBJECT_ENVIRONMENT)}); without a flash_cutlass one the extension is not "
                              "imported")
     parser.add_argument("--check", action="store_true",

@@ -570,23 +570,32 @@ int gqa_walk_heads(BwdParams const& params, KernelSelection const& kernel, bool 
   return walk;
 }
 
-// $FLASH_CUTLASS_BWD_DQ_FIRST_STORE=1: in the Hopper backward of fixed-length calls without a soft
-// cap, ALiBi or dropout, the first key block to reach a query block (in a deterministic call the
-// first turn) stores its dQ and the others add to it, so that the preprocess need not zero
-// dq_accum (BwdParams::dq_first_store; not yet measured).
+// $FLASH_CUTLASS_BWD_DQ_FIRST_STORE: dQ's first store, "1" on, "0" off, unset where
+// dq_first_store_by_default says so. In the Hopper backward of fixed-length calls without a soft cap,
+// ALiBi or dropout, the first key block to reach a query block (in a deterministic call the first
+// turn) stores its dQ and the others add to it once that store has completed, so that the preprocess
+// need not zero dq_accum (BwdParams::dq_first_store).
 constexpr const char* kDqFirstStoreEnv = "FLASH_CUTLASS_BWD_DQ_FIRST_STORE";
+// Against dq_accum zeroed, backward TFLOPS at 1k / 4k / 16k tokens, hidden 2048 (H100, 2026-12-05):
+// head dim 64 1.03 / 1.01 / 0.99x without a mask, 1.06 / 1.03 / 1.02x causal; 128 1.04 / 1.03 / 1.02x
+// and 1.06 / 1.03 / 1.04x; 256 1.00 / 1.02 / 0.93x and 1.04 / 0.96 / 0.94x (its larger dQ tile's
+// first store keeps the others waiting longer); deterministic at 256 1.06 / 1.01x without a mask
+// (its turns wait anyway).
+bool dq_first_store_by_default(int kernel_hdim, bool deterministic) {
+  return deterministic || kernel_hdim <= 128;
+}
 
 // $FLASH_CUTLASS_BWD_V_AFTER_Q=1: the Hopper backward loads V after its walk's first Q and dO
 // (BwdParams::v_after_first_query). Unset or 0: with K, first, as before (not yet measured on a GPU).
 constexpr const char* kVAfterQueryEnv = "FLASH_CUTLASS_BWD_V_AFTER_Q";
 
-// An opt-in switch of the environment: unset, empty or "0" off, "1" on.
-bool opt_in(const char* variable) {
+// A switch of the environment: "0" off, "1" on, unset or empty `otherwise`.
+bool switched_on(const char* variable, bool otherwise = false) {
   const char* value = std::getenv(variable);
   const std::string text = value == nullptr ? "" : value;
   TORCH_CHECK_VALUE(text.empty() || text == "0" || text == "1",
                     message(variable, " must be 0 or 1, got '", text, "'"));
-  return text == "1";
+  return text.empty() ? otherwise : text == "1";
 }
 
 // The backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k and v, last
@@ -651,7 +660,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
   const int query_heads_per_key_tile = gqa_walk_heads(params, kernel, options.deterministic, q);
   params.query_heads_per_key_tile = query_heads_per_key_tile;
-  params.v_after_first_query = opt_in(kVAfterQueryEnv) && kernel.path == KernelPath::kSm90;
+  params.v_after_first_query = switched_on(kVAfterQueryEnv) && kernel.path == KernelPath::kSm90;
   // dK and dV go straight into dk and dv without GQA and where a Hopper CTA walks a whole group.
   // Otherwise the Hopper kernels add a group's (or a part's) to per-K/V-head fp32 accumulators
   // with atomics; deterministic calls and the sm80 kernel store them per query head, summed below.
@@ -692,7 +701,9 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   }
   params.deterministic = options.deterministic;
   // Not in the soft-cap, ALiBi and dropout kernels, whose walks all start at block 0.
-  params.dq_first_store = opt_in(kDqFirstStoreEnv) && kernel.path == KernelPath::kSm90 && !options.is_varlen() &&
+  const bool first_store = switched_on(kDqFirstStoreEnv,
+                                       dq_first_store_by_default(kernel.kernel_hdim, options.deterministic));
+  params.dq_first_store = first_store && kernel.path == KernelPath::kSm90 && !options.is_varlen() &&
                           !uses_extension(params);
   // Counters per query block of at least 64 rows (the Hopper kernels' smallest): zeroed here, or
   // with dQ's first store by the preprocess.

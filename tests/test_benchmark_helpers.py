@@ -413,7 +413,7 @@ def test_decode_benchmark_appends_the_query_tokens_behind_the_lengths_it_passes(
     assert appended["k"].shape == appended["v"].shape == (2, 3, 2, 16)
 
 
-@pytest.mark.parametrize("impl", ["flash_cutlass_gqa_walk", "flash_cutlass_v_after_q", "flash_cutlass_dq_first_store"])
+@pytest.mark.parametrize("impl", ["flash_cutlass_gqa_walk", "flash_cutlass_v_after_q", "flash_cutlass_dq_zeroed"])
 def test_opt_in_runners_set_their_variable_for_each_call_only(monkeypatch, impl):
     """The opt-in subjects: their base subject's call with the opt-in's variable set during each call
     (the extension reads it per call), the variable as it was around the calls."""

@@ -590,6 +590,11 @@ bool dq_first_store_by_default(int kernel_hdim, bool deterministic) {
 // (BwdParams::v_after_first_query). Unset or 0: with K, first, as before (not yet measured on a GPU).
 constexpr const char* kVAfterQueryEnv = "FLASH_CUTLASS_BWD_V_AFTER_Q";
 
+// $FLASH_CUTLASS_KVCACHE_TILE_APPEND: "0" keeps the append kernel in every KV-cache call with new
+// tokens; unset or "1": the attention kernel appends them itself where kvcache_appends_in_tile
+// allows (KVCacheParams::append_in_tile).
+constexpr const char* kKVCacheTileAppendEnv = "FLASH_CUTLASS_KVCACHE_TILE_APPEND";
+
 // A switch of the environment: "0" off, "1" on, unset or empty `otherwise`.
 bool switched_on(const char* variable, bool otherwise = false) {
   const char* value = std::getenv(variable);
@@ -1079,7 +1084,8 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     params.lse_accum = lse_accum.data_ptr<float>();
   }
 
-  params.after_own_append = append();
+  params.append_in_tile = kvcache_appends_in_tile(params) && switched_on(kKVCacheTileAppendEnv, true);
+  params.after_own_append = !params.append_in_tile && append();
   if (seqlen_q == 0) return;
   const cudaError_t status = run_kvcache_kernel(params, dtype, kernel_hdim, device, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache kernel launch failed: ", cudaGetErrorString(status));

@@ -248,6 +248,51 @@ def test_append_writes_exactly_the_new_slots(cuda_gen, page_size):
     assert torch.equal(call["k_cache"], expected["k_cache"]) and torch.equal(call["v_cache"], expected["v_cache"])
 
 
+# The attention kernel appends a call's new tokens itself where each sequence's new rows fit its
+# threads (seqlen_new * head_dim at most 2048), without rotary and inside the last query's window;
+# FLASH_CUTLASS_KVCACHE_TILE_APPEND=0 keeps the append kernel (csrc/flash_api.cpp).
+TILE_APPEND_ENV = "FLASH_CUTLASS_KVCACHE_TILE_APPEND"
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16], ids=["contiguous", "p1", "p16"])
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+@pytest.mark.parametrize("seqlen_new,options", [(1, {}), (4, {"causal": True}), (16, {}), (17, {"causal": True}),
+                                                (4, {"window_size": (2, 0)}), (4, {"window_size": (3, 0)})],
+                         ids=["1", "4_causal", "16", "17_causal", "4_window_2", "4_window_3"])
+def test_append_in_the_attention_kernel(cuda_gen, monkeypatch, page_size, num_splits, seqlen_new, options):
+    """New rows that end inside a chunk, cross a 16-key chunk and a split, against the reference
+    and bitwise equal to the same call through the append kernel: 16 new rows of head dim 128 are
+    the most the attention kernel appends, 17 and a window that leaves new rows out of the last
+    query's sight take the append kernel. GQA 4 with 2 queries a sequence: two 16-row blocks of
+    packed queries write the same new rows."""
+    head_dim = 128 if 128 in KVCACHE_HEAD_DIMS else KVCACHE_HEAD_DIMS[-1]
+    dtype = COMPILED_DTYPES[-1]
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    heads = 16
+    call = make_call(gen, batch=3, seqlen_q=2, heads=heads, heads_k=heads // 4, head_dim=head_dim,
+                     seqlens=(14, 0, 230), seqlen_new=seqlen_new, page_size=page_size, capacity=256, dtype=dtype,
+                     device="cuda", cache_batch_idx=page_size is None)
+    monkeypatch.delenv(TILE_APPEND_ENV, raising=False)
+    in_tile, _, _ = check_against_reference(call, dtype, num_splits=num_splits, **options)
+    monkeypatch.setenv(TILE_APPEND_ENV, "0")
+    through_append_kernel = cloned(call)
+    out, lse = run(through_append_kernel, num_splits=num_splits, **options)
+    monkeypatch.delenv(TILE_APPEND_ENV)
+    in_tile_call = cloned(call)
+    out_in_tile, lse_in_tile = run(in_tile_call, num_splits=num_splits, **options)
+    assert torch.equal(out_in_tile, out) and torch.equal(lse_in_tile, lse)
+    assert torch.equal(in_tile_call["k_cache"], through_append_kernel["k_cache"])
+    assert torch.equal(in_tile_call["v_cache"], through_append_kernel["v_cache"])
+
+
+def test_tile_append_switch_takes_0_or_1(cuda_gen, monkeypatch):
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, page_size=16, capacity=32, device="cuda")
+    monkeypatch.setenv(TILE_APPEND_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{TILE_APPEND_ENV} must be 0 or 1, got 'yes'"):
+        run(call)
+
+
 @pytest.mark.parametrize("seqlens", [(0, 0), (0, 1), (1, 1)])
 def test_lengths_zero_and_one(cuda_gen, seqlens):
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())

@@ -235,6 +235,11 @@ struct KVCacheParams : FwdParams {
   // lengths and the block table, which the append does not write, before it waits for the append's
   // grid. (A kernel of the caller's gives no such order: the attention kernel then waits first.)
   bool after_own_append = false;
+  // The attention kernel appends the new tokens itself instead (set by the host where
+  // kvcache_appends_in_tile allows it; the append kernel does not launch): each CTA writes the new
+  // rows that fall in its split's key range, in every CTA of the rows' (batch, kv head) alike,
+  // before its copies read them.
+  bool append_in_tile = false;
 };
 
 // Where the KV-cache gather (sm80/kvcache_kernel.h, flash_kvcache_gather_sm80) packs each
@@ -264,6 +269,22 @@ inline constexpr int kKVCacheTileRows = 16;
 // At most this many splits of a KV-cache call's keys (num_splits; the split merge holds every
 // split's log-sum-exp in registers).
 inline constexpr int kKVCacheMaxSplits = 128;
+
+// The KV-cache attention kernel appends a call's new tokens itself (KVCacheParams::append_in_tile)
+// where its threads can hold them, 16 bytes of K or V each, four pieces a thread of 128: at most
+// this many new elements of K per (sequence, kv head), seqlen_new * head_dim.
+inline constexpr int kKVCacheTileAppendPieces = 4;
+inline constexpr int kKVCacheTileAppendElems = kKVCacheTileAppendPieces * 128 * 8 / 2;
+
+// Whether a call may append in the attention kernel: new tokens without rotary (whose queries the
+// append kernel rotates), few enough (kKVCacheTileAppendElems), queries to attend (no kernel runs
+// without), and every new position inside the last query's window (window_left as the kernels see
+// it: unbounded sides already widened), so that some CTA's key range holds it and writes it.
+inline bool kvcache_appends_in_tile(KVCacheParams const& params) {
+  return params.seqlen_new > 0 && params.rotary_cos == nullptr && params.seqlen_q > 0 &&
+         int64_t(params.seqlen_new) * params.head_dim <= kKVCacheTileAppendElems &&
+         params.window_left >= params.seqlen_new - 1;
+}
 
 // Blocks of packed query rows of one (batch, kv head): seqlen_q times the query heads per kv head.
 inline int64_t kvcache_row_blocks(KVCacheParams const& params) {

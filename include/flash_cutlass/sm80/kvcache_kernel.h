@@ -189,6 +189,27 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   const int group = params.heads / params.heads_k;
   const int packed_rows = params.seqlen_q * group;
   const int first_row = m_block * kRows;
+  // With params.append_in_tile, this thread's pieces of the new rows (16 bytes of K or V each, K's
+  // row before V's), loaded before the lengths arrive: their addresses do not depend on them.
+  const int row_pieces = params.head_dim / 8;
+  const int append_pieces = params.append_in_tile ? params.seqlen_new * 2 * row_pieces : 0;
+  cutlass::uint128_t appended[kKVCacheTileAppendPieces];
+  CUTE_UNROLL
+  for (int i = 0; i < kKVCacheTileAppendPieces; ++i) {
+    const int piece = tidx + i * Traits::kThreads;
+    if (piece < append_pieces) {
+      const int token = piece / (2 * row_pieces);
+      const int in_token = piece - token * 2 * row_pieces;
+      const bool is_v = in_token >= row_pieces;
+      const int col = (in_token - (is_v ? row_pieces : 0)) * 8;
+      const Element* src =
+          is_v ? static_cast<const Element*>(params.v_new) + int64_t(batch) * params.v_new_batch_stride +
+                     int64_t(token) * params.v_new_row_stride + int64_t(kv_head) * params.v_new_head_stride
+               : static_cast<const Element*>(params.k_new) + int64_t(batch) * params.k_new_batch_stride +
+                     int64_t(token) * params.k_new_row_stride + int64_t(kv_head) * params.k_new_head_stride;
+      appended[i] = *reinterpret_cast<const cutlass::uint128_t*>(src + col);
+    }
+  }
   const CachedSequence sequence = cached_sequence(params, batch);
   const SequencePages pages = sequence_pages(params, batch);
   const KeyMask<MaskKind::kLocal> mask = key_mask_of<MaskKind::kLocal>(params, params.seqlen_q, sequence.length);
@@ -208,6 +229,35 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
 
   constexpr bool kTma = Traits::kTma;
   static_assert(!kTma || kChunkInOnePage, "a TMA copy takes a chunk's rows from one page");
+  // The new rows in this split's chunks go into the cache before any copy reads them (the same
+  // bytes from every CTA of this (batch, kv head) whose range holds them); TMA reads through the
+  // async proxy, hence the proxy fence before the barrier.
+  if (params.append_in_tile) {
+    const int range_begin = split_begin * kKeys;
+    const int range_end = split_end * kKeys;
+    CUTE_UNROLL
+    for (int i = 0; i < kKVCacheTileAppendPieces; ++i) {
+      const int piece = tidx + i * Traits::kThreads;
+      const int token = piece / (2 * row_pieces);
+      const int position = sequence.start + token;
+      if (piece < append_pieces && position >= range_begin && position < range_end) {
+        const int in_token = piece - token * 2 * row_pieces;
+        const bool is_v = in_token >= row_pieces;
+        const int col = (in_token - (is_v ? row_pieces : 0)) * 8;
+        int row_in_page;
+        const int page = pages.page_of(position, row_in_page);
+        Element* dst = is_v ? static_cast<Element*>(params.v_cache) +
+                                  pages.offset_of(page, row_in_page, params.v_batch_stride, params.v_row_stride,
+                                                  int64_t(kv_head) * params.v_head_stride)
+                            : static_cast<Element*>(params.k_cache) +
+                                  pages.offset_of(page, row_in_page, params.k_batch_stride, params.k_row_stride,
+                                                  int64_t(kv_head) * params.k_head_stride);
+        *reinterpret_cast<cutlass::uint128_t*>(dst + col) = appended[i];
+      }
+    }
+    if constexpr (kTma) asm volatile("fence.proxy.async.global;" ::: "memory");
+    __syncthreads();
+  }
   Element* smem_kv = reinterpret_cast<Element*>(smem) + (kTma ? 0 : Traits::kSmemElemsQ);
   Element* smem_q = reinterpret_cast<Element*>(smem) + (kTma ? kWarps * Traits::kSmemElemsWarp : 0);
   Element* smem_k = smem_kv + warp * Traits::kSmemElemsWarp;

@@ -191,23 +191,32 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   const int first_row = m_block * kRows;
   // With params.append_in_tile, this thread's pieces of the new rows (16 bytes of K or V each, K's
   // row before V's), loaded before the lengths arrive: their addresses do not depend on them.
+  static_assert(Traits::kThreads * kKVCacheTileAppendPieces * 8 / 2 == kKVCacheTileAppendElems);
   const int row_pieces = params.head_dim / 8;
   const int append_pieces = params.append_in_tile ? params.seqlen_new * 2 * row_pieces : 0;
+  struct AppendPiece {
+    int token;
+    bool is_v;
+    int col;
+  };
+  auto append_piece = [&](int i) {
+    const int piece = tidx + i * Traits::kThreads;
+    const int token = piece / (2 * row_pieces);
+    const int in_token = piece - token * 2 * row_pieces;
+    const bool is_v = in_token >= row_pieces;
+    return AppendPiece{token, is_v, (in_token - (is_v ? row_pieces : 0)) * 8};
+  };
   cutlass::uint128_t appended[kKVCacheTileAppendPieces];
   CUTE_UNROLL
   for (int i = 0; i < kKVCacheTileAppendPieces; ++i) {
-    const int piece = tidx + i * Traits::kThreads;
-    if (piece < append_pieces) {
-      const int token = piece / (2 * row_pieces);
-      const int in_token = piece - token * 2 * row_pieces;
-      const bool is_v = in_token >= row_pieces;
-      const int col = (in_token - (is_v ? row_pieces : 0)) * 8;
+    if (tidx + i * Traits::kThreads < append_pieces) {
+      const AppendPiece piece = append_piece(i);
       const Element* src =
-          is_v ? static_cast<const Element*>(params.v_new) + int64_t(batch) * params.v_new_batch_stride +
-                     int64_t(token) * params.v_new_row_stride + int64_t(kv_head) * params.v_new_head_stride
-               : static_cast<const Element*>(params.k_new) + int64_t(batch) * params.k_new_batch_stride +
-                     int64_t(token) * params.k_new_row_stride + int64_t(kv_head) * params.k_new_head_stride;
-      appended[i] = *reinterpret_cast<const cutlass::uint128_t*>(src + col);
+          piece.is_v ? static_cast<const Element*>(params.v_new) + int64_t(batch) * params.v_new_batch_stride +
+                           int64_t(piece.token) * params.v_new_row_stride + int64_t(kv_head) * params.v_new_head_stride
+                     : static_cast<const Element*>(params.k_new) + int64_t(batch) * params.k_new_batch_stride +
+                           int64_t(piece.token) * params.k_new_row_stride + int64_t(kv_head) * params.k_new_head_stride;
+      appended[i] = *reinterpret_cast<const cutlass::uint128_t*>(src + piece.col);
     }
   }
   const CachedSequence sequence = cached_sequence(params, batch);
@@ -237,22 +246,18 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     const int range_end = split_end * kKeys;
     CUTE_UNROLL
     for (int i = 0; i < kKVCacheTileAppendPieces; ++i) {
-      const int piece = tidx + i * Traits::kThreads;
-      const int token = piece / (2 * row_pieces);
-      const int position = sequence.start + token;
-      if (piece < append_pieces && position >= range_begin && position < range_end) {
-        const int in_token = piece - token * 2 * row_pieces;
-        const bool is_v = in_token >= row_pieces;
-        const int col = (in_token - (is_v ? row_pieces : 0)) * 8;
+      const AppendPiece piece = append_piece(i);
+      const int position = sequence.start + piece.token;
+      if (tidx + i * Traits::kThreads < append_pieces && position >= range_begin && position < range_end) {
         int row_in_page;
         const int page = pages.page_of(position, row_in_page);
-        Element* dst = is_v ? static_cast<Element*>(params.v_cache) +
-                                  pages.offset_of(page, row_in_page, params.v_batch_stride, params.v_row_stride,
-                                                  int64_t(kv_head) * params.v_head_stride)
-                            : static_cast<Element*>(params.k_cache) +
-                                  pages.offset_of(page, row_in_page, params.k_batch_stride, params.k_row_stride,
-                                                  int64_t(kv_head) * params.k_head_stride);
-        *reinterpret_cast<cutlass::uint128_t*>(dst + col) = appended[i];
+        Element* dst = piece.is_v ? static_cast<Element*>(params.v_cache) +
+                                        pages.offset_of(page, row_in_page, params.v_batch_stride,
+                                                        params.v_row_stride, int64_t(kv_head) * params.v_head_stride)
+                                  : static_cast<Element*>(params.k_cache) +
+                                        pages.offset_of(page, row_in_page, params.k_batch_stride,
+                                                        params.k_row_stride, int64_t(kv_head) * params.k_head_stride);
+        *reinterpret_cast<cutlass::uint128_t*>(dst + piece.col) = appended[i];
       }
     }
     if constexpr (kTma) asm volatile("fence.proxy.async.global;" ::: "memory");

@@ -579,8 +579,8 @@ constexpr const char* kDqFirstStoreEnv = "FLASH_CUTLASS_BWD_DQ_FIRST_STORE";
 // Against dq_accum zeroed, backward TFLOPS at 1k / 4k / 16k tokens, hidden 2048 (H100, 2026-12-05):
 // head dim 64 1.03 / 1.01 / 0.99x without a mask, 1.06 / 1.03 / 1.02x causal; 128 1.04 / 1.03 / 1.02x
 // and 1.06 / 1.03 / 1.04x; 192 0.96 / 1.04 / 0.99x and 1.01 / 0.99 / 0.88x, 256 1.00 / 1.02 / 0.93x
-// and 1.04 / 0.96 / 0.94x (a causal walk reaches a query block one step after its neighbour stored
-// there, and the larger tile's store takes longer than that step's margin); deterministic at 256
+// and 1.04 / 0.96 / 0.94x (docs/PERFORMANCE.md names the suspects: the dQ warp's arrival atomic a
+// block, and causal neighbours reaching a block before its store completed); deterministic at 256
 // 1.06 / 1.01x without a mask (its turns wait anyway).
 bool dq_first_store_by_default(int kernel_hdim, bool deterministic) {
   return deterministic || kernel_hdim <= 128;

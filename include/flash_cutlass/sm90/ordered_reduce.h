@@ -135,13 +135,19 @@ struct DqArrivals {
   __device__ explicit operator bool() const { return bool(counters); }
 
   // Counts this CTA's arrival at query head `head`'s m_block; true for the first. The others return
-  // once the first's store has completed, ordered before their reduce-add.
+  // once the first's store has completed, ordered before their reduce-add: an arrival that finds
+  // kDqStored already set acquires it with the atomic (and orders the TMA unit's reduce-add after it
+  // by the proxy fence), one that does not polls for it.
   __device__ __forceinline__ bool arrive_first_or_wait_for_store(int head, int m_block) const {
     int* counter = counters.counter(head, m_block);
     int arrived;
-    asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(arrived) : "l"(counter) : "memory");
+    asm volatile("atom.acquire.gpu.global.add.s32 %0, [%1], 1;" : "=r"(arrived) : "l"(counter) : "memory");
     if (arrived == 0) return true;
-    if ((arrived & kDqStored) == 0) poll_until(counter, [](int current) { return (current & kDqStored) != 0; });
+    if ((arrived & kDqStored) == 0) {
+      poll_until(counter, [](int current) { return (current & kDqStored) != 0; });
+    } else {
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
     return false;
   }
 

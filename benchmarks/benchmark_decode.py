@@ -22,7 +22,8 @@ From 128 queries flash_cutlass gathers the caches and runs the prefill forward o
 (include/flash_cutlass/select.h); --num-splits 1 keeps such calls on the KV-cache kernel, to
 compare the two.
 
-With --append, flash_cutlass's calls (paged and contiguous) bring the keys and values of their
+With --append, flash_cutlass's calls (paged, contiguous, and flash_cutlass_append_kernel: paged with
+the append kernel instead of the attention kernel's own append) bring the keys and values of their
 query tokens (k=, v=) and append them at cache_seqlens = context - seqlen_q before attending, as a
 server's decode step does that appends in the same call (the same slots are written again by every
 call); the bytes moved then count those writes too. The other implementations read the context as
@@ -41,11 +42,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_full", "flash_cutlass_prefill", "sdpa_flash",
-         "sdpa_efficient", "sdpa_cudnn", "flex")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_forward import with_environment  # noqa: E402
+
+IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_full", "flash_cutlass_prefill",
+         "flash_cutlass_append_kernel", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
+# flash_cutlass (paged) with the append kernel launched before the attention kernel
+# (FLASH_CUTLASS_KVCACHE_TILE_APPEND=0 around each call, docs/DEVELOPING.md), for an A/B of the
+# append inside the attention kernel with --append.
+APPEND_KERNEL_ENV = "FLASH_CUTLASS_KVCACHE_TILE_APPEND"
+APPENDING_IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_append_kernel")
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, context: int, head_dim: int) -> float:
@@ -114,13 +125,16 @@ def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dt
 
     q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
     lengths = new_tokens(batch, context, seqlen_q, heads_k, head_dim, dtype, append)
-    if impl == "flash_cutlass":
+    if impl in ("flash_cutlass", "flash_cutlass_append_kernel"):
         blocks = -(-context // page_size)
         k_cache = torch.randn(batch * blocks, page_size, heads_k, head_dim, device="cuda", dtype=dtype)
         v_cache = torch.randn_like(k_cache)
         table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
-        return lambda: flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, **lengths, block_table=table,
-                                                                  causal=True, num_splits=num_splits)
+
+        def paged():
+            return flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, **lengths, block_table=table,
+                                                              causal=True, num_splits=num_splits)
+        return paged if impl == "flash_cutlass" else with_environment(paged, APPEND_KERNEL_ENV, "0")
     if impl == "flash_cutlass_contiguous":
         k_cache = torch.randn(batch, context, heads_k, head_dim, device="cuda", dtype=dtype)
         v_cache = torch.randn_like(k_cache)
@@ -220,7 +234,7 @@ def main(argv=None) -> int:
             moved = cache_bytes + 2 * batch * args.seqlen_q * args.heads * args.head_dim * dtype.itemsize
             flops = attention_flops(batch, args.heads, args.seqlen_q, context, args.head_dim)
             for impl in impls:
-                appends = args.append and impl in ("flash_cutlass", "flash_cutlass_contiguous")
+                appends = args.append and impl in APPENDING_IMPLS
                 # The new keys and values: read from k and v, written into the cache.
                 impl_moved = moved + (4 * batch * args.seqlen_q * args.heads_k * args.head_dim * dtype.itemsize
                                       if appends else 0)

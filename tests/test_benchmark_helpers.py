@@ -433,3 +433,12 @@ def test_opt_in_runners_set_their_variable_for_each_call_only(monkeypatch, impl)
     plain = bench.make_runner(base, inputs, True, flash_cutlass, "backward")()
     assert all(torch.equal(a, b) for a, b in zip(walked, plain))
     assert impl in bench.IMPLS and impl not in bench.DEFAULT_IMPLS
+
+
+def test_decode_benchmark_runs_its_append_kernel_subject_with_the_switch_off(monkeypatch):
+    # flash_cutlass_append_kernel: the paged call with FLASH_CUTLASS_KVCACHE_TILE_APPEND=0 around
+    # each call only, and it appends with --append as the other flash_cutlass subjects do.
+    assert "flash_cutlass_append_kernel" in decode.IMPLS and "flash_cutlass_append_kernel" in decode.APPENDING_IMPLS
+    monkeypatch.setenv(decode.APPEND_KERNEL_ENV, "1")
+    seen = decode.with_environment(lambda: os.environ[decode.APPEND_KERNEL_ENV], decode.APPEND_KERNEL_ENV, "0")()
+    assert seen == "0" and os.environ[decode.APPEND_KERNEL_ENV] == "1"

@@ -156,8 +156,8 @@ struct BwdParams : FwdParams {
   // have added to that query block (64: the smallest block of rows a Hopper backward walks).
   bool deterministic = false;
   int* dq_turns = nullptr;
-  // dQ's first store (opt-in, Hopper path, fixed-length calls): the preprocess leaves dq_accum
-  // unwritten and zeroes the counters of the query blocks instead (dq_turns in a deterministic call,
+  // dQ's first store (Hopper path, fixed-length calls; csrc/flash_api.cpp decides where): the
+  // preprocess leaves dq_accum unwritten and zeroes the counters of the query blocks instead (dq_turns in a deterministic call,
   // else dq_arrivals: int32 (batch, heads, ceil(seqlen_q / dq_block_rows)), dq_block_rows the main
   // kernel's kBlockM), which count the key blocks that reach each block. The first to reach one (a
   // deterministic call's first turn) stores its dQ tile and the others add theirs once that store

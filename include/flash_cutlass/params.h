@@ -157,9 +157,10 @@ struct BwdParams : FwdParams {
   bool deterministic = false;
   int* dq_turns = nullptr;
   // dQ's first store (Hopper path, fixed-length calls; csrc/flash_api.cpp decides where): the
-  // preprocess leaves dq_accum unwritten and zeroes the counters of the query blocks instead (dq_turns in a deterministic call,
-  // else dq_arrivals: int32 (batch, heads, ceil(seqlen_q / dq_block_rows)), dq_block_rows the main
-  // kernel's kBlockM), which count the key blocks that reach each block. The first to reach one (a
+  // preprocess leaves dq_accum unwritten and zeroes the counters of the query blocks instead
+  // (dq_turns in a deterministic call, else dq_arrivals: int32 (batch, heads, ceil(seqlen_q /
+  // dq_block_rows)), dq_block_rows the main kernel's kBlockM), which count the key blocks that
+  // reach each block. The first to reach one (a
   // deterministic call's first turn) stores its dQ tile and the others add theirs once that store
   // has completed (sm90/ordered_reduce.h); the postprocess writes zeros for blocks none reached.
   bool dq_first_store = false;

@@ -8,7 +8,7 @@ For each compiled head dim (or --head-dims) and the first compiled dtype: the fo
 of fixed-length calls with tails (seqlens that are no multiple of any tile, seqlen 1, more queries
 than keys and fewer), MHA and GQA 2:1, causal and not, one deterministic backward, backwards of
 more key tiles than SMs (72 heads), deterministic and not, and GQA tails again with dQ's first
-store switched off (docs/DEVELOPING.md); a variable-length batch (lengths 1, 77
+store switched off and on (docs/DEVELOPING.md); a variable-length batch (lengths 1, 77
 and 130); the window, soft cap, ALiBi and dropout kernels where the build has them, and a causal
 call with attention sinks; and KV-cache calls (paged, pages of 16 in shuffled order, lengths 0, 1
 and 100 with as many appended tokens as queries, split and unsplit, with sinks; a contiguous cache; 4 queries a sequence; 128, chunked prefill, over
@@ -185,11 +185,13 @@ def main(argv=None) -> int:
                             72, 200, 200, True, failures, deterministic=deterministic)
             _dense_case(f"d{head_dim} 130x200 heads 4/2 causal deterministic", head_dim, dtype, 2, 4, 2, 130, 200,
                         True, failures, causal=True, deterministic=True)
-            # dQ's first store switched off (dq_accum zeroed by the preprocess, every key block adds).
-            with _switched("FLASH_CUTLASS_BWD_DQ_FIRST_STORE", "0"):
-                for causal in (False, True):
-                    _dense_case(f"d{head_dim} 130x200 heads 4/2 causal {causal} dq_accum zeroed", head_dim, dtype, 2, 4,
-                                2, 130, 200, True, failures, causal=causal)
+            # dQ's first store switched off (dq_accum zeroed by the preprocess, every key block adds) and
+            # on (the default only up to head dim 128).
+            for switch, label in (("0", "dq_accum zeroed"), ("1", "dQ first store")):
+                with _switched("FLASH_CUTLASS_BWD_DQ_FIRST_STORE", switch):
+                    for causal in (False, True):
+                        _dense_case(f"d{head_dim} 130x200 heads 4/2 causal {causal} {label}", head_dim, dtype, 2, 4,
+                                    2, 130, 200, True, failures, causal=causal)
         for causal in (False, True):
             _varlen_case(f"d{head_dim} varlen causal {causal}", head_dim, dtype, 4, (1, 77, 130), causal, backward,
                          failures)

@@ -31,7 +31,7 @@ static_assert(kThreadsPerRow<256> <= 32 && kPrePostThreads % 32 == 0);
 
 // With dQ's first store (BwdParams::dq_first_store), the counters of the key blocks that reach each
 // query block, and where a query row's block is counted; else nullptr.
-__device__ __forceinline__ int* dq_block_counts(BwdParams const& params) {
+__host__ __device__ __forceinline__ int* dq_block_counts(BwdParams const& params) {
   if (!params.dq_first_store) return nullptr;
   return params.deterministic ? params.dq_turns : params.dq_arrivals;
 }

@@ -88,6 +88,30 @@ __device__ __forceinline__ SequencePages sequence_pages(KVCacheParams const& par
   return {table, row, params.num_pages, cutlass::FastDivmod(params.page_size)};
 }
 
+// Row `token` of sequence `batch`'s new keys (or, is_v, values) at kv head `head` (params.k_new,
+// params.v_new).
+template <class Element>
+__device__ __forceinline__ const Element* new_token_row(KVCacheParams const& params, bool is_v, int batch, int token,
+                                                        int head) {
+  return is_v ? static_cast<const Element*>(params.v_new) + int64_t(batch) * params.v_new_batch_stride +
+                    int64_t(token) * params.v_new_row_stride + int64_t(head) * params.v_new_head_stride
+              : static_cast<const Element*>(params.k_new) + int64_t(batch) * params.k_new_batch_stride +
+                    int64_t(token) * params.k_new_row_stride + int64_t(head) * params.k_new_head_stride;
+}
+
+// The writable K (or, is_v, V) cache row at (page, row_in_page) of `pages` (SequencePages::page_of),
+// kv head `head` (params.k_cache, params.v_cache).
+template <class Element>
+__device__ __forceinline__ Element* cache_row(KVCacheParams const& params, SequencePages const& pages, bool is_v,
+                                              int page, int row_in_page, int head) {
+  return is_v ? static_cast<Element*>(params.v_cache) +
+                    pages.offset_of(page, row_in_page, params.v_batch_stride, params.v_row_stride,
+                                    int64_t(head) * params.v_head_stride)
+              : static_cast<Element*>(params.k_cache) +
+                    pages.offset_of(page, row_in_page, params.k_batch_stride, params.k_row_stride,
+                                    int64_t(head) * params.k_head_stride);
+}
+
 // The query that packed row `row` of a (kv head, batch) tile holds, and its query head: the
 // `group` = heads / heads_k query heads of one kv head are packed with the query index outer
 // (row = query * group + head in group), so that a tile's rows span few queries and a causal

@@ -211,11 +211,7 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   for (int i = 0; i < kKVCacheTileAppendPieces; ++i) {
     if (tidx + i * Traits::kThreads < append_pieces) {
       const AppendPiece piece = append_piece(i);
-      const Element* src =
-          piece.is_v ? static_cast<const Element*>(params.v_new) + int64_t(batch) * params.v_new_batch_stride +
-                           int64_t(piece.token) * params.v_new_row_stride + int64_t(kv_head) * params.v_new_head_stride
-                     : static_cast<const Element*>(params.k_new) + int64_t(batch) * params.k_new_batch_stride +
-                           int64_t(piece.token) * params.k_new_row_stride + int64_t(kv_head) * params.k_new_head_stride;
+      const Element* src = new_token_row<Element>(params, piece.is_v, batch, piece.token, kv_head);
       appended[i] = *reinterpret_cast<const cutlass::uint128_t*>(src + piece.col);
     }
   }
@@ -251,12 +247,7 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
       if (tidx + i * Traits::kThreads < append_pieces && position >= range_begin && position < range_end) {
         int row_in_page;
         const int page = pages.page_of(position, row_in_page);
-        Element* dst = piece.is_v ? static_cast<Element*>(params.v_cache) +
-                                        pages.offset_of(page, row_in_page, params.v_batch_stride,
-                                                        params.v_row_stride, int64_t(kv_head) * params.v_head_stride)
-                                  : static_cast<Element*>(params.k_cache) +
-                                        pages.offset_of(page, row_in_page, params.k_batch_stride,
-                                                        params.k_row_stride, int64_t(kv_head) * params.k_head_stride);
+        Element* dst = cache_row<Element>(params, pages, piece.is_v, page, row_in_page, kv_head);
         *reinterpret_cast<cutlass::uint128_t*>(dst + piece.col) = appended[i];
       }
     }
@@ -910,16 +901,10 @@ __global__ void __launch_bounds__(128) flash_kvcache_append_sm80(__grid_constant
     const SequencePages pages = sequence_pages(params, batch);
     int row_in_page;
     const int page = pages.page_of(position, row_in_page);
-    const Element* k_new = static_cast<const Element*>(params.k_new) + int64_t(batch) * params.k_new_batch_stride +
-                           int64_t(token) * params.k_new_row_stride + int64_t(head) * params.k_new_head_stride;
-    const Element* v_new = static_cast<const Element*>(params.v_new) + int64_t(batch) * params.v_new_batch_stride +
-                           int64_t(token) * params.v_new_row_stride + int64_t(head) * params.v_new_head_stride;
-    Element* k_dst = static_cast<Element*>(params.k_cache) +
-                     pages.offset_of(page, row_in_page, params.k_batch_stride, params.k_row_stride,
-                                     int64_t(head) * params.k_head_stride);
-    Element* v_dst = static_cast<Element*>(params.v_cache) +
-                     pages.offset_of(page, row_in_page, params.v_batch_stride, params.v_row_stride,
-                                     int64_t(head) * params.v_head_stride);
+    const Element* k_new = new_token_row<Element>(params, false, batch, token, head);
+    const Element* v_new = new_token_row<Element>(params, true, batch, token, head);
+    Element* k_dst = cache_row<Element>(params, pages, false, page, row_in_page, head);
+    Element* v_dst = cache_row<Element>(params, pages, true, page, row_in_page, head);
     rotate_and_store(params, k_new, k_dst, col, position);
     *reinterpret_cast<cutlass::uint128_t*>(v_dst + col) = *reinterpret_cast<const cutlass::uint128_t*>(v_new + col);
     return;

@@ -26,8 +26,7 @@ cudaError_t run_bwd(BwdParams const& call, cudaStream_t stream) {
   if (call.deterministic && call.dq_turns == nullptr) return cudaErrorInvalidValue;
   // dQ's first store: in fixed-length calls only (a variable-length tail block's store would
   // overwrite the next sequence's first rows), its counters per query block of this kernel's rows.
-  if (call.dq_first_store && (call.cu_seqlens_q != nullptr ||
-                              (call.deterministic ? call.dq_turns : call.dq_arrivals) == nullptr)) {
+  if (call.dq_first_store && (call.cu_seqlens_q != nullptr || dq_block_counts(call) == nullptr)) {
     return cudaErrorInvalidValue;
   }
   BwdParams params = call;

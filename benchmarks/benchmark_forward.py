@@ -73,7 +73,7 @@ DEFAULT_IMPLS = tuple(impl for impl in IMPLS
                       if impl not in (SUBJECT_DETERMINISTIC, SUBJECT_SINKS, *SUBJECT_ENVIRONMENT))
 # What is timed, and its matmul FLOPs as a multiple of the forward's (the FlashAttention
 # convention: the backward does 2.5x the forward's matmul work).
-DIRECTIONS = {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
+DIRECTIONS = {"forward": 1.0, "training-forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
 MATH_IMPL = "sdpa_math"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -425,6 +425,8 @@ def sinks_of(impl: str, inputs: Inputs) -> torch.Tensor | None:
 
 def make_runner(impl: str, inputs: Inputs, causal: bool, subject: ModuleType | None,
                 direction: str = "forward") -> Callable[[], object]:
+    if direction == "training-forward":
+        return make_training_forward_runner(impl, inputs, causal, subject)
     if direction != "forward":
         return make_gradient_runner(impl, inputs, causal, subject, direction)
     if impl in FORCED_KERNELS:
@@ -448,6 +450,27 @@ def with_environment(run: Callable[[], object], variable: str, value: str) -> Ca
             else:
                 os.environ[variable] = previous
     return call
+
+
+def make_training_forward_runner(impl: str, inputs: Inputs, causal: bool,
+                                 subject: ModuleType | None) -> Callable[[], object]:
+    """A training step's forward: the autograd call on leaves that require grad (the graph it
+    records is dropped with the output)."""
+    if impl in SUBJECT_ENVIRONMENT:
+        base, variable, value = SUBJECT_ENVIRONMENT[impl]
+        return with_environment(make_training_forward_runner(base, inputs, causal, subject), variable, value)
+    if impl in FORCED_KERNELS:
+        sinks = sinks_of(impl, inputs)
+        leaves = [t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
+        return lambda: subject.flash_attention(*leaves, causal=causal, kernel=FORCED_KERNELS[impl], sinks=sinks)
+    leaves = [t.detach().requires_grad_() for t in (inputs.q_bhsd, inputs.k_bhsd, inputs.v_bhsd)]
+    backend = SDPBackend.MATH if impl == MATH_IMPL else SDPA_BACKENDS[impl]
+    gqa = sdpa_gqa_kwargs(leaves[0], leaves[1])
+
+    def forward():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(*leaves, is_causal=causal, **gqa)
+    return forward
 
 
 def make_gradient_runner(impl: str, inputs: Inputs, causal: bool, subject: ModuleType | None,
@@ -639,9 +662,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--causal", choices=("both", "true", "false"), default="both",
                         help="which masking to measure (default: %(default)s)")
     parser.add_argument("--direction", choices=tuple(DIRECTIONS), default="forward",
-                        help="what is timed: the forward pass, the backward pass alone (its forward "
-                             "runs once, untimed) or both; FLOPs are 1, 2.5 and 3.5 times the "
-                             "forward's (default: %(default)s)")
+                        help="what is timed: the forward pass (flash_forward; SDPA without "
+                             "gradients), a training step's forward (flash_attention and SDPA on "
+                             "inputs that require grad, so that autograd records the graph), the "
+                             "backward pass alone (its forward runs once, untimed) or both; FLOPs are "
+                             "1, 1, 2.5 and 3.5 times the forward's (default: %(default)s)")
     parser.add_argument("--impls", type=_impl_list, metavar="NAME[,NAME...]",
                         default=",".join(DEFAULT_IMPLS),
                         help=f"implementations to run, of {', '.join(IMPLS)} (default: all but "

@@ -238,6 +238,22 @@ def test_gradient_runners_of_flash_cutlass_return_three_gradients(direction):
     assert [g.shape for g in grads] == [inputs.q.shape] * 3
 
 
+@pytest.mark.parametrize("impl", [bench.SUBJECT, bench.MATH_IMPL])
+def test_training_forward_runners_record_the_graph(impl):
+    """training-forward: the autograd call on leaves that require grad, its output attached to the
+    graph (flash_cutlass's equal to its bare forward's)."""
+    import flash_cutlass
+
+    case = bench.Case(head_dim=32, causal=True, seqlen=40, batch=2, heads=4)
+    inputs = bench.make_inputs(case, torch.bfloat16, device="cpu")
+    out = bench.make_runner(impl, inputs, True, flash_cutlass, "training-forward")()
+    assert out.requires_grad and out.grad_fn is not None
+    if impl == bench.SUBJECT:
+        bare = bench.make_runner(impl, inputs, True, flash_cutlass, "forward")()[0]
+        assert torch.equal(out.detach(), bare)
+    assert bench.case_flops(case, "training-forward") == bench.case_flops(case)
+
+
 @pytest.mark.parametrize("direction", ["forward", "backward", "forward+backward"])
 def test_the_sinks_runner_runs_with_sinks_and_their_gradient(direction):
     """flash_cutlass_sinks: the forward with sinks (its out differs from the plain one's), and in

@@ -85,14 +85,35 @@ struct CallDevice {
   c10::cuda::CUDAGuard guard;
 };
 
-// Refuses, before any launch, a kernel whose shared memory exceeds what q's GPU allows a block.
-void check_smem(int smem_needed, const char* direction, int64_t head_dim, int kernel_hdim, const at::Tensor& q) {
+// The shared memory q's GPU allows a block, in bytes.
+int device_smem_limit(const at::Tensor& q) {
   int smem_limit = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
+  return smem_limit;
+}
+
+// Refuses, before any launch, a kernel whose shared memory exceeds what q's GPU allows a block.
+void check_smem(int smem_needed, const char* direction, int64_t head_dim, int kernel_hdim, const at::Tensor& q) {
+  const int smem_limit = device_smem_limit(q);
   FLASH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim, " ", direction,
                " kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
                " allows ", smem_limit / 1024, " KiB; this head dim is not supported on this GPU yet");
 }
+
+// A switch of the environment: "0" off, "1" on, unset or empty `otherwise`.
+bool switched_on(const char* variable, bool otherwise = false) {
+  const char* value = std::getenv(variable);
+  const std::string text = value == nullptr ? "" : value;
+  TORCH_CHECK_VALUE(text.empty() || text == "0" || text == "1",
+                    message(variable, " must be 0 or 1, got '", text, "'"));
+  return text.empty() ? otherwise : text == "1";
+}
+
+// $FLASH_CUTLASS_SM80_COMPACT_TILES: "1" runs the sm80 backward on its tiles for smaller shared
+// memories (sm80/bwd_kernel.h, BwdCompactTraitsFor) on any GPU, so that a GPU with more shared memory
+// tests the tiles that sm_86, sm_89 and sm_120 (and the A100 at head dim 256) pick by themselves;
+// unset or "0": by the GPU's limit.
+constexpr const char* kSm80CompactTilesEnv = "FLASH_CUTLASS_SM80_COMPACT_TILES";
 
 // The fields of flash_cutlass.options.AttentionOptions, read by name from the Python object.
 struct AttentionOptions {
@@ -446,13 +467,21 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-  const KernelSelection selection =
+  KernelSelection selection =
       select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, major, minor);
   FLASH_CHECK(selection.error.empty(), selection.error);
-  if (selection.path == KernelPath::kSm80) {
-    constexpr bool kForward = kDirection == Direction::kForward;
-    check_smem(kForward ? sm80::fwd_smem_bytes(selection.kernel_hdim) : sm80::bwd_smem_bytes(selection.kernel_hdim),
-               kForward ? "forward" : "backward", shape.head_dim, selection.kernel_hdim, q);
+  if (selection.path == KernelPath::kSm80 && kDirection == Direction::kForward) {
+    check_smem(sm80::fwd_smem_bytes(selection.kernel_hdim), "forward", shape.head_dim, selection.kernel_hdim, q);
+  } else if (selection.path == KernelPath::kSm80) {
+    // The backward's usual tiles, or where the GPU allows a block less (or the switch says so),
+    // those for smaller shared memories.
+    const int usual = sm80::bwd_smem_bytes(selection.kernel_hdim);
+    const int compact = sm80::bwd_compact_smem_bytes(selection.kernel_hdim);
+    const bool forced = switched_on(kSm80CompactTilesEnv);
+    FLASH_CHECK(!forced || compact > 0, kSm80CompactTilesEnv, "=1, but the sm80 backward of head dim ",
+                selection.kernel_hdim, " has no tiles for smaller shared memories");
+    selection.sm80_compact_tiles = forced || (usual > device_smem_limit(q) && compact > 0);
+    check_smem(selection.sm80_compact_tiles ? compact : usual, "backward", shape.head_dim, selection.kernel_hdim, q);
   }
   return selection;
 }
@@ -595,15 +624,6 @@ constexpr const char* kVAfterQueryEnv = "FLASH_CUTLASS_BWD_V_AFTER_Q";
 // allows (KVCacheParams::append_in_tile).
 constexpr const char* kKVCacheTileAppendEnv = "FLASH_CUTLASS_KVCACHE_TILE_APPEND";
 
-// A switch of the environment: "0" off, "1" on, unset or empty `otherwise`.
-bool switched_on(const char* variable, bool otherwise = false) {
-  const char* value = std::getenv(variable);
-  const std::string text = value == nullptr ? "" : value;
-  TORCH_CHECK_VALUE(text.empty() || text == "0" || text == "1",
-                    message(variable, " must be 0 or 1, got '", text, "'"));
-  return text.empty() ? otherwise : text == "1";
-}
-
 // The backward into preallocated dq, dk and dv (the inputs' dtype, shaped like q, k and v, last
 // dimension contiguous). D = rowsum(dout * out) and the fp32 dQ accumulator are computed on the
 // device; D goes into dsoftmax_sum where the caller passes one (fp32, contiguous, laid out as lse:
@@ -666,6 +686,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
   const int query_heads_per_key_tile = gqa_walk_heads(params, kernel, options.deterministic, q);
   params.query_heads_per_key_tile = query_heads_per_key_tile;
+  params.sm80_compact_tiles = kernel.sm80_compact_tiles;
   params.v_after_first_query = switched_on(kVAfterQueryEnv) && kernel.path == KernelPath::kSm90;
   // dK and dV go straight into dk and dv without GQA and where a Hopper CTA walks a whole group.
   // Otherwise the Hopper kernels add a group's (or a part's) to per-K/V-head fp32 accumulators

@@ -1,4 +1,6 @@
 // Facts about the sm80-path kernels that the host checks before a launch.
+#include <type_traits>
+
 #include "flash_cutlass/dispatch.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm80/bwd_kernel.h"
@@ -20,5 +22,15 @@ int smem_bytes_of(int kernel_hdim) {
 
 int fwd_smem_bytes(int kernel_hdim) { return smem_bytes_of<FwdTraitsFor>(kernel_hdim); }
 int bwd_smem_bytes(int kernel_hdim) { return smem_bytes_of<BwdTraitsFor>(kernel_hdim); }
+
+int bwd_compact_smem_bytes(int kernel_hdim) {
+  int bytes = 0;
+  detail::with_value(compiled::Sm80ForwardHeadDims{}, kernel_hdim, [&](auto hdim) {
+    using Compact = BwdCompactTraitsFor<decltype(hdim)::value, cutlass::half_t>;
+    if constexpr (!std::is_void_v<Compact>) bytes = Compact::kSmemBytes;
+    return cudaSuccess;
+  });
+  return bytes;
+}
 
 }  // namespace flash_cutlass::sm80

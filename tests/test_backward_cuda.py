@@ -249,3 +249,56 @@ def test_backward_kernel_environment_variable(cuda_gen, monkeypatch):
     monkeypatch.setenv("FLASH_CUTLASS_BACKWARD_KERNEL", "fast")
     with pytest.raises(ValueError, match="FLASH_CUTLASS_BACKWARD_KERNEL must be one of"):
         flash_cutlass.flash_backward(out, q, q, q, out, lse)
+
+
+# Head dims whose sm80 backward has tiles for smaller shared memories (sm80/bwd_kernel.h,
+# BwdCompactTraitsFor): sm_86, sm_89 and sm_120 run them up to head dim 128, the A100 at 256.
+SM80_COMPACT_HEAD_DIMS = (32, 64, 96, 128, 256)
+COMPACT_SWITCH = "FLASH_CUTLASS_SM80_COMPACT_TILES"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("gqa", ["mha", "gqa4"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (113, 255), (255, 113), (1023, 1023)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [d for d in COMPILED_HEAD_DIMS if d in SM80_COMPACT_HEAD_DIMS])
+def test_compact_sm80_tiles_match_oracle(cuda_gen, monkeypatch, head_dim, causal, seqlen_q, seqlen_k, gqa,
+                                         deterministic):
+    """The sm80 backward on the tiles a GPU of 99 KiB a block picks (forced here by the switch), with
+    the tails of their 64-row and 64- or 128-key blocks, against the fp32 oracle."""
+    dtype = COMPILED_DTYPES[-1]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=cuda_gen, device="cuda").to(dtype)
+
+    q = rand(2, seqlen_q, HEADS, head_dim)
+    k, v = rand(2, seqlen_k, GQA_HEADS_K[gqa], head_dim), rand(2, seqlen_k, GQA_HEADS_K[gqa], head_dim)
+    dout = rand(2, seqlen_q, HEADS, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm80")
+    monkeypatch.setenv(COMPACT_SWITCH, "1")
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm80",
+                                         deterministic=deterministic)
+    if deterministic:
+        again = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm80",
+                                             deterministic=True)
+        for a, b in zip(grads, again):
+            assert torch.equal(a, b), "two deterministic runs on the compact tiles differ"
+    check_gradients(grads, q, k, v, dout, head_dim ** -0.5, causal, "sm80 compact backward")
+
+
+def test_compact_switch_is_checked(cuda_gen, monkeypatch):
+    """The switch takes 0 or 1, and 1 where a head dim has no compact tiles is refused, naming it."""
+    head_dim = COMPILED_HEAD_DIMS[0]
+    q = torch.randn(1, 100, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
+    out, lse = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
+    monkeypatch.setenv(COMPACT_SWITCH, "yes")
+    with pytest.raises(ValueError, match=f"{COMPACT_SWITCH} must be 0 or 1"):
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80")
+    without = [d for d in COMPILED_HEAD_DIMS if d not in SM80_COMPACT_HEAD_DIMS]
+    if not without:
+        pytest.skip("every compiled head dim has compact sm80 tiles")
+    q = torch.randn(1, 100, 2, without[0], generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
+    out, lse = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
+    monkeypatch.setenv(COMPACT_SWITCH, "1")
+    with pytest.raises(RuntimeError, match=f"{COMPACT_SWITCH}=1, but the sm80 backward of head dim {without[0]}"):
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80")

@@ -68,6 +68,9 @@ int kvcache_smem_bytes_of(KVCacheDevice const& device);
 int fwd_smem_bytes(int kernel_hdim);
 // The same for the backward's main kernel (the largest of its kernels).
 int bwd_smem_bytes(int kernel_hdim);
+// The same with the tiles for smaller shared memories (BwdParams::sm80_compact_tiles); 0 where the
+// head dim has none.
+int bwd_compact_smem_bytes(int kernel_hdim);
 }  // namespace sm80
 
 }  // namespace flash_cutlass

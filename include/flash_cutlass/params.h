@@ -178,6 +178,9 @@ struct BwdParams : FwdParams {
   // exponentials, P^T and dV too (sm90/bwd_producer.h, loads_v_after_first_query). false: K and V
   // together, first.
   bool v_after_first_query = false;
+  // The sm80 path's tiles for smaller shared memories (sm80/bwd_kernel.h, BwdCompactTraitsFor):
+  // the host sets it where the device allows a block less than the usual tiles need.
+  bool sm80_compact_tiles = false;
 };
 
 // One call of attention over a KV cache (flash_cutlass.flash_attention_with_kvcache): new keys

@@ -18,6 +18,9 @@ struct KernelSelection {
   KernelPath path = KernelPath::kSm80;
   int kernel_hdim = 0;  // the compiled head dim that runs the call
   std::string error;    // why the call cannot run; empty when it can
+  // The sm80 backward's tiles for smaller shared memories (BwdParams::sm80_compact_tiles): set by
+  // the host from the device's limit.
+  bool sm80_compact_tiles = false;
 };
 
 // The Hopper forward's tiles (sm90/tile_config.h): a head dim with wide tiles (FwdWideTileSizes)

@@ -41,12 +41,17 @@ using WarpGridMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>,
 // kBlockM query rows per step of the walk, kBlockN keys per CTA, 8 warps. Each GEMM has its own
 // warp grid: kWarpsMSdP warps along the query rows of S and dP, kWarpsNdKV along the keys of dK
 // and dV, kWarpsMdQ along the query rows of dQ (the other warps split the second dimension).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ, class Element_>
+// kQBuffers: 2 loads the next query block's Q (with its LSE and D) while this one is computed; 1
+// (the tiles for smaller shared memories) loads it once this block's dK has read Q, under dQ.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ, class Element_,
+          int kQBuffers_ = 2>
 struct BwdKernelTraits : TileShapes<kBlockM_, kBlockN_, kHeadDim_> {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
+  static constexpr int kQBuffers = kQBuffers_;
+  static_assert(kQBuffers == 1 || kQBuffers == 2);
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * (kWarps / kWarpsMSdP)) == 0);
@@ -83,9 +88,11 @@ struct BwdKernelTraits : TileShapes<kBlockM_, kBlockN_, kHeadDim_> {
   static constexpr int kSmemElemsQ = cute::cosize_v<SmemLayoutQ>;
   static constexpr int kSmemElemsKV = cute::cosize_v<SmemLayoutKV>;
   static constexpr int kSmemElemsP = cute::cosize_v<SmemLayoutP>;
-  // Main kernel: two Q buffers, dO, K, V, P, dS, and two buffers of the query rows' LSE and D.
-  static constexpr int kSmemBytes = (3 * kSmemElemsQ + 2 * kSmemElemsKV + 2 * kSmemElemsP) * int(sizeof(Element)) +
-                                    2 * 2 * kBlockM * int(sizeof(float));
+  // Main kernel: the Q buffers, dO, K, V, P, dS, and a buffer of the query rows' LSE and D per Q
+  // buffer.
+  static constexpr int kSmemBytes =
+      ((kQBuffers + 1) * kSmemElemsQ + 2 * kSmemElemsKV + 2 * kSmemElemsP) * int(sizeof(Element)) +
+      kQBuffers * 2 * kBlockM * int(sizeof(float));
   // Deterministic dQ kernel: Q, dO, K, V, dS.
   static constexpr int kSmemBytesDq = (2 * kSmemElemsQ + 2 * kSmemElemsKV + kSmemElemsP) * int(sizeof(Element));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
@@ -111,6 +118,27 @@ template <class Element>
 struct BwdTraitsSelect<256, Element> { using type = BwdKernelTraits<256, 64, 64, 4, 2, 2, Element>; };
 template <int kHeadDim, class Element>
 using BwdTraitsFor = typename BwdTraitsSelect<kHeadDim, Element>::type;
+
+// The tiles for GPUs whose blocks get less shared memory than BwdTraitsFor's (the host picks them
+// from the device's limit: sm_86, sm_89 and sm_120 allow 99 KiB a block, the A100 163 KiB): up to
+// head dim 128 within 99 KiB, head dim 256 within the A100's. Head dim 192 has none (its usual tiles
+// fit the A100; nothing of this kernel's shape fits 99 KiB).
+template <int kHeadDim, class Element>
+struct BwdCompactTraitsSelect {
+  using type = void;
+};
+template <class Element>
+struct BwdCompactTraitsSelect<32, Element> { using type = BwdKernelTraits<32, 64, 128, 2, 4, 4, Element>; };
+template <class Element>
+struct BwdCompactTraitsSelect<64, Element> { using type = BwdKernelTraits<64, 64, 128, 2, 4, 4, Element>; };
+template <class Element>
+struct BwdCompactTraitsSelect<96, Element> { using type = BwdKernelTraits<96, 64, 64, 2, 4, 4, Element>; };
+template <class Element>
+struct BwdCompactTraitsSelect<128, Element> { using type = BwdKernelTraits<128, 64, 64, 2, 4, 4, Element, 1>; };
+template <class Element>
+struct BwdCompactTraitsSelect<256, Element> { using type = BwdKernelTraits<256, 64, 64, 4, 2, 2, Element, 1>; };
+template <int kHeadDim, class Element>
+using BwdCompactTraitsFor = typename BwdCompactTraitsSelect<kHeadDim, Element>::type;
 
 // acc (fp32, in tiled_mma's C layout) -> a shared memory tile of Element, for a transposed reread.
 template <class Traits, class TiledMma, class Acc, class Smem>
@@ -222,8 +250,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   const QueryRowBuffers query_rows = query_row_buffers<kHeadDim>(params, work.sequence, work.tile.head);
 
   extern __shared__ __align__(128) char smem[];
-  Element* smem_q = reinterpret_cast<Element*>(smem);  // two buffers
-  Element* smem_do = smem_q + 2 * Traits::kSmemElemsQ;
+  Element* smem_q = reinterpret_cast<Element*>(smem);  // Traits::kQBuffers buffers
+  Element* smem_do = smem_q + Traits::kQBuffers * Traits::kSmemElemsQ;
   Element* smem_k = smem_do + Traits::kSmemElemsQ;
   Element* smem_v = smem_k + Traits::kSmemElemsKV;
   Element* smem_p = smem_v + Traits::kSmemElemsKV;
@@ -328,13 +356,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   cp_async_fence();
 
   for (int m_block = work.m_block_begin; m_block < work.m_block_end; ++m_block) {
-    const int buffer = (m_block - work.m_block_begin) & 1;
+    const int buffer = Traits::kQBuffers == 2 ? (m_block - work.m_block_begin) & 1 : 0;
     const int row_start = m_block * kBlockM;
     // This block's Q and dO have landed, and every warp is done with the previous step's P, dS
-    // and Q buffer: the next Q goes into that buffer while this step computes.
+    // and Q buffer: with two buffers the next Q goes into the other while this step computes.
     cp_async_wait<0>();
     __syncthreads();
-    if (m_block + 1 < work.m_block_end) {
+    if (Traits::kQBuffers == 2 && m_block + 1 < work.m_block_end) {
       load_q(m_block + 1, buffer ^ 1);
       load_stats(m_block + 1, buffer ^ 1);
       cp_async_fence();
@@ -371,6 +399,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
       cp_async_fence();
     }
     gemm_smem_smem(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, copies_dkv.thread_b.partition_S(sQt), copies_dkv);
+    if constexpr (Traits::kQBuffers == 1) {
+      // Every warp is done with this Q (and this block's LSE and D are in registers): the next
+      // block's load under dQ.
+      __syncthreads();
+      if (m_block + 1 < work.m_block_end) {
+        load_q(m_block + 1, 0);
+        load_stats(m_block + 1, 0);
+        cp_async_fence();
+      }
+    }
     if constexpr (kAccumulateDq) {
       Tensor acc_dq = partition_fragment_C(mma_dq, typename Traits::TileQ{});
       clear(acc_dq);

@@ -470,18 +470,19 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
   KernelSelection selection =
       select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, major, minor);
   FLASH_CHECK(selection.error.empty(), selection.error);
-  if (selection.path == KernelPath::kSm80 && kDirection == Direction::kForward) {
-    check_smem(sm80::fwd_smem_bytes(selection.kernel_hdim), "forward", shape.head_dim, selection.kernel_hdim, q);
-  } else if (selection.path == KernelPath::kSm80) {
-    // The backward's usual tiles, or where the GPU allows a block less (or the switch says so),
-    // those for smaller shared memories.
-    const int usual = sm80::bwd_smem_bytes(selection.kernel_hdim);
-    const int compact = sm80::bwd_compact_smem_bytes(selection.kernel_hdim);
+  if (selection.path == KernelPath::kSm80) {
+    // The usual tiles, or where the GPU allows a block less (or the switch says so), those for
+    // smaller shared memories.
+    constexpr bool kForward = kDirection == Direction::kForward;
+    const char* direction = kForward ? "forward" : "backward";
+    const int hdim = selection.kernel_hdim;
+    const int usual = kForward ? sm80::fwd_smem_bytes(hdim) : sm80::bwd_smem_bytes(hdim);
+    const int compact = kForward ? sm80::fwd_compact_smem_bytes(hdim) : sm80::bwd_compact_smem_bytes(hdim);
     const bool forced = switched_on(kSm80CompactTilesEnv);
-    FLASH_CHECK(!forced || compact > 0, kSm80CompactTilesEnv, "=1, but the sm80 backward of head dim ",
-                selection.kernel_hdim, " has no tiles for smaller shared memories");
+    FLASH_CHECK(!forced || compact > 0, kSm80CompactTilesEnv, "=1, but the sm80 ", direction, " of head dim ", hdim,
+                " has no tiles for smaller shared memories");
     selection.sm80_compact_tiles = forced || (usual > device_smem_limit(q) && compact > 0);
-    check_smem(selection.sm80_compact_tiles ? compact : usual, "backward", shape.head_dim, selection.kernel_hdim, q);
+    check_smem(selection.sm80_compact_tiles ? compact : usual, direction, shape.head_dim, hdim, q);
   }
   return selection;
 }
@@ -502,6 +503,7 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   FLASH_CHECK(params.seqlen_q > 0 && params.seqlen_k > 0 && params.batch > 0,
                "a variable-length call without queries or keys is handled by the caller");
   const KernelSelection kernel = selected_kernel<Direction::kForward>(shape, options, q);
+  params.sm80_compact_tiles = kernel.sm80_compact_tiles;
   const CallDevice call_device(q);
   // Last before the launch (a call that fails a check draws nothing), on q's device (a capture is
   // per device and stream).

@@ -401,3 +401,32 @@ def test_offsets_past_two_to_the_31_elements(gen, kernel):
     out, lse = flash_cutlass.flash_forward(q, k, v, kernel=kernel)
     tail = slice(seqlen_q - 300, seqlen_q)
     check_against_oracle(q[:, tail], k, v, out[:, tail], lse[:, :, tail], head_dim ** -0.5, False, "2^31 offsets")
+
+
+# Head dims whose sm80 forward has tiles for smaller shared memories (sm80/kernel_traits.h,
+# FwdCompactTraitsFor): sm_86, sm_89 and sm_120 (99 KiB a block) run them.
+SM80_COMPACT_HEAD_DIMS = (192, 256)
+
+
+@pytest.mark.parametrize("gqa", ["mha", "gqa4"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (113, 255), (255, 113), (1023, 1023), (1, 2049)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [d for d in COMPILED_HEAD_DIMS if d in SM80_COMPACT_HEAD_DIMS])
+def test_compact_sm80_tiles_match_oracle(cuda_gen, monkeypatch, head_dim, causal, seqlen_q, seqlen_k, gqa):
+    """The sm80 forward on the 64-row tiles a GPU of 99 KiB a block picks (forced here by the
+    switch) against the fp32 oracle."""
+    dtype = COMPILED_DTYPES[-1]
+    q, k, v = make_qkv(cuda_gen, 2, seqlen_q, seqlen_k, HEADS, GQA_HEADS_K[gqa], head_dim, dtype)
+    monkeypatch.setenv("FLASH_CUTLASS_SM80_COMPACT_TILES", "1")
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm80")
+    check_against_oracle(q, k, v, out, lse, head_dim ** -0.5, causal, "sm80 compact forward")
+
+
+def test_compact_forward_switch_without_tiles_raises(cuda_gen, monkeypatch):
+    without = [d for d in COMPILED_HEAD_DIMS if d not in SM80_COMPACT_HEAD_DIMS]
+    if not without:
+        pytest.skip("every compiled head dim has compact sm80 forward tiles")
+    q = torch.randn(1, 100, 2, without[0], generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
+    monkeypatch.setenv("FLASH_CUTLASS_SM80_COMPACT_TILES", "1")
+    with pytest.raises(RuntimeError, match=f"but the sm80 forward of head dim {without[0]} has no tiles"):
+        flash_cutlass.flash_forward(q, q, q, kernel="sm80")

@@ -68,8 +68,9 @@ int kvcache_smem_bytes_of(KVCacheDevice const& device);
 int fwd_smem_bytes(int kernel_hdim);
 // The same for the backward's main kernel (the largest of its kernels).
 int bwd_smem_bytes(int kernel_hdim);
-// The same with the tiles for smaller shared memories (BwdParams::sm80_compact_tiles); 0 where the
-// head dim has none.
+// Both with the tiles for smaller shared memories (FwdParams::sm80_compact_tiles); 0 where the head
+// dim has none.
+int fwd_compact_smem_bytes(int kernel_hdim);
 int bwd_compact_smem_bytes(int kernel_hdim);
 }  // namespace sm80
 

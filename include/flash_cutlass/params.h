@@ -115,6 +115,10 @@ struct FwdParams {
   int64_t block_table_batch_stride = 0;
   int page_size = 1;
   int num_pages = 0;
+  // The sm80 path's tiles for smaller shared memories (FwdCompactTraitsFor, and the backward's
+  // BwdCompactTraitsFor): the host sets it where the device allows a block less than the usual
+  // tiles of the call's direction need.
+  bool sm80_compact_tiles = false;
 };
 
 // The Hopper forward reads paged keys and values a key block at a time, each block from one page
@@ -178,9 +182,6 @@ struct BwdParams : FwdParams {
   // exponentials, P^T and dV too (sm90/bwd_producer.h, loads_v_after_first_query). false: K and V
   // together, first.
   bool v_after_first_query = false;
-  // The sm80 path's tiles for smaller shared memories (sm80/bwd_kernel.h, BwdCompactTraitsFor):
-  // the host sets it where the device allows a block less than the usual tiles need.
-  bool sm80_compact_tiles = false;
 };
 
 // One call of attention over a KV cache (flash_cutlass.flash_attention_with_kvcache): new keys

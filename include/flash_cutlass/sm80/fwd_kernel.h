@@ -225,10 +225,8 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 // from the last to the first, and with a causal mask longest first across bands of (head, batch)
 // pairs (block_info.h), so that the CTAs the hardware starts last are the shortest (+1-5% at head
 // dims 64 and 128, 2k-8k, on the H200).
-template <int kHeadDim, class Element, MaskKind kMaskKind, Extension kExtension>
-__global__ void __launch_bounds__(FwdTraitsFor<kHeadDim, Element>::kThreads, 1)
-    flash_fwd_sm80(__grid_constant__ const FwdParams params) {
-  using Traits = FwdTraitsFor<kHeadDim, Element>;
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm80(__grid_constant__ const FwdParams params) {
   extern __shared__ __align__(128) char smem[];
   record_philox_state<carries_dropout(kExtension)>(params);
   const QueryTile tile = kMaskKind == MaskKind::kCausal ? longest_first_query_tile_of_this_cta<Traits::kBlockM>(params)

@@ -101,4 +101,18 @@ template <int kHeadDim, class Element>
 using FwdTraitsFor = FwdKernelTraits<kHeadDim, FwdTileSizes<kHeadDim>::kBlockM, FwdTileSizes<kHeadDim>::kBlockN,
                                      FwdTileSizes<kHeadDim>::kWarps, Element>;
 
+// The tiles for GPUs that allow a block 99 KiB of shared memory (sm_86, sm_89, sm_120), where
+// FwdTraitsFor's exceed it (head dims 192 and 256): 64 query rows, 4 warps of 16 (the host picks
+// them from the device's limit, BwdParams' sm80_compact_tiles' twin in FwdParams). void elsewhere.
+template <int kHeadDim, class Element>
+struct FwdCompactTraitsSelect {
+  using type = void;
+};
+template <class Element>
+struct FwdCompactTraitsSelect<192, Element> { using type = FwdKernelTraits<192, 64, 64, 4, Element>; };
+template <class Element>
+struct FwdCompactTraitsSelect<256, Element> { using type = FwdKernelTraits<256, 64, 64, 4, Element>; };
+template <int kHeadDim, class Element>
+using FwdCompactTraitsFor = typename FwdCompactTraitsSelect<kHeadDim, Element>::type;
+
 }  // namespace flash_cutlass::sm80

@@ -109,10 +109,10 @@ bool switched_on(const char* variable, bool otherwise = false) {
   return text.empty() ? otherwise : text == "1";
 }
 
-// $FLASH_CUTLASS_SM80_COMPACT_TILES: "1" runs the sm80 backward on its tiles for smaller shared
-// memories (sm80/bwd_kernel.h, BwdCompactTraitsFor) on any GPU, so that a GPU with more shared memory
-// tests the tiles that sm_86, sm_89 and sm_120 (and the A100 at head dim 256) pick by themselves;
-// unset or "0": by the GPU's limit.
+// $FLASH_CUTLASS_SM80_COMPACT_TILES: "1" runs the sm80 path on its tiles for smaller shared memories
+// (FwdCompactTraitsFor, BwdCompactTraitsFor), written for sm_86, sm_89 and sm_120 (99 KiB a block)
+// and the A100's backward at head dim 256, on any GPU (so that an H100 tests them); unset or "0":
+// the usual tiles. Once the tests have run on a GPU, the GPU's limit is to pick them by itself.
 constexpr const char* kSm80CompactTilesEnv = "FLASH_CUTLASS_SM80_COMPACT_TILES";
 
 // The fields of flash_cutlass.options.AttentionOptions, read by name from the Python object.
@@ -471,17 +471,22 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
       select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, major, minor);
   FLASH_CHECK(selection.error.empty(), selection.error);
   if (selection.path == KernelPath::kSm80) {
-    // The usual tiles, or where the GPU allows a block less (or the switch says so), those for
-    // smaller shared memories.
+    // The usual tiles, or with the switch those for smaller shared memories (not yet picked by the
+    // GPU's limit: they have not run on a GPU yet, docs/DEVELOPING.md).
     constexpr bool kForward = kDirection == Direction::kForward;
     const char* direction = kForward ? "forward" : "backward";
     const int hdim = selection.kernel_hdim;
     const int usual = kForward ? sm80::fwd_smem_bytes(hdim) : sm80::bwd_smem_bytes(hdim);
     const int compact = kForward ? sm80::fwd_compact_smem_bytes(hdim) : sm80::bwd_compact_smem_bytes(hdim);
-    const bool forced = switched_on(kSm80CompactTilesEnv);
-    FLASH_CHECK(!forced || compact > 0, kSm80CompactTilesEnv, "=1, but the sm80 ", direction, " of head dim ", hdim,
-                " has no tiles for smaller shared memories");
-    selection.sm80_compact_tiles = forced || (usual > device_smem_limit(q) && compact > 0);
+    selection.sm80_compact_tiles = switched_on(kSm80CompactTilesEnv);
+    FLASH_CHECK(!selection.sm80_compact_tiles || compact > 0, kSm80CompactTilesEnv, "=1, but the sm80 ", direction,
+                " of head dim ", hdim, " has no tiles for smaller shared memories");
+    const int limit = device_smem_limit(q);
+    FLASH_CHECK(selection.sm80_compact_tiles || usual <= limit || compact == 0 || compact > limit, "head_dim ",
+                shape.head_dim, " runs in the head-dim-", hdim, " ", direction, " kernel, which needs ", usual / 1024,
+                " KiB of shared memory per block, but ", q.device(), " allows ", limit / 1024, " KiB. Its tiles for "
+                "smaller shared memories (", compact / 1024, " KiB) have not yet run on a GPU: ", kSm80CompactTilesEnv,
+                "=1 runs them");
     check_smem(selection.sm80_compact_tiles ? compact : usual, direction, shape.head_dim, hdim, q);
   }
   return selection;

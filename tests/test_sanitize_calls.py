@@ -38,3 +38,14 @@ def test_rejects_head_dims_outside_the_build(capsys):
     with pytest.raises(SystemExit):
         sanitize_calls.main(["--device", "cpu", "--head-dims", str(missing)])
     assert "are not in this build" in capsys.readouterr().err
+
+
+def test_cpu_walk_with_the_sm80_kernel_named(capsys):
+    """--kernel sm80 (for the sm80 tiles under the sanitizer): the dense calls name the kernel on the
+    GPU and drop it for the CPU reference they are checked against."""
+    head_dim = min(compiled_head_dims())
+    assert sanitize_calls.main(["--device", "cpu", "--head-dims", str(head_dim), "--kernel", "sm80",
+                                "--skip-kvcache"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith("0 mismatches")
+    assert f"d{head_dim} 77x77 heads 4/4 causal True forward" in printed

@@ -3,6 +3,8 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_calls.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_calls.py --head-dims 128,256
+    FLASH_CUTLASS_SM80_COMPACT_TILES=1 compute-sanitizer --tool racecheck python3 tools/sanitize_calls.py \
+        --kernel sm80 --skip-kvcache     # the sm80 tiles for smaller shared memories
 
 For each compiled head dim (or --head-dims) and the first compiled dtype: the forward and backward
 of fixed-length calls with tails (seqlens that are no multiple of any tile, seqlen 1, more queries
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -83,7 +86,8 @@ def _dense_case(name, head_dim, dtype, batch, heads, heads_k, seqlen_q, seqlen_k
             if not finite:
                 failures.append(f"{name} {label}")
         return
-    cpu_options = {key: (value.cpu() if isinstance(value, torch.Tensor) else value) for key, value in options.items()}
+    cpu_options = {key: (value.cpu() if isinstance(value, torch.Tensor) else value) for key, value in options.items()
+                   if key != "kernel"}
     q_cpu, k_cpu, v_cpu, dout_cpu = _cpu(q, k, v, dout)
     ref_out, ref_lse = flash_cutlass.flash_forward(q_cpu, k_cpu, v_cpu, **cpu_options)
     _close(f"{name} forward", out.cpu(), ref_out, failures)
@@ -157,6 +161,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-kvcache", action="store_true", help="leave the KV-cache calls out")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the same calls on CPU tensors, against themselves (tests this script)")
+    parser.add_argument("--kernel", choices=("auto", "sm80"), default="auto",
+                        help="the dense calls' kernel path (sm80: with FLASH_CUTLASS_SM80_COMPACT_TILES=1 its "
+                             "tiles for smaller shared memories; default: %(default)s)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -171,26 +178,27 @@ def main(argv=None) -> int:
     backward = flash_cutlass.compiled_backward()
     torch.manual_seed(0)
     failures: list = []
+    dense_case = _dense_case if args.kernel == "auto" else functools.partial(_dense_case, kernel=args.kernel)
     for head_dim in head_dims:
         print(f"head dim {head_dim} ({dtype}, backward {'built' if backward else 'left out'})", flush=True)
         shapes = ((1, 1, 4, 4), (77, 77, 4, 4), (130, 200, 4, 2), (200, 130, 4, 2))
         for seqlen_q, seqlen_k, heads, heads_k in shapes:
             for causal in (False, True):
-                _dense_case(f"d{head_dim} {seqlen_q}x{seqlen_k} heads {heads}/{heads_k} causal {causal}", head_dim,
+                dense_case(f"d{head_dim} {seqlen_q}x{seqlen_k} heads {heads}/{heads_k} causal {causal}", head_dim,
                             dtype, 2, heads, heads_k, seqlen_q, seqlen_k, backward, failures, causal=causal)
         if backward:
             # More key tiles than SMs: persistent and rotated walks take several tiles a CTA.
             for deterministic in (False, True):
-                _dense_case(f"d{head_dim} 200x200 heads 72/72 deterministic {deterministic}", head_dim, dtype, 2, 72,
+                dense_case(f"d{head_dim} 200x200 heads 72/72 deterministic {deterministic}", head_dim, dtype, 2, 72,
                             72, 200, 200, True, failures, deterministic=deterministic)
-            _dense_case(f"d{head_dim} 130x200 heads 4/2 causal deterministic", head_dim, dtype, 2, 4, 2, 130, 200,
+            dense_case(f"d{head_dim} 130x200 heads 4/2 causal deterministic", head_dim, dtype, 2, 4, 2, 130, 200,
                         True, failures, causal=True, deterministic=True)
             # dQ's first store switched off (dq_accum zeroed by the preprocess, every key block adds) and
             # on (the default only up to head dim 128).
             for switch, label in (("0", "dq_accum zeroed"), ("1", "dQ first store")):
                 with _switched("FLASH_CUTLASS_BWD_DQ_FIRST_STORE", switch):
                     for causal in (False, True):
-                        _dense_case(f"d{head_dim} 130x200 heads 4/2 causal {causal} {label}", head_dim, dtype, 2, 4,
+                        dense_case(f"d{head_dim} 130x200 heads 4/2 causal {causal} {label}", head_dim, dtype, 2, 4,
                                     2, 130, 200, True, failures, causal=causal)
         for causal in (False, True):
             _varlen_case(f"d{head_dim} varlen causal {causal}", head_dim, dtype, 4, (1, 77, 130), causal, backward,
@@ -206,7 +214,7 @@ def main(argv=None) -> int:
             options.append(("dropout 0.1", dict(dropout_p=0.1)))
         options.append(("causal sinks", dict(causal=True, sinks=torch.randn(4, device=DEVICE))))
         for label, option in options:
-            _dense_case(f"d{head_dim} 130x200 heads 4/2 {label}", head_dim, dtype, 2, 4, 2, 130, 200, backward,
+            dense_case(f"d{head_dim} 130x200 heads 4/2 {label}", head_dim, dtype, 2, 4, 2, 130, 200, backward,
                         failures, **option)
         if (not args.skip_kvcache and flash_cutlass.compiled_kvcache()
                 and head_dim in flash_cutlass.compiled_kvcache_head_dims()):

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 
@@ -66,6 +67,24 @@ inline cudaError_t multiprocessor_count(int* count) {
   const cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
   return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+}
+
+// A kernel's tile configuration as a value: launch(TilesOf<Traits>{}) reads TilesOf::type.
+template <class Traits>
+struct TilesOf {
+  using type = Traits;
+};
+
+// launch(TilesOf<Usual>) or, with `compact`, launch(TilesOf<Compact>): the sm80 path's usual tiles
+// or those for smaller shared memories (FwdParams::sm80_compact_tiles). Compact is void where a head
+// dim has none; the host refuses the switch there before any launch.
+template <class Usual, class Compact, class Launch>
+cudaError_t launch_with_tiles(bool compact, Launch&& launch) {
+  if constexpr (!std::is_void_v<Compact>) {
+    if (compact) return launch(TilesOf<Compact>{});
+  }
+  if (compact) return cudaErrorInvalidConfiguration;
+  return launch(TilesOf<Usual>{});
 }
 
 }  // namespace flash_cutlass

@@ -98,47 +98,41 @@ struct BwdKernelTraits : TileShapes<kBlockM_, kBlockN_, kHeadDim_> {
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
 };
 
-// Per head dim: (kBlockM, kBlockN, kWarpsMSdP, kWarpsNdKV, kWarpsMdQ). The dK and dV accumulators
-// (2 * kBlockN * kHeadDim / 256 registers per thread) and S and dP (2 * kBlockM * kBlockN / 256)
-// must fit next to each other in 255 registers; up to head dim 192 the tiles also fit the
-// shared memory of an A100 (163 KiB).
-template <int kHeadDim, class Element>
-struct BwdTraitsSelect;
-template <class Element>
-struct BwdTraitsSelect<32, Element> { using type = BwdKernelTraits<32, 128, 128, 4, 4, 4, Element>; };
-template <class Element>
-struct BwdTraitsSelect<64, Element> { using type = BwdKernelTraits<64, 128, 128, 4, 4, 4, Element>; };
-template <class Element>
-struct BwdTraitsSelect<96, Element> { using type = BwdKernelTraits<96, 64, 128, 2, 4, 4, Element>; };
-template <class Element>
-struct BwdTraitsSelect<128, Element> { using type = BwdKernelTraits<128, 64, 128, 2, 4, 2, Element>; };
-template <class Element>
-struct BwdTraitsSelect<192, Element> { using type = BwdKernelTraits<192, 64, 64, 4, 2, 2, Element>; };
-template <class Element>
-struct BwdTraitsSelect<256, Element> { using type = BwdKernelTraits<256, 64, 64, 4, 2, 2, Element>; };
-template <int kHeadDim, class Element>
-using BwdTraitsFor = typename BwdTraitsSelect<kHeadDim, Element>::type;
-
-// The tiles for GPUs whose blocks get less shared memory than BwdTraitsFor's (the host picks them
-// from the device's limit: sm_86, sm_89 and sm_120 allow 99 KiB a block, the A100 163 KiB): up to
-// head dim 128 within 99 KiB, head dim 256 within the A100's. Head dim 192 has none (its usual tiles
-// fit the A100; nothing of this kernel's shape fits 99 KiB).
-template <int kHeadDim, class Element>
-struct BwdCompactTraitsSelect {
-  using type = void;
+// The tiles per head dim: (kBlockM, kBlockN, kWarpsMSdP, kWarpsNdKV, kWarpsMdQ, kQBuffers). The dK
+// and dV accumulators (2 * kBlockN * kHeadDim / 256 registers per thread) and S and dP (2 * kBlockM
+// * kBlockN / 256) must fit next to each other in 255 registers. The usual tiles (kCompact false)
+// fit the shared memory of an A100 (163 KiB) up to head dim 192. The compact ones are for GPUs
+// whose blocks get less (sm_86, sm_89 and sm_120 allow 99 KiB a block, the A100 163 KiB): up to
+// head dim 128 within 99 KiB, head dim 256 within the A100's; head dim 192 has none (its usual
+// tiles fit the A100, and nothing of this kernel's shape fits 99 KiB).
+template <int kBlockM_, int kBlockN_, int kWarpsMSdP_, int kWarpsNdKV_, int kWarpsMdQ_, int kQBuffers_ = 2>
+struct BwdTiles {
+  template <int kHeadDim, class Element>
+  using Traits = BwdKernelTraits<kHeadDim, kBlockM_, kBlockN_, kWarpsMSdP_, kWarpsNdKV_, kWarpsMdQ_, Element,
+                                 kQBuffers_>;
 };
-template <class Element>
-struct BwdCompactTraitsSelect<32, Element> { using type = BwdKernelTraits<32, 64, 128, 2, 4, 4, Element>; };
-template <class Element>
-struct BwdCompactTraitsSelect<64, Element> { using type = BwdKernelTraits<64, 64, 128, 2, 4, 4, Element>; };
-template <class Element>
-struct BwdCompactTraitsSelect<96, Element> { using type = BwdKernelTraits<96, 64, 64, 2, 4, 4, Element>; };
-template <class Element>
-struct BwdCompactTraitsSelect<128, Element> { using type = BwdKernelTraits<128, 64, 64, 2, 4, 4, Element, 1>; };
-template <class Element>
-struct BwdCompactTraitsSelect<256, Element> { using type = BwdKernelTraits<256, 64, 64, 4, 2, 2, Element, 1>; };
+struct NoBwdTiles {
+  template <int kHeadDim, class Element>
+  using Traits = void;
+};
+template <int kHeadDim, bool kCompact>
+struct BwdTilesOf : NoBwdTiles {};
+template <> struct BwdTilesOf<32, false>  : BwdTiles<128, 128, 4, 4, 4> {};
+template <> struct BwdTilesOf<64, false>  : BwdTiles<128, 128, 4, 4, 4> {};
+template <> struct BwdTilesOf<96, false>  : BwdTiles<64, 128, 2, 4, 4> {};
+template <> struct BwdTilesOf<128, false> : BwdTiles<64, 128, 2, 4, 2> {};
+template <> struct BwdTilesOf<192, false> : BwdTiles<64, 64, 4, 2, 2> {};
+template <> struct BwdTilesOf<256, false> : BwdTiles<64, 64, 4, 2, 2> {};
+template <> struct BwdTilesOf<32, true>   : BwdTiles<64, 128, 2, 4, 4> {};
+template <> struct BwdTilesOf<64, true>   : BwdTiles<64, 128, 2, 4, 4> {};
+template <> struct BwdTilesOf<96, true>   : BwdTiles<64, 64, 2, 4, 4> {};
+template <> struct BwdTilesOf<128, true>  : BwdTiles<64, 64, 2, 4, 4, 1> {};
+template <> struct BwdTilesOf<256, true>  : BwdTiles<64, 64, 4, 2, 2, 1> {};
 template <int kHeadDim, class Element>
-using BwdCompactTraitsFor = typename BwdCompactTraitsSelect<kHeadDim, Element>::type;
+using BwdTraitsFor = typename BwdTilesOf<kHeadDim, false>::template Traits<kHeadDim, Element>;
+// void where the head dim has no compact tiles.
+template <int kHeadDim, class Element>
+using BwdCompactTraitsFor = typename BwdTilesOf<kHeadDim, true>::template Traits<kHeadDim, Element>;
 
 // acc (fp32, in tiled_mma's C layout) -> a shared memory tile of Element, for a transposed reread.
 template <class Traits, class TiledMma, class Acc, class Smem>

@@ -1,8 +1,6 @@
 // Host-side launch of the sm80-path backward kernels; included only by the instantiation files.
 #pragma once
 
-#include <type_traits>
-
 #include <cuda_runtime_api.h>
 
 #include "flash_cutlass/common/bwd_stages.h"
@@ -12,35 +10,30 @@
 namespace flash_cutlass::sm80 {
 
 // The main kernel (dK, dV, and dQ by atomics), or with params.deterministic, a second kernel that
-// sums dQ over the key blocks in a fixed order instead, between the preprocess and postprocess.
-template <class Traits, MaskKind kMaskKind, Extension kExtension>
-cudaError_t run_bwd_with_tiles(BwdParams const& params, cudaStream_t stream) {
-  return run_bwd_stages<Traits::kHeadDim, typename Traits::Element>(params, stream, [&]() {
-    const int64_t batch_heads = int64_t(params.batch) * params.heads;
-    const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    if (!params.deterministic) {
-      return launch_kernel(&flash_bwd_sm80<Traits, kMaskKind, kExtension, true>, num_n_blocks * batch_heads, Traits::kThreads,
-                           Traits::kSmemBytes, params, stream);
-    }
-    cudaError_t status = launch_kernel(&flash_bwd_sm80<Traits, kMaskKind, kExtension, false>, num_n_blocks * batch_heads,
-                                       Traits::kThreads, Traits::kSmemBytes, params, stream);
-    if (status != cudaSuccess) return status;
-    const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    return launch_kernel(&flash_bwd_dq_sm80<Traits, kMaskKind, kExtension>, num_m_blocks * batch_heads, Traits::kThreads,
-                         Traits::kSmemBytesDq, params, stream);
-  });
-}
-
-// The usual tiles, or with params.sm80_compact_tiles those for smaller shared memories.
+// sums dQ over the key blocks in a fixed order instead, between the preprocess and postprocess; on
+// the usual tiles, or with params.sm80_compact_tiles those for smaller shared memories.
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  using Compact = BwdCompactTraitsFor<kHeadDim, Element>;
-  if constexpr (!std::is_void_v<Compact>) {
-    if (params.sm80_compact_tiles) return run_bwd_with_tiles<Compact, kMaskKind, kExtension>(params, stream);
-  }
-  if (params.sm80_compact_tiles) return cudaErrorInvalidConfiguration;  // the host checks first
-  return run_bwd_with_tiles<BwdTraitsFor<kHeadDim, Element>, kMaskKind, kExtension>(params, stream);
+  return launch_with_tiles<BwdTraitsFor<kHeadDim, Element>, BwdCompactTraitsFor<kHeadDim, Element>>(
+      params.sm80_compact_tiles, [&](auto tiles) {
+        using Traits = typename decltype(tiles)::type;
+        return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
+          const int64_t batch_heads = int64_t(params.batch) * params.heads;
+          const int64_t num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+          if (!params.deterministic) {
+            return launch_kernel(&flash_bwd_sm80<Traits, kMaskKind, kExtension, true>, num_n_blocks * batch_heads,
+                                 Traits::kThreads, Traits::kSmemBytes, params, stream);
+          }
+          cudaError_t status = launch_kernel(&flash_bwd_sm80<Traits, kMaskKind, kExtension, false>,
+                                             num_n_blocks * batch_heads, Traits::kThreads, Traits::kSmemBytes, params,
+                                             stream);
+          if (status != cudaSuccess) return status;
+          const int64_t num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+          return launch_kernel(&flash_bwd_dq_sm80<Traits, kMaskKind, kExtension>, num_m_blocks * batch_heads,
+                               Traits::kThreads, Traits::kSmemBytesDq, params, stream);
+        });
+      });
 }
 
 }  // namespace flash_cutlass::sm80

@@ -1,8 +1,6 @@
 // Host-side launch of the sm80-path forward kernel; included only by the instantiation files.
 #pragma once
 
-#include <type_traits>
-
 #include <cuda_runtime_api.h>
 
 #include "flash_cutlass/common/launch.h"
@@ -11,22 +9,16 @@
 
 namespace flash_cutlass::sm80 {
 
-template <class Traits, MaskKind kMaskKind, Extension kExtension>
-cudaError_t run_fwd_with_tiles(FwdParams const& params, cudaStream_t stream) {
-  return launch_kernel(&flash_fwd_sm80<Traits, kMaskKind, kExtension>, num_query_tiles<Traits::kBlockM>(params),
-                       Traits::kThreads, Traits::kSmemBytes, params, stream);
-}
-
 // The usual tiles, or with params.sm80_compact_tiles those for smaller shared memories.
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  using Compact = FwdCompactTraitsFor<kHeadDim, Element>;
-  if constexpr (!std::is_void_v<Compact>) {
-    if (params.sm80_compact_tiles) return run_fwd_with_tiles<Compact, kMaskKind, kExtension>(params, stream);
-  }
-  if (params.sm80_compact_tiles) return cudaErrorInvalidConfiguration;  // the host checks first
-  return run_fwd_with_tiles<FwdTraitsFor<kHeadDim, Element>, kMaskKind, kExtension>(params, stream);
+  return launch_with_tiles<FwdTraitsFor<kHeadDim, Element>, FwdCompactTraitsFor<kHeadDim, Element>>(
+      params.sm80_compact_tiles, [&](auto tiles) {
+        using Traits = typename decltype(tiles)::type;
+        return launch_kernel(&flash_fwd_sm80<Traits, kMaskKind, kExtension>, num_query_tiles<Traits::kBlockM>(params),
+                             Traits::kThreads, Traits::kSmemBytes, params, stream);
+      });
 }
 
 }  // namespace flash_cutlass::sm80

@@ -110,9 +110,10 @@ bool switched_on(const char* variable, bool otherwise = false) {
 }
 
 // $FLASH_CUTLASS_SM80_COMPACT_TILES: "1" runs the sm80 path on its tiles for smaller shared memories
-// (FwdCompactTraitsFor, BwdCompactTraitsFor), written for sm_86, sm_89 and sm_120 (99 KiB a block)
-// and the A100's backward at head dim 256, on any GPU (so that an H100 tests them); unset or "0":
-// the usual tiles. Once the tests have run on a GPU, the GPU's limit is to pick them by itself.
+// (FwdCompactTraitsFor, BwdCompactTraitsFor: written for sm_86, sm_89 and sm_120, 99 KiB a block,
+// and the A100's backward at head dim 256) wherever a head dim and direction has them, on any GPU
+// (so that an H100 tests them), the usual tiles elsewhere; unset or "0": the usual tiles. Once the
+// tests have run on a GPU, the GPU's limit is to pick them by itself.
 constexpr const char* kSm80CompactTilesEnv = "FLASH_CUTLASS_SM80_COMPACT_TILES";
 
 // The fields of flash_cutlass.options.AttentionOptions, read by name from the Python object.
@@ -478,9 +479,7 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
     const int hdim = selection.kernel_hdim;
     const int usual = kForward ? sm80::fwd_smem_bytes(hdim) : sm80::bwd_smem_bytes(hdim);
     const int compact = kForward ? sm80::fwd_compact_smem_bytes(hdim) : sm80::bwd_compact_smem_bytes(hdim);
-    selection.sm80_compact_tiles = switched_on(kSm80CompactTilesEnv);
-    FLASH_CHECK(!selection.sm80_compact_tiles || compact > 0, kSm80CompactTilesEnv, "=1, but the sm80 ", direction,
-                " of head dim ", hdim, " has no tiles for smaller shared memories");
+    selection.sm80_compact_tiles = switched_on(kSm80CompactTilesEnv) && compact > 0;
     const int limit = device_smem_limit(q);
     FLASH_CHECK(selection.sm80_compact_tiles || usual <= limit || compact == 0 || compact > limit, "head_dim ",
                 shape.head_dim, " runs in the head-dim-", hdim, " ", direction, " kernel, which needs ", usual / 1024,

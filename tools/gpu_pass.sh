@@ -3,8 +3,10 @@
 # benchmark and an Nsight Compute profile, with every log under OUT_DIR.
 #
 # Usage: tools/gpu_pass.sh OUT_DIR [steps...]
-#   steps: any of build test bench bench_bwd profile profile_bwd sanitize (default: build test bench profile)
+#   steps: any of build test bench bench_bwd profile profile_bwd sanitize compact (default: build test bench profile)
 #   sanitize: compute-sanitizer memcheck and racecheck over tools/sanitize_calls.py (SANITIZE_ARGS: its options)
+#   compact: the sm80 tiles for smaller shared memories (FLASH_CUTLASS_SM80_COMPACT_TILES=1): their tests,
+#     then memcheck and racecheck over tools/sanitize_calls.py --kernel sm80 (docs/DEVELOPING.md)
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
 #   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's
 #   --impls, e.g. with flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's
@@ -72,6 +74,21 @@ for step in $steps; do
         status=$(( status | tool_status ))
         summary "sanitize $tool: exit $tool_status; $(grep -a -E "ERROR SUMMARY|RACECHECK SUMMARY|mismatches" \
           "$out_dir/sanitize_$tool.log" | tr '\n' ' ')"
+      done
+      ;;
+    compact)
+      python3 -m pytest -q -p no:cacheprovider tests/test_forward_cuda.py tests/test_backward_cuda.py -k compact \
+        >"$out_dir/pytest_compact.log" 2>&1
+      status=$?
+      summary "pytest compact: $(tail -n 1 "$out_dir/pytest_compact.log")"
+      for tool in memcheck racecheck; do
+        FLASH_CUTLASS_SM80_COMPACT_TILES=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+          python3 tools/sanitize_calls.py --kernel sm80 --skip-kvcache ${SANITIZE_ARGS:-} \
+          >"$out_dir/sanitize_compact_$tool.log" 2>&1
+        tool_status=$?
+        status=$(( status | tool_status ))
+        summary "sanitize compact $tool: exit $tool_status; $(grep -a -E "ERROR SUMMARY|RACECHECK SUMMARY|mismatches" \
+          "$out_dir/sanitize_compact_$tool.log" | tr '\n' ' ')"
       done
       ;;
     *)

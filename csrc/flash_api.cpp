@@ -109,11 +109,11 @@ bool switched_on(const char* variable, bool otherwise = false) {
   return text.empty() ? otherwise : text == "1";
 }
 
-// $FLASH_CUTLASS_SM80_COMPACT_TILES: "1" runs the sm80 path on its tiles for smaller shared memories
-// (FwdCompactTraitsFor, BwdCompactTraitsFor: written for sm_86, sm_89 and sm_120, 99 KiB a block,
-// and the A100's backward at head dim 256) wherever a head dim and direction has them, on any GPU
-// (so that an H100 tests them), the usual tiles elsewhere; unset or "0": the usual tiles. Once the
-// tests have run on a GPU, the GPU's limit is to pick them by itself.
+// $FLASH_CUTLASS_SM80_COMPACT_TILES: the sm80 path's tiles for smaller shared memories
+// (FwdCompactTraitsFor, BwdCompactTraitsFor: for sm_86, sm_89 and sm_120, 99 KiB a block, and the
+// A100's backward at head dim 256). Unset: where the GPU's limit is below the usual tiles' need;
+// "1": wherever a head dim and direction has them, on any GPU (so that an H100 tests them); "0":
+// never (such a GPU then refuses those head dims).
 constexpr const char* kSm80CompactTilesEnv = "FLASH_CUTLASS_SM80_COMPACT_TILES";
 
 // The fields of flash_cutlass.options.AttentionOptions, read by name from the Python object.
@@ -472,21 +472,15 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
       select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, major, minor);
   FLASH_CHECK(selection.error.empty(), selection.error);
   if (selection.path == KernelPath::kSm80) {
-    // The usual tiles, or with the switch those for smaller shared memories (not yet picked by the
-    // GPU's limit: they have not run on a GPU yet, docs/DEVELOPING.md).
+    // The usual tiles, or where the GPU allows a block less shared memory than they need (or the
+    // switch says so), those for smaller shared memories where the head dim has them.
     constexpr bool kForward = kDirection == Direction::kForward;
-    const char* direction = kForward ? "forward" : "backward";
     const int hdim = selection.kernel_hdim;
     const int usual = kForward ? sm80::fwd_smem_bytes(hdim) : sm80::bwd_smem_bytes(hdim);
     const int compact = kForward ? sm80::fwd_compact_smem_bytes(hdim) : sm80::bwd_compact_smem_bytes(hdim);
-    selection.sm80_compact_tiles = switched_on(kSm80CompactTilesEnv) && compact > 0;
-    const int limit = device_smem_limit(q);
-    FLASH_CHECK(selection.sm80_compact_tiles || usual <= limit || compact == 0 || compact > limit, "head_dim ",
-                shape.head_dim, " runs in the head-dim-", hdim, " ", direction, " kernel, which needs ", usual / 1024,
-                " KiB of shared memory per block, but ", q.device(), " allows ", limit / 1024, " KiB. Its tiles for "
-                "smaller shared memories (", compact / 1024, " KiB) have not yet run on a GPU: ", kSm80CompactTilesEnv,
-                "=1 runs them");
-    check_smem(selection.sm80_compact_tiles ? compact : usual, direction, shape.head_dim, hdim, q);
+    selection.sm80_compact_tiles = compact > 0 && switched_on(kSm80CompactTilesEnv, usual > device_smem_limit(q));
+    check_smem(selection.sm80_compact_tiles ? compact : usual, kForward ? "forward" : "backward", shape.head_dim,
+               hdim, q);
   }
   return selection;
 }

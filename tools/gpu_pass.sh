@@ -22,6 +22,25 @@ export PYTHONUNBUFFERED=1
 
 summary() { echo "$*" | tee -a "$out_dir/summary.txt"; }
 
+# sanitize_both NAME [VAR=VALUE...] -- [sanitize_calls.py options]: compute-sanitizer memcheck and
+# racecheck over tools/sanitize_calls.py with those variables set, logs NAME_TOOL.log, each exit
+# status or'ed into $status.
+sanitize_both() {
+  local name=$1 tool tool_status
+  shift
+  local variables=()
+  while [ "$1" != "--" ]; do variables+=("$1"); shift; done
+  shift
+  for tool in memcheck racecheck; do
+    env "${variables[@]}" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tools/sanitize_calls.py "$@" \
+      ${SANITIZE_ARGS:-} >"$out_dir/${name}_$tool.log" 2>&1
+    tool_status=$?
+    status=$(( status | tool_status ))
+    summary "$name $tool: exit $tool_status; $(grep -a -E "ERROR SUMMARY|RACECHECK SUMMARY|mismatches" \
+      "$out_dir/${name}_$tool.log" | tr '\n' ' ')"
+  done
+}
+
 summary "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 summary "torch $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
 
@@ -67,29 +86,14 @@ for step in $steps; do
       ;;
     sanitize)
       status=0
-      for tool in memcheck racecheck; do
-        compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tools/sanitize_calls.py ${SANITIZE_ARGS:-} \
-          >"$out_dir/sanitize_$tool.log" 2>&1
-        tool_status=$?
-        status=$(( status | tool_status ))
-        summary "sanitize $tool: exit $tool_status; $(grep -a -E "ERROR SUMMARY|RACECHECK SUMMARY|mismatches" \
-          "$out_dir/sanitize_$tool.log" | tr '\n' ' ')"
-      done
+      sanitize_both sanitize --
       ;;
     compact)
       python3 -m pytest -q -p no:cacheprovider tests/test_forward_cuda.py tests/test_backward_cuda.py -k compact \
         >"$out_dir/pytest_compact.log" 2>&1
       status=$?
       summary "pytest compact: $(tail -n 1 "$out_dir/pytest_compact.log")"
-      for tool in memcheck racecheck; do
-        FLASH_CUTLASS_SM80_COMPACT_TILES=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
-          python3 tools/sanitize_calls.py --kernel sm80 --skip-kvcache ${SANITIZE_ARGS:-} \
-          >"$out_dir/sanitize_compact_$tool.log" 2>&1
-        tool_status=$?
-        status=$(( status | tool_status ))
-        summary "sanitize compact $tool: exit $tool_status; $(grep -a -E "ERROR SUMMARY|RACECHECK SUMMARY|mismatches" \
-          "$out_dir/sanitize_compact_$tool.log" | tr '\n' ' ')"
-      done
+      sanitize_both sanitize_compact FLASH_CUTLASS_SM80_COMPACT_TILES=1 -- --kernel sm80 --skip-kvcache
       ;;
     *)
       echo "unknown step: $step" >&2

@@ -117,7 +117,7 @@ struct FwdParams {
   int num_pages = 0;
   // The sm80 path's tiles for smaller shared memories (FwdCompactTraitsFor, and the backward's
   // BwdCompactTraitsFor): the host sets it where the device allows a block less than the usual
-  // tiles of the call's direction need.
+  // tiles of the call's direction need, or with FLASH_CUTLASS_SM80_COMPACT_TILES=1.
   bool sm80_compact_tiles = false;
 };
 

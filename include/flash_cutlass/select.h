@@ -18,8 +18,8 @@ struct KernelSelection {
   KernelPath path = KernelPath::kSm80;
   int kernel_hdim = 0;  // the compiled head dim that runs the call
   std::string error;    // why the call cannot run; empty when it can
-  // The sm80 backward's tiles for smaller shared memories (BwdParams::sm80_compact_tiles): set by
-  // the host from the device's limit.
+  // The sm80 path's tiles for smaller shared memories (FwdParams::sm80_compact_tiles): set by the
+  // host from the device's limit (csrc/flash_api.cpp, selected_kernel).
   bool sm80_compact_tiles = false;
 };
 

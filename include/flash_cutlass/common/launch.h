@@ -77,7 +77,7 @@ struct TilesOf {
 
 // launch(TilesOf<Usual>) or, with `compact`, launch(TilesOf<Compact>): the sm80 path's usual tiles
 // or those for smaller shared memories (FwdParams::sm80_compact_tiles). Compact is void where a head
-// dim has none; the host refuses the switch there before any launch.
+// dim has none, and the host never sets `compact` there.
 template <class Usual, class Compact, class Launch>
 cudaError_t launch_with_tiles(bool compact, Launch&& launch) {
   if constexpr (!std::is_void_v<Compact>) {

@@ -103,7 +103,7 @@ using FwdTraitsFor = FwdKernelTraits<kHeadDim, FwdTileSizes<kHeadDim>::kBlockM, 
 
 // The tiles for GPUs that allow a block 99 KiB of shared memory (sm_86, sm_89, sm_120), where
 // FwdTraitsFor's exceed it (head dims 192 and 256): 64 query rows, 4 warps of 16 (the host picks
-// them from the device's limit, BwdParams' sm80_compact_tiles' twin in FwdParams). void elsewhere.
+// them from the device's limit: FwdParams::sm80_compact_tiles). void elsewhere.
 template <int kHeadDim, class Element>
 struct FwdCompactTraitsSelect {
   using type = void;

@@ -4,6 +4,7 @@ Skipped (with the reason) where no CUDA GPU is visible.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -305,3 +306,33 @@ def test_compact_switch_is_checked_and_leaves_other_head_dims_alone(cuda_gen, mo
     switched = flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80", deterministic=True)
     for a, b in zip(usual, switched):
         assert torch.equal(a, b)
+
+
+def sm80_backward_kernel_names(run) -> set:
+    """The names (demangled, with their tile template arguments) of the sm80 backward kernels that
+    run() launches, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        run()
+        torch.cuda.synchronize()
+    return {event.name for event in profiler.events() if "flash_bwd_sm80" in event.name}
+
+
+def test_compact_switch_launches_the_compact_tiles(cuda_gen, monkeypatch):
+    """With the switch the launched kernel is the compact one (head dim 128: 64 x 64 tiles, one Q
+    buffer), without it the usual one (64 x 128): the oracle tests alone would pass on either."""
+    if 128 not in COMPILED_HEAD_DIMS:
+        pytest.skip("head dim 128 was not compiled into this build")
+    q = torch.randn(1, 300, 2, 128, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
+    out, lse = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
+
+    def run():
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80")
+
+    usual = sm80_backward_kernel_names(run)
+    monkeypatch.setenv(COMPACT_SWITCH, "1")
+    compact = sm80_backward_kernel_names(run)
+    pattern = r"BwdKernelTraits<128,\s*64,\s*{}\b"
+    assert usual and all(re.search(pattern.format(128), name) for name in usual), usual
+    assert compact and all(re.search(pattern.format(64), name) for name in compact), compact

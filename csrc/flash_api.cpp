@@ -85,16 +85,31 @@ struct CallDevice {
   c10::cuda::CUDAGuard guard;
 };
 
-// The shared memory q's GPU allows a block, in bytes.
-int device_smem_limit(const at::Tensor& q) {
-  int smem_limit = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-  return smem_limit;
+// Device `index`'s SM count and per-block shared memory limit, queried once per device and process,
+// so that a call's kernel selection, a decode step or a backward's walk rule asks the driver nothing (the kernels keep their
+// own attributes per device: sm80/kvcache_launch.h).
+KVCacheDevice kvcache_device(int index) {
+  auto attribute = [index](cudaDeviceAttr which) {
+    int value = 0;
+    const cudaError_t status = cudaDeviceGetAttribute(&value, which, index);
+    return status == cudaSuccess ? value : -int(status);
+  };
+  static PerDeviceValue sm_counts, smem_limits, majors, minors;
+  const int sm_count = sm_counts.get(index, [&] { return attribute(cudaDevAttrMultiProcessorCount); });
+  if (sm_count < 0) C10_CUDA_CHECK(cudaError_t(-sm_count));
+  const int smem = smem_limits.get(index, [&] { return attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); });
+  if (smem < 0) C10_CUDA_CHECK(cudaError_t(-smem));
+  const int major = majors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMajor); });
+  if (major < 0) C10_CUDA_CHECK(cudaError_t(-major));
+  const int minor = minors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMinor); });
+  if (minor < 0) C10_CUDA_CHECK(cudaError_t(-minor));
+  return {index, sm_count, smem, major, minor};
 }
 
-// Refuses, before any launch, a kernel whose shared memory exceeds what q's GPU allows a block.
-void check_smem(int smem_needed, const char* direction, int64_t head_dim, int kernel_hdim, const at::Tensor& q) {
-  const int smem_limit = device_smem_limit(q);
+// Refuses, before any launch, a kernel whose shared memory exceeds what q's GPU allows a block
+// (smem_limit).
+void check_smem(int smem_needed, int smem_limit, const char* direction, int64_t head_dim, int kernel_hdim,
+                const at::Tensor& q) {
   FLASH_CHECK(smem_needed <= smem_limit, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim, " ", direction,
                " kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block, but ", q.device(),
                " allows ", smem_limit / 1024, " KiB; this head dim is not supported on this GPU yet");
@@ -465,11 +480,9 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
 // select.h's kernel for this call on q's GPU; raises its error.
 template <Direction kDirection>
 KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions const& options, const at::Tensor& q) {
-  int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+  const KVCacheDevice device = kvcache_device(q.get_device());
   KernelSelection selection =
-      select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, major, minor);
+      select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, device.major, device.minor);
   FLASH_CHECK(selection.error.empty(), selection.error);
   if (selection.path == KernelPath::kSm80) {
     // The usual tiles, or where the GPU allows a block less shared memory than they need (or the
@@ -478,9 +491,9 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
     const int hdim = selection.kernel_hdim;
     const int usual = kForward ? sm80::fwd_smem_bytes(hdim) : sm80::bwd_smem_bytes(hdim);
     const int compact = kForward ? sm80::fwd_compact_smem_bytes(hdim) : sm80::bwd_compact_smem_bytes(hdim);
-    selection.sm80_compact_tiles = compact > 0 && switched_on(kSm80CompactTilesEnv, usual > device_smem_limit(q));
-    check_smem(selection.sm80_compact_tiles ? compact : usual, kForward ? "forward" : "backward", shape.head_dim,
-               hdim, q);
+    selection.sm80_compact_tiles = compact > 0 && switched_on(kSm80CompactTilesEnv, usual > device.smem_per_block);
+    check_smem(selection.sm80_compact_tiles ? compact : usual, device.smem_per_block,
+               kForward ? "forward" : "backward", shape.head_dim, hdim, q);
   }
   return selection;
 }
@@ -524,27 +537,6 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
              const std::optional<at::Tensor>& drawn_rng_state, const pybind11::handle& options_object) {
   run_forward(q, k, v, out, lse, drawn_rng_state, options_from_python(options_object));
-}
-
-// Device `index`'s SM count and per-block shared memory limit, queried once per device and process,
-// so that a decode step or a backward's walk rule asks the driver nothing (the kernels keep their
-// own attributes per device: sm80/kvcache_launch.h).
-KVCacheDevice kvcache_device(int index) {
-  auto attribute = [index](cudaDeviceAttr which) {
-    int value = 0;
-    const cudaError_t status = cudaDeviceGetAttribute(&value, which, index);
-    return status == cudaSuccess ? value : -int(status);
-  };
-  static PerDeviceValue sm_counts, smem_limits, majors, minors;
-  const int sm_count = sm_counts.get(index, [&] { return attribute(cudaDevAttrMultiProcessorCount); });
-  if (sm_count < 0) C10_CUDA_CHECK(cudaError_t(-sm_count));
-  const int smem = smem_limits.get(index, [&] { return attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); });
-  if (smem < 0) C10_CUDA_CHECK(cudaError_t(-smem));
-  const int major = majors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMajor); });
-  if (major < 0) C10_CUDA_CHECK(cudaError_t(-major));
-  const int minor = minors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMinor); });
-  if (minor < 0) C10_CUDA_CHECK(cudaError_t(-minor));
-  return {index, sm_count, smem, major, minor};
 }
 
 // $FLASH_CUTLASS_GQA_WALK_HEADS: how many query heads of a K/V head's group one Hopper backward CTA

@@ -85,9 +85,9 @@ struct CallDevice {
   c10::cuda::CUDAGuard guard;
 };
 
-// Device `index`'s SM count and per-block shared memory limit, queried once per device and process,
-// so that a call's kernel selection, a decode step or a backward's walk rule asks the driver nothing (the kernels keep their
-// own attributes per device: sm80/kvcache_launch.h).
+// Device `index`'s SM count, per-block shared memory limit and compute capability, queried once per
+// device and process, so that a call's kernel selection, a decode step or a backward's walk rule asks
+// the driver nothing (the kernels keep their own attributes per device: sm80/kvcache_launch.h).
 KVCacheDevice kvcache_device(int index) {
   auto attribute = [index](cudaDeviceAttr which) {
     int value = 0;

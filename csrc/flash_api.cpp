@@ -10,10 +10,12 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -85,6 +87,21 @@ struct CallDevice {
   c10::cuda::CUDAGuard guard;
 };
 
+// $FLASH_CUTLASS_SMEM_PER_BLOCK: bytes of shared memory a block may use, below the GPU's own limit,
+// so that one GPU runs the kernels a GPU with less picks (101376: sm_86, sm_89 and sm_120; 166912:
+// the A100); 0 where unset or empty. Read on every call, so that tests may set it between calls.
+int emulated_smem_per_block() {
+  constexpr const char* kVariable = "FLASH_CUTLASS_SMEM_PER_BLOCK";
+  const char* value = std::getenv(kVariable);
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long bytes = std::strtol(value, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && errno == 0 && bytes > 0 && bytes <= std::numeric_limits<int>::max(),
+                    message(kVariable, " must be a positive number of bytes, got '", value, "'"));
+  return static_cast<int>(bytes);
+}
+
 // Device `index`'s SM count, per-block shared memory limit and compute capability, queried once per
 // device and process, so that a call's kernel selection, a decode step or a backward's walk rule asks
 // the driver nothing (the kernels keep their own attributes per device: sm80/kvcache_launch.h).
@@ -99,11 +116,12 @@ KVCacheDevice kvcache_device(int index) {
   if (sm_count < 0) C10_CUDA_CHECK(cudaError_t(-sm_count));
   const int smem = smem_limits.get(index, [&] { return attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); });
   if (smem < 0) C10_CUDA_CHECK(cudaError_t(-smem));
+  const int emulated = emulated_smem_per_block();
   const int major = majors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMajor); });
   if (major < 0) C10_CUDA_CHECK(cudaError_t(-major));
   const int minor = minors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMinor); });
   if (minor < 0) C10_CUDA_CHECK(cudaError_t(-minor));
-  return {index, sm_count, smem, major, minor};
+  return {index, sm_count, emulated > 0 ? std::min(smem, emulated) : smem, major, minor};
 }
 
 // Refuses, before any launch, a kernel whose shared memory exceeds what q's GPU allows a block
@@ -124,12 +142,6 @@ bool switched_on(const char* variable, bool otherwise = false) {
   return text.empty() ? otherwise : text == "1";
 }
 
-// $FLASH_CUTLASS_SM80_COMPACT_TILES: the sm80 path's tiles for smaller shared memories
-// (FwdCompactTraitsFor, BwdCompactTraitsFor: for sm_86, sm_89 and sm_120, 99 KiB a block, and the
-// A100's backward at head dim 256). Unset: where the GPU's limit is below the usual tiles' need;
-// "1": wherever a head dim and direction has them, on any GPU (so that an H100 tests them); "0":
-// never (such a GPU then refuses those head dims).
-constexpr const char* kSm80CompactTilesEnv = "FLASH_CUTLASS_SM80_COMPACT_TILES";
 
 // The fields of flash_cutlass.options.AttentionOptions, read by name from the Python object.
 struct AttentionOptions {
@@ -485,15 +497,18 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
       select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, device.major, device.minor);
   FLASH_CHECK(selection.error.empty(), selection.error);
   if (selection.path == KernelPath::kSm80) {
-    // The usual tiles, or where the GPU allows a block less shared memory than they need (or the
-    // switch says so), those for smaller shared memories where the head dim has them.
-    constexpr bool kForward = kDirection == Direction::kForward;
+    // The first tier of tiles, the usual ones first, whose shared memory the GPU allows a block.
     const int hdim = selection.kernel_hdim;
-    const int usual = kForward ? sm80::fwd_smem_bytes(hdim) : sm80::bwd_smem_bytes(hdim);
-    const int compact = kForward ? sm80::fwd_compact_smem_bytes(hdim) : sm80::bwd_compact_smem_bytes(hdim);
-    selection.sm80_compact_tiles = compact > 0 && switched_on(kSm80CompactTilesEnv, usual > device.smem_per_block);
-    check_smem(selection.sm80_compact_tiles ? compact : usual, device.smem_per_block,
-               kForward ? "forward" : "backward", shape.head_dim, hdim, q);
+    int needed = 0;  // of the smallest tier, where none fits
+    for (int tier = 0; tier < kSm80TileTiers; ++tier) {
+      const int bytes = sm80::smem_bytes(kDirection, hdim, tier);
+      if (bytes == 0) continue;
+      needed = bytes;
+      selection.sm80_tile_tier = tier;
+      if (bytes <= device.smem_per_block) break;
+    }
+    check_smem(needed, device.smem_per_block, kDirection == Direction::kForward ? "forward" : "backward",
+               shape.head_dim, hdim, q);
   }
   return selection;
 }
@@ -514,7 +529,7 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   FLASH_CHECK(params.seqlen_q > 0 && params.seqlen_k > 0 && params.batch > 0,
                "a variable-length call without queries or keys is handled by the caller");
   const KernelSelection kernel = selected_kernel<Direction::kForward>(shape, options, q);
-  params.sm80_compact_tiles = kernel.sm80_compact_tiles;
+  params.sm80_tile_tier = kernel.sm80_tile_tier;
   const CallDevice call_device(q);
   // Last before the launch (a call that fails a check draws nothing), on q's device (a capture is
   // per device and stream).
@@ -678,7 +693,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
   at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
   const int query_heads_per_key_tile = gqa_walk_heads(params, kernel, options.deterministic, q);
   params.query_heads_per_key_tile = query_heads_per_key_tile;
-  params.sm80_compact_tiles = kernel.sm80_compact_tiles;
+  params.sm80_tile_tier = kernel.sm80_tile_tier;
   params.v_after_first_query = switched_on(kVAfterQueryEnv) && kernel.path == KernelPath::kSm90;
   // dK and dV go straight into dk and dv without GQA and where a Hopper CTA walks a whole group.
   // Otherwise the Hopper kernels add a group's (or a part's) to per-K/V-head fp32 accumulators
@@ -1078,8 +1093,8 @@ void kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   FLASH_CHECK(smem_needed <= device.smem_per_block, "head_dim ", head_dim, " runs in the head-dim-", kernel_hdim,
               " KV-cache kernel, which needs ", smem_needed / 1024, " KiB of shared memory per block even at its "
               "shallowest pipeline, but ", q.device(), " allows ", device.smem_per_block / 1024,
-              " KiB per block (cudaDevAttrMaxSharedMemoryPerBlockOptin; sm86, sm89 and sm120 GPUs allow 99 KiB, "
-              "which holds the KV-cache kernels up to head dim 128)");
+              " KiB per block (cudaDevAttrMaxSharedMemoryPerBlockOptin; the KV-cache kernels fit 99 KiB, what "
+              "sm86, sm89 and sm120 GPUs allow)");
   const int64_t row_blocks = kvcache_row_blocks(params);
   FLASH_CHECK(row_blocks <= 65535, "seqlen_q times heads / heads_k must be at most ", 65535 * kKVCacheTileRows,
               " in a KV-cache call");

@@ -1,7 +1,9 @@
 // Facts about the sm80-path kernels that the host checks before a launch.
 #include <type_traits>
+#include <utility>
 
 #include "flash_cutlass/dispatch.h"
+#include "flash_cutlass/common/launch.h"
 #include "flash_cutlass/fwd_api.h"
 #include "flash_cutlass/sm80/bwd_kernel.h"
 #include "flash_cutlass/sm80/kernel_traits.h"
@@ -10,32 +12,26 @@ namespace flash_cutlass::sm80 {
 
 // Shared memory depends on the element size only, and fp16 and bf16 have the same. The sm80
 // path's head dims are the build's (both directions have the same list, or the backward none).
-template <template <int, class> class TraitsFor>
-int smem_bytes_of(int kernel_hdim) {
+template <template <int, int, class> class TraitsOfTier>
+int smem_bytes_of(int kernel_hdim, int tier) {
   int bytes = 0;
   detail::with_value(compiled::Sm80ForwardHeadDims{}, kernel_hdim, [&](auto hdim) {
-    bytes = TraitsFor<decltype(hdim)::value, cutlass::half_t>::kSmemBytes;
+    [&]<int... kTiers>(std::integer_sequence<int, kTiers...>) {
+      ((tier == kTiers ? [&] {
+         using Traits = TraitsOfTier<decltype(hdim)::value, kTiers, cutlass::half_t>;
+         if constexpr (!std::is_void_v<Traits>) bytes = Traits::kSmemBytes;
+       }()
+                       : void()),
+       ...);
+    }(std::make_integer_sequence<int, kSm80TileTiers>{});
     return cudaSuccess;
   });
   return bytes;
 }
 
-int fwd_smem_bytes(int kernel_hdim) { return smem_bytes_of<FwdTraitsFor>(kernel_hdim); }
-int bwd_smem_bytes(int kernel_hdim) { return smem_bytes_of<BwdTraitsFor>(kernel_hdim); }
-
-// The same of the tiles for smaller shared memories; 0 where a head dim has none (void).
-template <template <int, class> class TraitsFor>
-int compact_smem_bytes_of(int kernel_hdim) {
-  int bytes = 0;
-  detail::with_value(compiled::Sm80ForwardHeadDims{}, kernel_hdim, [&](auto hdim) {
-    using Compact = TraitsFor<decltype(hdim)::value, cutlass::half_t>;
-    if constexpr (!std::is_void_v<Compact>) bytes = Compact::kSmemBytes;
-    return cudaSuccess;
-  });
-  return bytes;
+int smem_bytes(Direction direction, int kernel_hdim, int tier) {
+  return direction == Direction::kForward ? smem_bytes_of<FwdTraitsOfTier>(kernel_hdim, tier)
+                                          : smem_bytes_of<BwdTraitsOfTier>(kernel_hdim, tier);
 }
-
-int fwd_compact_smem_bytes(int kernel_hdim) { return compact_smem_bytes_of<FwdCompactTraitsFor>(kernel_hdim); }
-int bwd_compact_smem_bytes(int kernel_hdim) { return compact_smem_bytes_of<BwdCompactTraitsFor>(kernel_hdim); }
 
 }  // namespace flash_cutlass::sm80

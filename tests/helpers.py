@@ -19,6 +19,14 @@ requires_cuda = pytest.mark.skipif(
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The extension's cap on a block's shared memory (csrc/flash_api.cpp, emulated_smem_per_block): set,
+# one GPU picks the kernels of a GPU that allows a block less. 99 KiB: sm_86, sm_89, sm_120; 163 KiB:
+# the A100.
+SMEM_PER_BLOCK_ENV = "FLASH_CUTLASS_SMEM_PER_BLOCK"
+SMEM_99_KIB = 99 * 1024
+SMEM_163_KIB = 163 * 1024
+
+
 def load_catalogue():
     """csrc/catalogue.py, the one list of what can be compiled (not a package: loaded by path)."""
     spec = importlib.util.spec_from_file_location("flash_cutlass_catalogue", ROOT / "csrc" / "catalogue.py")

@@ -11,8 +11,9 @@ import torch
 
 import flash_cutlass
 from flash_cutlass.reference import naive_attention
-from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, fa2_check, kernel_unavailable,
-                     off_16_bytes, requires_backward, requires_cuda)
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, SMEM_163_KIB, SMEM_99_KIB,
+                     SMEM_PER_BLOCK_ENV, fa2_check, kernel_unavailable, off_16_bytes, requires_backward,
+                     requires_cuda)
 
 pytestmark = [requires_cuda, requires_backward]
 
@@ -252,21 +253,23 @@ def test_backward_kernel_environment_variable(cuda_gen, monkeypatch):
         flash_cutlass.flash_backward(out, q, q, q, out, lse)
 
 
-# Head dims whose sm80 backward has tiles for smaller shared memories (sm80/bwd_kernel.h,
-# BwdCompactTraitsFor): sm_86, sm_89 and sm_120 run them up to head dim 128, the A100 at 256.
-SM80_COMPACT_HEAD_DIMS = (32, 64, 96, 128, 256)
-COMPACT_SWITCH = "FLASH_CUTLASS_SM80_COMPACT_TILES"
+# The sm80 backward's tiers (sm80/bwd_kernel.h, BwdTilesOf) under a block limit of 99 KiB: every
+# head dim runs smaller tiles than its usual ones but 192 (32 x 64) and 256 (32 x 32) run smaller
+# still; under 163 KiB (the A100) only 256 does (64 x 64, one Q buffer).
+SMALLER_TILE_CASES = ([pytest.param(SMEM_99_KIB, d, id=f"99KiB-{d}") for d in COMPILED_HEAD_DIMS] +
+                      [pytest.param(SMEM_163_KIB, 256, id="163KiB-256")] * (256 in COMPILED_HEAD_DIMS))
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
 @pytest.mark.parametrize("gqa", ["mha", "gqa4"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (113, 255), (255, 113), (1023, 1023)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [d for d in COMPILED_HEAD_DIMS if d in SM80_COMPACT_HEAD_DIMS])
-def test_compact_sm80_tiles_match_oracle(cuda_gen, monkeypatch, head_dim, causal, seqlen_q, seqlen_k, gqa,
-                                         deterministic):
-    """The sm80 backward on the tiles a GPU of 99 KiB a block picks (forced here by the switch), with
-    the tails of their 64-row and 64- or 128-key blocks, against the fp32 oracle."""
+@pytest.mark.parametrize("smem_limit,head_dim", SMALLER_TILE_CASES)
+def test_sm80_tiles_for_smaller_shared_memory_match_oracle(cuda_gen, monkeypatch, smem_limit, head_dim, causal,
+                                                           seqlen_q, seqlen_k, gqa, deterministic):
+    """The sm80 backward on the tiles a GPU of 99 KiB (or 163 KiB) a block picks, forced here by
+    the extension's cap on a block's shared memory, with the tails of their 32- or 64-row and 32-,
+    64- or 128-key blocks, against the fp32 oracle."""
     dtype = COMPILED_DTYPES[-1]
 
     def rand(*shape):
@@ -276,36 +279,34 @@ def test_compact_sm80_tiles_match_oracle(cuda_gen, monkeypatch, head_dim, causal
     k, v = rand(2, seqlen_k, GQA_HEADS_K[gqa], head_dim), rand(2, seqlen_k, GQA_HEADS_K[gqa], head_dim)
     dout = rand(2, seqlen_q, HEADS, head_dim)
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm80")
-    monkeypatch.setenv(COMPACT_SWITCH, "1")
+    monkeypatch.setenv(SMEM_PER_BLOCK_ENV, str(smem_limit))
     grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm80",
                                          deterministic=deterministic)
     if deterministic:
         again = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, kernel="sm80",
                                              deterministic=True)
         for a, b in zip(grads, again):
-            assert torch.equal(a, b), "two deterministic runs on the compact tiles differ"
-    check_gradients(grads, q, k, v, dout, head_dim ** -0.5, causal, "sm80 compact backward")
+            assert torch.equal(a, b), "two deterministic runs on the smaller tiles differ"
+    check_gradients(grads, q, k, v, dout, head_dim ** -0.5, causal, f"sm80 backward under {smem_limit} bytes")
 
 
-def test_compact_switch_is_checked_and_leaves_other_head_dims_alone(cuda_gen, monkeypatch):
-    """The switch takes 0 or 1; a head dim without compact backward tiles runs its usual ones with it."""
+@pytest.mark.parametrize("value", ["yes", "0", "-4096", "99K", "1e5"])
+def test_smem_limit_variable_is_checked(cuda_gen, monkeypatch, value):
     head_dim = COMPILED_HEAD_DIMS[0]
     q = torch.randn(1, 100, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     out, lse = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
-    monkeypatch.setenv(COMPACT_SWITCH, "yes")
-    with pytest.raises(ValueError, match=f"{COMPACT_SWITCH} must be 0 or 1"):
+    monkeypatch.setenv(SMEM_PER_BLOCK_ENV, value)
+    with pytest.raises(ValueError, match=f"{SMEM_PER_BLOCK_ENV} must be a positive number of bytes, got '{value}'"):
         flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80")
-    without = [d for d in COMPILED_HEAD_DIMS if d not in SM80_COMPACT_HEAD_DIMS]
-    if not without:
-        pytest.skip("every compiled head dim has compact sm80 backward tiles")
-    q = torch.randn(1, 100, 2, without[0], generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
-    monkeypatch.delenv(COMPACT_SWITCH)
+
+
+def test_a_limit_below_every_tier_is_refused_before_any_launch(cuda_gen, monkeypatch):
+    head_dim = COMPILED_HEAD_DIMS[-1]
+    q = torch.randn(1, 100, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     out, lse = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
-    usual = flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80", deterministic=True)
-    monkeypatch.setenv(COMPACT_SWITCH, "1")
-    switched = flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80", deterministic=True)
-    for a, b in zip(usual, switched):
-        assert torch.equal(a, b)
+    monkeypatch.setenv(SMEM_PER_BLOCK_ENV, str(32 * 1024))
+    with pytest.raises(RuntimeError, match="KiB of shared memory per block, but .* allows 32 KiB"):
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80")
 
 
 def sm80_backward_kernel_names(run) -> set:
@@ -319,20 +320,28 @@ def sm80_backward_kernel_names(run) -> set:
     return {event.name for event in profiler.events() if "flash_bwd_sm80" in event.name}
 
 
-def test_compact_switch_launches_the_compact_tiles(cuda_gen, monkeypatch):
-    """With the switch the launched kernel is the compact one (head dim 128: 64 x 64 tiles, one Q
-    buffer), without it the usual one (64 x 128): the oracle tests alone would pass on either."""
-    if 128 not in COMPILED_HEAD_DIMS:
-        pytest.skip("head dim 128 was not compiled into this build")
-    q = torch.randn(1, 300, 2, 128, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
+# (head dim, block limit, the launched kernel's BwdKernelTraits arguments as a pattern).
+TIER_KERNELS = [
+    (128, None, r"<128,\s*64,\s*128\b"),
+    (128, SMEM_99_KIB, r"<128,\s*64,\s*64,\s*2,\s*4,\s*4,\s*[\w:]+,\s*1>"),
+    (192, SMEM_99_KIB, r"<192,\s*32,\s*64\b"),
+    (256, None, r"<256,\s*64,\s*64,\s*4,\s*2,\s*2,\s*[\w:]+,\s*2>"),
+    (256, SMEM_163_KIB, r"<256,\s*64,\s*64,\s*4,\s*2,\s*2,\s*[\w:]+,\s*1>"),
+    (256, SMEM_99_KIB, r"<256,\s*32,\s*32\b"),
+]
+
+
+@pytest.mark.parametrize("head_dim,smem_limit,pattern", TIER_KERNELS)
+def test_smem_limit_launches_the_tier_that_fits(cuda_gen, monkeypatch, head_dim, smem_limit, pattern):
+    """The kernel launched under each limit has the tiles of the first tier that fits it (the
+    oracle tests alone would pass on any tier)."""
+    if head_dim not in COMPILED_HEAD_DIMS:
+        pytest.skip(f"head dim {head_dim} was not compiled into this build")
+    q = torch.randn(1, 300, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     out, lse = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
-
-    def run():
-        flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80")
-
-    usual = sm80_backward_kernel_names(run)
-    monkeypatch.setenv(COMPACT_SWITCH, "1")
-    compact = sm80_backward_kernel_names(run)
-    pattern = r"BwdKernelTraits<128,\s*64,\s*{}\b"
-    assert usual and all(re.search(pattern.format(128), name) for name in usual), usual
-    assert compact and all(re.search(pattern.format(64), name) for name in compact), compact
+    if smem_limit is None:
+        monkeypatch.delenv(SMEM_PER_BLOCK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SMEM_PER_BLOCK_ENV, str(smem_limit))
+    names = sm80_backward_kernel_names(lambda: flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80"))
+    assert names and all(re.search("BwdKernelTraits" + pattern, name) for name in names), names

@@ -12,8 +12,8 @@ import flash_cutlass
 from flash_cutlass.backend import _extension
 from flash_cutlass.options import AttentionOptions
 from flash_cutlass.reference import naive_attention
-from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, backward_left_out, fa2_check,
-                     off_16_bytes, options_left_out, requires_cuda)
+from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, SMEM_99_KIB, SMEM_PER_BLOCK_ENV,
+                     backward_left_out, fa2_check, off_16_bytes, options_left_out, requires_cuda)
 
 pytestmark = requires_cuda
 
@@ -404,7 +404,7 @@ def test_offsets_past_two_to_the_31_elements(gen, kernel):
 
 
 # Head dims whose sm80 forward has tiles for smaller shared memories (sm80/kernel_traits.h,
-# FwdCompactTraitsFor): sm_86, sm_89 and sm_120 (99 KiB a block) run them.
+# FwdTraitsOfTier): sm_86, sm_89 and sm_120 (99 KiB a block) run them.
 SM80_COMPACT_HEAD_DIMS = (192, 256)
 
 
@@ -414,21 +414,21 @@ SM80_COMPACT_HEAD_DIMS = (192, 256)
 @pytest.mark.parametrize("head_dim", [d for d in COMPILED_HEAD_DIMS if d in SM80_COMPACT_HEAD_DIMS])
 def test_compact_sm80_tiles_match_oracle(cuda_gen, monkeypatch, head_dim, causal, seqlen_q, seqlen_k, gqa):
     """The sm80 forward on the 64-row tiles a GPU of 99 KiB a block picks (forced here by the
-    switch) against the fp32 oracle."""
+    extension's cap on a block's shared memory) against the fp32 oracle."""
     dtype = COMPILED_DTYPES[-1]
     q, k, v = make_qkv(cuda_gen, 2, seqlen_q, seqlen_k, HEADS, GQA_HEADS_K[gqa], head_dim, dtype)
-    monkeypatch.setenv("FLASH_CUTLASS_SM80_COMPACT_TILES", "1")
+    monkeypatch.setenv(SMEM_PER_BLOCK_ENV, str(SMEM_99_KIB))
     out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal, kernel="sm80")
     check_against_oracle(q, k, v, out, lse, head_dim ** -0.5, causal, "sm80 compact forward")
 
 
-def test_compact_switch_leaves_head_dims_without_compact_forward_tiles_alone(cuda_gen, monkeypatch):
+def test_smaller_limit_leaves_head_dims_without_compact_forward_tiles_alone(cuda_gen, monkeypatch):
     without = [d for d in COMPILED_HEAD_DIMS if d not in SM80_COMPACT_HEAD_DIMS]
     if not without:
         pytest.skip("every compiled head dim has compact sm80 forward tiles")
     q = torch.randn(1, 100, 2, without[0], generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     usual = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
-    monkeypatch.setenv("FLASH_CUTLASS_SM80_COMPACT_TILES", "1")
+    monkeypatch.setenv(SMEM_PER_BLOCK_ENV, str(SMEM_99_KIB))
     switched = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
     for a, b in zip(usual, switched):
         assert torch.equal(a, b)

@@ -12,7 +12,8 @@ import torch
 
 import flash_cutlass
 from flash_cutlass import reference
-from helpers import COMPILED_DTYPES, fa2_check, has_kernels, kernel_unavailable, options_left_out, requires_cuda
+from helpers import (COMPILED_DTYPES, SMEM_99_KIB, SMEM_PER_BLOCK_ENV, fa2_check, has_kernels, kernel_unavailable,
+                     options_left_out, requires_cuda)
 from kvcache_cases import check_lse, cloned, make_call, reference_caches, reference_of, rotary_tables
 
 pytestmark = [requires_cuda, pytest.mark.skipif(not has_kernels(flash_cutlass.compiled_kvcache),
@@ -86,6 +87,23 @@ def test_decode_matches_reference(cuda_gen, dtype, head_dim, page_size, heads, h
     call = make_call(gen, batch=3, heads=heads, heads_k=heads_k, head_dim=head_dim, seqlens=(0, 200, 511),
                      page_size=page_size, capacity=512, dtype=dtype, device="cuda")
     check_against_reference(call, dtype, causal=True)
+
+
+@pytest.mark.parametrize("head_dim", KVCACHE_HEAD_DIMS)
+@pytest.mark.parametrize("page_size", [None, 1, 16, 256], ids=["contiguous", "p1", "p16", "p256"])
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (5, 5), (3, 0)])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_compact_kernel_for_99_kib_matches_reference(cuda_gen, monkeypatch, head_dim, page_size, seqlen_q,
+                                                     seqlen_new, num_splits):
+    """The kernel a GPU of 99 KiB a block runs (fewer stages at 64 and 96, two warps at 192 and
+    256; forced here by the extension's cap on a block's shared memory): GQA 4, the append in the
+    kernel and through the append kernel, lengths that end inside a chunk, splits."""
+    dtype = COMPILED_DTYPES[-1]
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=3, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=head_dim, seqlens=(0, 77, 250),
+                     seqlen_new=seqlen_new, page_size=page_size, capacity=256, dtype=dtype, device="cuda")
+    monkeypatch.setenv(SMEM_PER_BLOCK_ENV, str(SMEM_99_KIB))
+    check_against_reference(call, dtype, num_splits=num_splits, causal=True)
 
 
 @pytest.mark.parametrize("page_size,capacity", [(None, 100), (None, 96), (8, 96), (24, 96), (48, 96)],
@@ -219,10 +237,14 @@ def test_softcap_and_alibi_run_whatever_the_forward_build_flags(cuda_gen):
     check_against_reference(call, dtype, softcap=4.0, alibi_slopes=torch.rand(8, generator=gen).cuda())
 
 
+@pytest.mark.parametrize("smem_limit", [None, SMEM_99_KIB], ids=["usual", "compact"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_paged_is_bitwise_contiguous(cuda_gen, page_size, num_splits):
-    """The same values in a shuffled paged cache and a contiguous one give the same bits."""
+def test_paged_is_bitwise_contiguous(cuda_gen, monkeypatch, page_size, num_splits, smem_limit):
+    """The same values in a shuffled paged cache and a contiguous one give the same bits (on the
+    usual kernel and on the one for 99 KiB a block)."""
+    if smem_limit is not None:
+        monkeypatch.setenv(SMEM_PER_BLOCK_ENV, str(smem_limit))
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     paged = make_call(gen, batch=2, seqlen_q=2, seqlens=(30, 97), seqlen_new=2, page_size=page_size, capacity=128,
                       device="cuda")

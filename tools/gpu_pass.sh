@@ -5,8 +5,9 @@
 # Usage: tools/gpu_pass.sh OUT_DIR [steps...]
 #   steps: any of build test bench bench_bwd profile profile_bwd sanitize compact (default: build test bench profile)
 #   sanitize: compute-sanitizer memcheck and racecheck over tools/sanitize_calls.py (SANITIZE_ARGS: its options)
-#   compact: the sm80 tiles for smaller shared memories (FLASH_CUTLASS_SM80_COMPACT_TILES=1): their tests,
-#     then memcheck and racecheck over tools/sanitize_calls.py --kernel sm80 (docs/DEVELOPING.md)
+#   compact: the kernels of GPUs that allow a block less shared memory (FLASH_CUTLASS_SMEM_PER_BLOCK):
+#     their tests, then memcheck and racecheck over tools/sanitize_calls.py --kernel sm80 under 99 KiB
+#     (docs/DEVELOPING.md)
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
 #   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's
 #   --impls, e.g. with flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's
@@ -89,11 +90,11 @@ for step in $steps; do
       sanitize_both sanitize --
       ;;
     compact)
-      python3 -m pytest -q -p no:cacheprovider tests/test_forward_cuda.py tests/test_backward_cuda.py -k compact \
-        >"$out_dir/pytest_compact.log" 2>&1
+      python3 -m pytest -q -p no:cacheprovider tests/test_forward_cuda.py tests/test_backward_cuda.py \
+        tests/test_kvcache_cuda.py -k "compact or smaller or smem" >"$out_dir/pytest_compact.log" 2>&1
       status=$?
       summary "pytest compact: $(tail -n 1 "$out_dir/pytest_compact.log")"
-      sanitize_both sanitize_compact FLASH_CUTLASS_SM80_COMPACT_TILES=1 -- --kernel sm80 --skip-kvcache
+      sanitize_both sanitize_compact FLASH_CUTLASS_SMEM_PER_BLOCK=101376 -- --kernel sm80
       ;;
     *)
       echo "unknown step: $step" >&2

@@ -3,8 +3,8 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_calls.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_calls.py --head-dims 128,256
-    FLASH_CUTLASS_SM80_COMPACT_TILES=1 compute-sanitizer --tool racecheck python3 tools/sanitize_calls.py \
-        --kernel sm80 --skip-kvcache     # the sm80 tiles for smaller shared memories
+    FLASH_CUTLASS_SMEM_PER_BLOCK=101376 compute-sanitizer --tool racecheck python3 tools/sanitize_calls.py \
+        --kernel sm80     # the kernels of a GPU of 99 KiB a block
 
 For each compiled head dim (or --head-dims) and the first compiled dtype: the forward and backward
 of fixed-length calls with tails (seqlens that are no multiple of any tile, seqlen 1, more queries
@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the same calls on CPU tensors, against themselves (tests this script)")
     parser.add_argument("--kernel", choices=("auto", "sm80"), default="auto",
-                        help="the dense calls' kernel path (sm80: with FLASH_CUTLASS_SM80_COMPACT_TILES=1 its "
-                             "tiles for smaller shared memories; default: %(default)s)")
+                        help="the dense calls' kernel path (sm80: with FLASH_CUTLASS_SMEM_PER_BLOCK its tiles "
+                             "for smaller shared memories; default: %(default)s)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")

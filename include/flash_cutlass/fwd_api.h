@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "flash_cutlass/compiled_head_dims.h"
 #include "flash_cutlass/params.h"
 
 namespace flash_cutlass {
@@ -64,14 +65,10 @@ int kvcache_ctas_per_sm(KVCacheDevice const& device);
 template <int kHeadDim>
 int kvcache_smem_bytes_of(KVCacheDevice const& device);
 
-// Dynamic shared memory one CTA of the forward kernel for `kernel_hdim` needs, in bytes.
-int fwd_smem_bytes(int kernel_hdim);
-// The same for the backward's main kernel (the largest of its kernels).
-int bwd_smem_bytes(int kernel_hdim);
-// Both with the tiles for smaller shared memories (FwdParams::sm80_compact_tiles); 0 where the head
-// dim has none.
-int fwd_compact_smem_bytes(int kernel_hdim);
-int bwd_compact_smem_bytes(int kernel_hdim);
+// Dynamic shared memory one CTA of the sm80 path's kernel of `direction` for `kernel_hdim` needs on
+// the tiles of tier `tier` (FwdParams::sm80_tile_tier; the backward's: its main kernel, the largest
+// of its kernels), in bytes; 0 where the head dim has no such tier.
+int smem_bytes(Direction direction, int kernel_hdim, int tier);
 }  // namespace sm80
 
 }  // namespace flash_cutlass

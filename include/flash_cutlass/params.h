@@ -115,11 +115,12 @@ struct FwdParams {
   int64_t block_table_batch_stride = 0;
   int page_size = 1;
   int num_pages = 0;
-  // The sm80 path's tiles for smaller shared memories (FwdCompactTraitsFor, and the backward's
-  // BwdCompactTraitsFor): the host sets it where the device allows a block less than the usual
-  // tiles of the call's direction need, or with FLASH_CUTLASS_SM80_COMPACT_TILES=1.
-  bool sm80_compact_tiles = false;
+  // The sm80 path's tiles: 0 the usual ones, 1 and 2 those for smaller shared memories
+  // (sm80/kernel_traits.h FwdTraitsOfTier, sm80/bwd_kernel.h BwdTilesOf): the host takes the first
+  // tier of the call's direction that the device's per-block limit holds (csrc/flash_api.cpp).
+  int sm80_tile_tier = 0;
 };
+inline constexpr int kSm80TileTiers = 3;
 
 // The Hopper forward reads paged keys and values a key block at a time, each block from one page
 // (sm90/fwd_producer.h): it takes pages of a multiple of this many rows, its largest key block.

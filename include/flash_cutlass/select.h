@@ -18,9 +18,9 @@ struct KernelSelection {
   KernelPath path = KernelPath::kSm80;
   int kernel_hdim = 0;  // the compiled head dim that runs the call
   std::string error;    // why the call cannot run; empty when it can
-  // The sm80 path's tiles for smaller shared memories (FwdParams::sm80_compact_tiles): set by the
-  // host from the device's limit (csrc/flash_api.cpp, selected_kernel).
-  bool sm80_compact_tiles = false;
+  // The sm80 path's tile tier (FwdParams::sm80_tile_tier): set by the host from the device's limit
+  // (csrc/flash_api.cpp, selected_kernel).
+  int sm80_tile_tier = 0;
 };
 
 // The Hopper forward's tiles (sm90/tile_config.h): a head dim with wide tiles (FwdWideTileSizes)

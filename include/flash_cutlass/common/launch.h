@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 
@@ -75,16 +76,19 @@ struct TilesOf {
   using type = Traits;
 };
 
-// launch(TilesOf<Usual>) or, with `compact`, launch(TilesOf<Compact>): the sm80 path's usual tiles
-// or those for smaller shared memories (FwdParams::sm80_compact_tiles). Compact is void where a head
-// dim has none, and the host never sets `compact` there.
-template <class Usual, class Compact, class Launch>
-cudaError_t launch_with_tiles(bool compact, Launch&& launch) {
-  if constexpr (!std::is_void_v<Compact>) {
-    if (compact) return launch(TilesOf<Compact>{});
+// launch(TilesOf<Tiers...[tier]>{}): the sm80 path's tiles of one tier. A tier is void where a head
+// dim has none, and the host never picks it there (cudaErrorInvalidConfiguration if it did).
+template <class Tier, class... Smaller, class Launch>
+cudaError_t launch_with_tiles(int tier, Launch&& launch) {
+  if (tier == 0) {
+    if constexpr (!std::is_void_v<Tier>) return launch(TilesOf<Tier>{});
+    return cudaErrorInvalidConfiguration;
   }
-  if (compact) return cudaErrorInvalidConfiguration;
-  return launch(TilesOf<Usual>{});
+  if constexpr (sizeof...(Smaller) > 0) {
+    return launch_with_tiles<Smaller...>(tier - 1, std::forward<Launch>(launch));
+  } else {
+    return cudaErrorInvalidConfiguration;
+  }
 }
 
 }  // namespace flash_cutlass

@@ -32,11 +32,12 @@
 
 namespace flash_cutlass::sm80 {
 
-// A TiledMMA of kWarpsM x (kWarps / kWarpsM) warps, each warp 16 x 16 per step.
-template <class MmaOp, int kWarps, int kWarpsM>
+// A TiledMMA of kWarpsM x (kWarps / kWarpsM) warps, each warp 16 x kWarpN per step (kWarpN 16: two
+// n8 atoms, whose B operand loads with ldmatrix.x4; 8: one, with ldmatrix.x2).
+template <class MmaOp, int kWarps, int kWarpsM, int kWarpN = 16>
 using WarpGridMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>,
                                    cute::Layout<cute::Shape<cute::Int<kWarpsM>, cute::Int<kWarps / kWarpsM>, cute::_1>>,
-                                   cute::Tile<cute::Int<16 * kWarpsM>, cute::Int<16 * (kWarps / kWarpsM)>, cute::_16>>;
+                                   cute::Tile<cute::Int<16 * kWarpsM>, cute::Int<kWarpN * (kWarps / kWarpsM)>, cute::_16>>;
 
 // kBlockM query rows per step of the walk, kBlockN keys per CTA, 8 warps. Each GEMM has its own
 // warp grid: kWarpsMSdP warps along the query rows of S and dP, kWarpsNdKV along the keys of dK
@@ -54,14 +55,16 @@ struct BwdKernelTraits : TileShapes<kBlockM_, kBlockN_, kHeadDim_> {
   static_assert(kQBuffers == 1 || kQBuffers == 2);
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * (kWarps / kWarpsMSdP)) == 0);
+  // S and dP: 16 keys a warp, or 8 where the key block is narrower than 16 a warp (32 keys).
+  static constexpr int kWarpNSdP = kBlockN >= 16 * (kWarps / kWarpsMSdP) ? 16 : 8;
+  static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (kWarpNSdP * (kWarps / kWarpsMSdP)) == 0);
   static_assert(kBlockN % (16 * kWarpsNdKV) == 0 && kHeadDim % (16 * (kWarps / kWarpsNdKV)) == 0);
   static_assert(kBlockM % (16 * kWarpsMdQ) == 0 && kHeadDim % (16 * (kWarps / kWarpsMdQ)) == 0);
 
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                    cute::SM80_16x8x16_F32F16F16F32_TN,
                                    cute::SM80_16x8x16_F32BF16BF16F32_TN>;
-  using TiledMmaSdP = WarpGridMma<MmaOp, kWarps, kWarpsMSdP>;  // M = query rows, N = keys
+  using TiledMmaSdP = WarpGridMma<MmaOp, kWarps, kWarpsMSdP, kWarpNSdP>;  // M = query rows, N = keys
   using TiledMmadKV = WarpGridMma<MmaOp, kWarps, kWarpsNdKV>;  // M = keys, N = head dim
   using TiledMmadQ = WarpGridMma<MmaOp, kWarps, kWarpsMdQ>;    // M = query rows, N = head dim
 
@@ -73,11 +76,17 @@ struct BwdKernelTraits : TileShapes<kBlockM_, kBlockN_, kHeadDim_> {
   using SmemLayoutPt = decltype(cute::select<1, 0>(SmemLayoutP{}));
 
   using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  // K and V as the B operand of S and dP.
+  using SmemCopyAtomSdPB =
+      std::conditional_t<kWarpNSdP == 16, SmemCopyAtom, cute::Copy_Atom<cute::SM75_U32x2_LDSM_N, Element>>;
   using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomP = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
+  // Global to shared memory: rows of 32 columns a pass (4 threads of 16 bytes each), or of 64 where a
+  // pass of 64 rows would not divide a block's rows.
   static constexpr int kGmemElemsPerCopy = 16 / sizeof(Element);
-  static constexpr int kGmemThreadsPerRow = 32 / kGmemElemsPerCopy;
+  static constexpr int kGmemThreadsPerRow = (kBlockM % (kThreads / 4) == 0 && kBlockN % (kThreads / 4) == 0) ? 4 : 8;
+  static_assert(kHeadDim % (kGmemThreadsPerRow * kGmemElemsPerCopy) == 0);
   static constexpr int kGmemRowsPerPass = kThreads / kGmemThreadsPerRow;
   using GmemTiledCopy = decltype(cute::make_tiled_copy(
       cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{},
@@ -100,11 +109,11 @@ struct BwdKernelTraits : TileShapes<kBlockM_, kBlockN_, kHeadDim_> {
 
 // The tiles per head dim: (kBlockM, kBlockN, kWarpsMSdP, kWarpsNdKV, kWarpsMdQ, kQBuffers). The dK
 // and dV accumulators (2 * kBlockN * kHeadDim / 256 registers per thread) and S and dP (2 * kBlockM
-// * kBlockN / 256) must fit next to each other in 255 registers. The usual tiles (kCompact false)
-// fit the shared memory of an A100 (163 KiB) up to head dim 192. The compact ones are for GPUs
-// whose blocks get less (sm_86, sm_89 and sm_120 allow 99 KiB a block, the A100 163 KiB): up to
-// head dim 128 within 99 KiB, head dim 256 within the A100's; head dim 192 has none (its usual
-// tiles fit the A100, and nothing of this kernel's shape fits 99 KiB).
+// * kBlockN / 256) must fit next to each other in 255 registers. Tier 0, the usual tiles, fit the
+// shared memory of an A100 (163 KiB) up to head dim 192; tiers 1 and 2 are for GPUs that allow a
+// block less (sm_86, sm_89 and sm_120: 99 KiB a block; the A100: 163 KiB), each tier smaller than
+// the one before: every head dim has one within 99 KiB (256: tier 2, 32 x 32 tiles; its tier 1 is
+// the A100's), and the host takes the first tier that fits the device (FwdParams::sm80_tile_tier).
 template <int kBlockM_, int kBlockN_, int kWarpsMSdP_, int kWarpsNdKV_, int kWarpsMdQ_, int kQBuffers_ = 2>
 struct BwdTiles {
   template <int kHeadDim, class Element>
@@ -115,24 +124,26 @@ struct NoBwdTiles {
   template <int kHeadDim, class Element>
   using Traits = void;
 };
-template <int kHeadDim, bool kCompact>
+template <int kHeadDim, int kTier>
 struct BwdTilesOf : NoBwdTiles {};
-template <> struct BwdTilesOf<32, false>  : BwdTiles<128, 128, 4, 4, 4> {};
-template <> struct BwdTilesOf<64, false>  : BwdTiles<128, 128, 4, 4, 4> {};
-template <> struct BwdTilesOf<96, false>  : BwdTiles<64, 128, 2, 4, 4> {};
-template <> struct BwdTilesOf<128, false> : BwdTiles<64, 128, 2, 4, 2> {};
-template <> struct BwdTilesOf<192, false> : BwdTiles<64, 64, 4, 2, 2> {};
-template <> struct BwdTilesOf<256, false> : BwdTiles<64, 64, 4, 2, 2> {};
-template <> struct BwdTilesOf<32, true>   : BwdTiles<64, 128, 2, 4, 4> {};
-template <> struct BwdTilesOf<64, true>   : BwdTiles<64, 128, 2, 4, 4> {};
-template <> struct BwdTilesOf<96, true>   : BwdTiles<64, 64, 2, 4, 4> {};
-template <> struct BwdTilesOf<128, true>  : BwdTiles<64, 64, 2, 4, 4, 1> {};
-template <> struct BwdTilesOf<256, true>  : BwdTiles<64, 64, 4, 2, 2, 1> {};
+template <> struct BwdTilesOf<32, 0>  : BwdTiles<128, 128, 4, 4, 4> {};
+template <> struct BwdTilesOf<64, 0>  : BwdTiles<128, 128, 4, 4, 4> {};
+template <> struct BwdTilesOf<96, 0>  : BwdTiles<64, 128, 2, 4, 4> {};
+template <> struct BwdTilesOf<128, 0> : BwdTiles<64, 128, 2, 4, 2> {};
+template <> struct BwdTilesOf<192, 0> : BwdTiles<64, 64, 4, 2, 2> {};
+template <> struct BwdTilesOf<256, 0> : BwdTiles<64, 64, 4, 2, 2> {};
+template <> struct BwdTilesOf<32, 1>  : BwdTiles<64, 128, 2, 4, 4> {};
+template <> struct BwdTilesOf<64, 1>  : BwdTiles<64, 128, 2, 4, 4> {};
+template <> struct BwdTilesOf<96, 1>  : BwdTiles<64, 64, 2, 4, 4> {};
+template <> struct BwdTilesOf<128, 1> : BwdTiles<64, 64, 2, 4, 4, 1> {};
+template <> struct BwdTilesOf<192, 1> : BwdTiles<32, 64, 2, 2, 2> {};
+template <> struct BwdTilesOf<256, 1> : BwdTiles<64, 64, 4, 2, 2, 1> {};
+template <> struct BwdTilesOf<256, 2> : BwdTiles<32, 32, 2, 2, 2> {};
+// The traits of a head dim's tier; void where it has none.
+template <int kHeadDim, int kTier, class Element>
+using BwdTraitsOfTier = typename BwdTilesOf<kHeadDim, kTier>::template Traits<kHeadDim, Element>;
 template <int kHeadDim, class Element>
-using BwdTraitsFor = typename BwdTilesOf<kHeadDim, false>::template Traits<kHeadDim, Element>;
-// void where the head dim has no compact tiles.
-template <int kHeadDim, class Element>
-using BwdCompactTraitsFor = typename BwdTilesOf<kHeadDim, true>::template Traits<kHeadDim, Element>;
+using BwdTraitsFor = BwdTraitsOfTier<kHeadDim, 0, Element>;
 
 // acc (fp32, in tiled_mma's C layout) -> a shared memory tile of Element, for a transposed reread.
 template <class Traits, class TiledMma, class Acc, class Smem>
@@ -318,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
 
   using Copy = typename Traits::SmemCopyAtom;
   using CopyTransposed = typename Traits::SmemCopyAtomTransposed;
-  const auto copies_sdp = operand_copies<Copy, Copy>(mma_sdp, tidx);
+  const auto copies_sdp = operand_copies<Copy, typename Traits::SmemCopyAtomSdPB>(mma_sdp, tidx);
   const auto copies_dkv = operand_copies<CopyTransposed, CopyTransposed>(mma_dkv, tidx);
   const auto copies_dq = operand_copies<Copy, CopyTransposed>(mma_dq, tidx);
   Tensor tSsK = copies_sdp.thread_b.partition_S(sK);
@@ -492,7 +503,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
   Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);
   using Copy = typename Traits::SmemCopyAtom;
-  const auto copies_sdp = operand_copies<Copy, Copy>(mma_sdp, tidx);
+  const auto copies_sdp = operand_copies<Copy, typename Traits::SmemCopyAtomSdPB>(mma_sdp, tidx);
   const auto copies_dq = operand_copies<Copy, typename Traits::SmemCopyAtomTransposed>(mma_dq, tidx);
   Tensor tSsQ = copies_sdp.thread_a.partition_S(sQ);
   Tensor tSsK = copies_sdp.thread_b.partition_S(sK);

@@ -11,12 +11,13 @@ namespace flash_cutlass::sm80 {
 
 // The main kernel (dK, dV, and dQ by atomics), or with params.deterministic, a second kernel that
 // sums dQ over the key blocks in a fixed order instead, between the preprocess and postprocess; on
-// the usual tiles, or with params.sm80_compact_tiles those for smaller shared memories.
+// the tiles of tier params.sm80_tile_tier (sm80/bwd_kernel.h, BwdTilesOf).
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  return launch_with_tiles<BwdTraitsFor<kHeadDim, Element>, BwdCompactTraitsFor<kHeadDim, Element>>(
-      params.sm80_compact_tiles, [&](auto tiles) {
+  return launch_with_tiles<BwdTraitsOfTier<kHeadDim, 0, Element>, BwdTraitsOfTier<kHeadDim, 1, Element>,
+                           BwdTraitsOfTier<kHeadDim, 2, Element>>(
+      params.sm80_tile_tier, [&](auto tiles) {
         using Traits = typename decltype(tiles)::type;
         return run_bwd_stages<kHeadDim, Element>(params, stream, [&]() {
           const int64_t batch_heads = int64_t(params.batch) * params.heads;

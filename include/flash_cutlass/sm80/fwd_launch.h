@@ -9,12 +9,13 @@
 
 namespace flash_cutlass::sm80 {
 
-// The usual tiles, or with params.sm80_compact_tiles those for smaller shared memories.
+// The tiles of tier params.sm80_tile_tier (sm80/kernel_traits.h, FwdTraitsOfTier).
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  return launch_with_tiles<FwdTraitsFor<kHeadDim, Element>, FwdCompactTraitsFor<kHeadDim, Element>>(
-      params.sm80_compact_tiles, [&](auto tiles) {
+  return launch_with_tiles<FwdTraitsOfTier<kHeadDim, 0, Element>, FwdTraitsOfTier<kHeadDim, 1, Element>,
+                           FwdTraitsOfTier<kHeadDim, 2, Element>>(
+      params.sm80_tile_tier, [&](auto tiles) {
         using Traits = typename decltype(tiles)::type;
         return launch_kernel(&flash_fwd_sm80<Traits, kMaskKind, kExtension>, num_query_tiles<Traits::kBlockM>(params),
                              Traits::kThreads, Traits::kSmemBytes, params, stream);

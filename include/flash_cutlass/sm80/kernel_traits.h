@@ -101,18 +101,20 @@ template <int kHeadDim, class Element>
 using FwdTraitsFor = FwdKernelTraits<kHeadDim, FwdTileSizes<kHeadDim>::kBlockM, FwdTileSizes<kHeadDim>::kBlockN,
                                      FwdTileSizes<kHeadDim>::kWarps, Element>;
 
-// The tiles for GPUs that allow a block 99 KiB of shared memory (sm_86, sm_89, sm_120), where
-// FwdTraitsFor's exceed it (head dims 192 and 256): 64 query rows, 4 warps of 16 (the host picks
-// them from the device's limit: FwdParams::sm80_compact_tiles). void elsewhere.
-template <int kHeadDim, class Element>
-struct FwdCompactTraitsSelect {
+// The tiles of tier kTier (FwdParams::sm80_tile_tier): 0 FwdTraitsFor; 1, for GPUs that allow a
+// block 99 KiB of shared memory (sm_86, sm_89, sm_120) where FwdTraitsFor's exceed it (head dims 192
+// and 256), 64 query rows of 4 warps. void where a head dim has no such tier.
+template <int kHeadDim, int kTier, class Element>
+struct FwdTierTraitsSelect {
   using type = void;
 };
-template <class Element>
-struct FwdCompactTraitsSelect<192, Element> { using type = FwdKernelTraits<192, 64, 64, 4, Element>; };
-template <class Element>
-struct FwdCompactTraitsSelect<256, Element> { using type = FwdKernelTraits<256, 64, 64, 4, Element>; };
 template <int kHeadDim, class Element>
-using FwdCompactTraitsFor = typename FwdCompactTraitsSelect<kHeadDim, Element>::type;
+struct FwdTierTraitsSelect<kHeadDim, 0, Element> { using type = FwdTraitsFor<kHeadDim, Element>; };
+template <class Element>
+struct FwdTierTraitsSelect<192, 1, Element> { using type = FwdKernelTraits<192, 64, 64, 4, Element>; };
+template <class Element>
+struct FwdTierTraitsSelect<256, 1, Element> { using type = FwdKernelTraits<256, 64, 64, 4, Element>; };
+template <int kHeadDim, int kTier, class Element>
+using FwdTraitsOfTier = typename FwdTierTraitsSelect<kHeadDim, kTier, Element>::type;
 
 }  // namespace flash_cutlass::sm80

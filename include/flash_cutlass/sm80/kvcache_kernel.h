@@ -55,8 +55,8 @@ struct KVStageLayouts<true, kKeys, kHeadDim, Element> {
 
 // kTma_ (Hopper, head dims in 64s, a chunk's rows in one page): K and V land by TMA tensor copies
 // into 128-byte-swizzled stages, one mbarrier a stage and warp; otherwise by cp.async into padded
-// rows.
-template <int kHeadDim_, int kStages_, class Element_, bool kTma_ = false>
+// rows. kWarps_ warps, each walking its own chunks with its own stages.
+template <int kHeadDim_, int kStages_, class Element_, bool kTma_ = false, int kWarps_ = 4>
 struct KVCacheTraits {
   using Element = Element_;
   static constexpr bool kTma = kTma_;
@@ -65,8 +65,12 @@ struct KVCacheTraits {
   static constexpr int kStages = kStages_;
   static constexpr int kRows = kKVCacheTileRows;  // packed query rows of a CTA
   static constexpr int kKeys = 16;  // keys of one warp's chunk
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
+  // The in-tile append's pieces (16 bytes of a new K or V row) a thread holds: the threads together
+  // hold kKVCacheTileAppendElems of K and as many of V.
+  static constexpr int kAppendPieces = kKVCacheTileAppendElems * 2 / 8 / kThreads;
+  static_assert(kAppendPieces * kThreads * 8 == 2 * kKVCacheTileAppendElems);
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256);
   static_assert(kStages >= 2);
   static_assert(kRows == 16, "one MMA tile high");
@@ -138,28 +142,31 @@ using KVCacheTmaCopy = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, typen
 // has enough bytes in flight to cover the memory latency (Little's law: ~40 KB per SM at 4.8 TB/s;
 // two CTAs share a Hopper SM up to head dim 192). At head dim 128 one chunk a warp (32 KiB a CTA)
 // is enough: a third stage measured up to 2% slower on the H200 (7% at batch 1 / 8k).
-// kCompactStages: the deepest pipeline within kKVCacheCompactSmemBytes, for the devices whose
-// per-block shared memory kStages exceeds (sm86, sm89 and sm120 allow 99 KiB a block; sm80 163 KiB,
-// sm90 227 KiB); the host picks it from the device's limit, and where it equals kStages one kernel
-// serves every device. Head dims 192 and 256 exceed 99 KiB even at 2 stages: the host refuses them
-// on such devices.
+// kCompactStages and kCompactWarps: the compact kernel, for the devices whose per-block shared
+// memory the usual one (kStages, 4 warps) exceeds (sm86, sm89 and sm120 allow 99 KiB a block; sm80
+// 163 KiB, sm90 227 KiB): the deepest pipeline within kKVCacheCompactSmemBytes, and at head dims
+// 192 and 256, which exceed 99 KiB even at 2 stages, 2 warps. The host picks it from the device's
+// limit; where it equals the usual one, one kernel serves every device.
 constexpr int kKVCacheCompactSmemBytes = 99 * 1024;
 template <int kHeadDim>
 struct KVCacheStages;
-template <> struct KVCacheStages<32>  { static constexpr int kStages = 8, kCompactStages = 8; };
-template <> struct KVCacheStages<64>  { static constexpr int kStages = 6, kCompactStages = 5; };
-template <> struct KVCacheStages<96>  { static constexpr int kStages = 4, kCompactStages = 3; };
-template <> struct KVCacheStages<128> { static constexpr int kStages = 2, kCompactStages = 2; };
-template <> struct KVCacheStages<192> { static constexpr int kStages = 2, kCompactStages = 2; };
-template <> struct KVCacheStages<256> { static constexpr int kStages = 2, kCompactStages = 2; };
+template <> struct KVCacheStages<32>  { static constexpr int kStages = 8, kCompactStages = 8, kCompactWarps = 4; };
+template <> struct KVCacheStages<64>  { static constexpr int kStages = 6, kCompactStages = 5, kCompactWarps = 4; };
+template <> struct KVCacheStages<96>  { static constexpr int kStages = 4, kCompactStages = 3, kCompactWarps = 4; };
+template <> struct KVCacheStages<128> { static constexpr int kStages = 2, kCompactStages = 2, kCompactWarps = 4; };
+template <> struct KVCacheStages<192> { static constexpr int kStages = 2, kCompactStages = 2, kCompactWarps = 2; };
+template <> struct KVCacheStages<256> { static constexpr int kStages = 2, kCompactStages = 2, kCompactWarps = 2; };
 
 template <int kHeadDim, class Element>
 using KVCacheTraitsFor = KVCacheTraits<kHeadDim, KVCacheStages<kHeadDim>::kStages, Element>;
 template <int kHeadDim, class Element>
-using KVCacheCompactTraitsFor = KVCacheTraits<kHeadDim, KVCacheStages<kHeadDim>::kCompactStages, Element>;
+using KVCacheCompactTraitsFor = KVCacheTraits<kHeadDim, KVCacheStages<kHeadDim>::kCompactStages, Element, false,
+                                              KVCacheStages<kHeadDim>::kCompactWarps>;
 static_assert(KVCacheCompactTraitsFor<64, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes &&
               KVCacheCompactTraitsFor<96, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes &&
               KVCacheCompactTraitsFor<128, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes &&
+              KVCacheCompactTraitsFor<192, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes &&
+              KVCacheCompactTraitsFor<256, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes &&
               KVCacheTraitsFor<32, cutlass::half_t>::kSmemBytes <= kKVCacheCompactSmemBytes);
 static_assert(KVCacheTraits<64, KVCacheStages<64>::kCompactStages + 1, cutlass::half_t>::kSmemBytes >
                   kKVCacheCompactSmemBytes &&
@@ -191,7 +198,6 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
   const int first_row = m_block * kRows;
   // With params.append_in_tile, this thread's pieces of the new rows (16 bytes of K or V each, K's
   // row before V's), loaded before the lengths arrive: their addresses do not depend on them.
-  static_assert(Traits::kThreads * kKVCacheTileAppendPieces * 8 / 2 == kKVCacheTileAppendElems);
   const int row_pieces = params.head_dim / 8;
   const int append_pieces = params.append_in_tile ? params.seqlen_new * 2 * row_pieces : 0;
   struct AppendPiece {
@@ -206,9 +212,9 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     const bool is_v = in_token >= row_pieces;
     return AppendPiece{token, is_v, (in_token - (is_v ? row_pieces : 0)) * 8};
   };
-  cutlass::uint128_t appended[kKVCacheTileAppendPieces];
+  cutlass::uint128_t appended[Traits::kAppendPieces];
   CUTE_UNROLL
-  for (int i = 0; i < kKVCacheTileAppendPieces; ++i) {
+  for (int i = 0; i < Traits::kAppendPieces; ++i) {
     if (tidx + i * Traits::kThreads < append_pieces) {
       const AppendPiece piece = append_piece(i);
       const Element* src = new_token_row<Element>(params, piece.is_v, batch, piece.token, kv_head);
@@ -241,7 +247,7 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
     const int range_begin = split_begin * kKeys;
     const int range_end = split_end * kKeys;
     CUTE_UNROLL
-    for (int i = 0; i < kKVCacheTileAppendPieces; ++i) {
+    for (int i = 0; i < Traits::kAppendPieces; ++i) {
       const AppendPiece piece = append_piece(i);
       const int position = sequence.start + piece.token;
       if (tidx + i * Traits::kThreads < append_pieces && position >= range_begin && position < range_end) {
@@ -669,18 +675,12 @@ __device__ __forceinline__ void kvcache_tile(KVCacheParams const& params, char* 
 }
 
 // Grid: x = (kv head, batch) with the kv head fastest, y = block of packed query rows, z = split.
-template <int kHeadDim, int kStages, class Element>
-__global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element>::kThreads)
+// The compact kernel (KVCacheCompactTraitsFor) is for GPUs of 99 KiB a block, and runs on Hopper
+// only where FLASH_CUTLASS_SMEM_PER_BLOCK stands for one (its tests).
+template <int kHeadDim, int kStages, class Element, int kWarps>
+__global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, false, kWarps>::kThreads)
     flash_kvcache_sm80(__grid_constant__ const KVCacheParams params) {
-  using Traits = KVCacheTraits<kHeadDim, kStages, Element>;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // The compact pipeline runs only where a block gets 99 KiB (sm86/sm89 from the sm_80 code,
-  // sm120 from the PTX), never from sm_90a code, which only H100/H200s (227 KiB) run: an empty
-  // body there saves its compile.
-  if constexpr (kStages != KVCacheStages<kHeadDim>::kStages) {
-    return;
-  } else
-#endif
+  using Traits = KVCacheTraits<kHeadDim, kStages, Element, false, kWarps>;
   {
     // Launched under the kernel before it (the append, or the caller's): wait for its writes (under
     // the call's own append, later: kvcache_tile); the split merge may launch meanwhile.

@@ -15,10 +15,11 @@
 
 namespace flash_cutlass::sm80 {
 
-// The attention kernel of one pipeline depth, with what the host asks of it once per device.
-template <int kHeadDim, int kStages, class Element>
+// The attention kernel of one pipeline depth and warp count, with what the host asks of it once per
+// device.
+template <int kHeadDim, int kStages, class Element, int kWarps = 4>
 struct KVCacheKernel {
-  using Traits = KVCacheTraits<kHeadDim, kStages, Element>;
+  using Traits = KVCacheTraits<kHeadDim, kStages, Element, false, kWarps>;
 
   // Raises the kernel's dynamic shared memory limit past the default 48 KiB on the current device,
   // `device`, on its first launch there (the attribute is per device and stays set).
@@ -28,7 +29,7 @@ struct KVCacheKernel {
     } else {
       static PerDeviceValue prepared;
       const int result = prepared.get(device, [] {
-        const cudaError_t status = cudaFuncSetAttribute(&flash_kvcache_sm80<kHeadDim, kStages, Element>,
+        const cudaError_t status = cudaFuncSetAttribute(&flash_kvcache_sm80<kHeadDim, kStages, Element, kWarps>,
                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
         return status == cudaSuccess ? 0 : -int(status);
       });
@@ -42,7 +43,7 @@ struct KVCacheKernel {
     return std::max(ctas.get(device, [device] {
       int count = 0;
       if (prepare(device) != cudaSuccess ||
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, &flash_kvcache_sm80<kHeadDim, kStages, Element>,
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, &flash_kvcache_sm80<kHeadDim, kStages, Element, kWarps>,
                                                         Traits::kThreads, Traits::kSmemBytes) != cudaSuccess) {
         return -1;
       }
@@ -55,7 +56,7 @@ struct KVCacheKernel {
                             bool after_previous) {
     const cudaError_t status = prepare(device);
     if (status != cudaSuccess) return status;
-    return launch_after_previous(&flash_kvcache_sm80<kHeadDim, kStages, Element>, grid, Traits::kThreads,
+    return launch_after_previous(&flash_kvcache_sm80<kHeadDim, kStages, Element, kWarps>, grid, Traits::kThreads,
                                  Traits::kSmemBytes, stream, after_previous, params);
   }
 };
@@ -111,16 +112,16 @@ struct KVCacheTmaKernel {
   }
 };
 
-// f(KVCacheKernel<...>{}) of the pipeline depth that runs on `device`: KVCacheStages' kStages
-// where its shared memory fits the device's per-block limit, else kCompactStages (only then is a
-// second kernel compiled in).
+// f(KVCacheKernel<...>{}) of the kernel that runs on `device`: the usual one (KVCacheStages'
+// kStages, 4 warps) where its shared memory fits the device's per-block limit, else the compact one
+// (kCompactStages, kCompactWarps; only where they differ is a second kernel compiled in).
 template <int kHeadDim, class Element, class F>
 decltype(auto) with_kvcache_kernel(KVCacheDevice const& device, F&& f) {
   using Stages = KVCacheStages<kHeadDim>;
   using Deep = KVCacheKernel<kHeadDim, Stages::kStages, Element>;
-  if constexpr (Stages::kCompactStages != Stages::kStages) {
+  if constexpr (Stages::kCompactStages != Stages::kStages || Stages::kCompactWarps != 4) {
     if (Deep::Traits::kSmemBytes > device.smem_per_block) {
-      return f(KVCacheKernel<kHeadDim, Stages::kCompactStages, Element>{});
+      return f(KVCacheKernel<kHeadDim, Stages::kCompactStages, Element, Stages::kCompactWarps>{});
     }
   }
   return f(Deep{});

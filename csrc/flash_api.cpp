@@ -121,7 +121,8 @@ KVCacheDevice kvcache_device(int index) {
   if (major < 0) C10_CUDA_CHECK(cudaError_t(-major));
   const int minor = minors.get(index, [&] { return attribute(cudaDevAttrComputeCapabilityMinor); });
   if (minor < 0) C10_CUDA_CHECK(cudaError_t(-minor));
-  return {index, sm_count, emulated > 0 ? std::min(smem, emulated) : smem, major, minor};
+  const bool capped = emulated > 0 && emulated < smem;
+  return {index, sm_count, capped ? emulated : smem, major, minor, capped};
 }
 
 // Refuses, before any launch, a kernel whose shared memory exceeds what q's GPU allows a block
@@ -141,7 +142,6 @@ bool switched_on(const char* variable, bool otherwise = false) {
                     message(variable, " must be 0 or 1, got '", text, "'"));
   return text.empty() ? otherwise : text == "1";
 }
-
 
 // The fields of flash_cutlass.options.AttentionOptions, read by name from the Python object.
 struct AttentionOptions {

@@ -300,7 +300,7 @@ def test_smem_limit_variable_is_checked(cuda_gen, monkeypatch, value):
         flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80")
 
 
-def test_a_limit_below_every_tier_is_refused_before_any_launch(cuda_gen, monkeypatch):
+def test_smem_limit_below_every_tier_is_refused_before_any_launch(cuda_gen, monkeypatch):
     head_dim = COMPILED_HEAD_DIMS[-1]
     q = torch.randn(1, 100, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     out, lse = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
@@ -337,6 +337,8 @@ def test_smem_limit_launches_the_tier_that_fits(cuda_gen, monkeypatch, head_dim,
     oracle tests alone would pass on any tier)."""
     if head_dim not in COMPILED_HEAD_DIMS:
         pytest.skip(f"head dim {head_dim} was not compiled into this build")
+    if smem_limit is None and torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 200 * 1024:
+        pytest.skip("the usual tiles at these head dims need more shared memory than this GPU allows a block")
     q = torch.randn(1, 300, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
     out, lse = flash_cutlass.flash_forward(q, q, q, kernel="sm80")
     if smem_limit is None:

@@ -91,16 +91,17 @@ def test_decode_matches_reference(cuda_gen, dtype, head_dim, page_size, heads, h
 
 @pytest.mark.parametrize("head_dim", KVCACHE_HEAD_DIMS)
 @pytest.mark.parametrize("page_size", [None, 1, 16, 256], ids=["contiguous", "p1", "p16", "p256"])
-@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (5, 5), (3, 0)])
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (5, 5), (3, 0), (17, 17)])
 @pytest.mark.parametrize("num_splits", [0, 1, 3])
 def test_compact_kernel_for_99_kib_matches_reference(cuda_gen, monkeypatch, head_dim, page_size, seqlen_q,
                                                      seqlen_new, num_splits):
     """The kernel a GPU of 99 KiB a block runs (fewer stages at 64 and 96, two warps at 192 and
-    256; forced here by the extension's cap on a block's shared memory): GQA 4, the append in the
-    kernel and through the append kernel, lengths that end inside a chunk, splits."""
+    256; forced here by the extension's cap on a block's shared memory): GQA 4, the append (17 new
+    rows go through the append kernel from head dim 128, more than the attention kernel holds),
+    lengths that end inside a chunk, splits."""
     dtype = COMPILED_DTYPES[-1]
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
-    call = make_call(gen, batch=3, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=head_dim, seqlens=(0, 77, 250),
+    call = make_call(gen, batch=3, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=head_dim, seqlens=(0, 77, 230),
                      seqlen_new=seqlen_new, page_size=page_size, capacity=256, dtype=dtype, device="cuda")
     monkeypatch.setenv(SMEM_PER_BLOCK_ENV, str(SMEM_99_KIB))
     check_against_reference(call, dtype, num_splits=num_splits, causal=True)

@@ -88,10 +88,11 @@ def function_label(text: str) -> str | None:
     flags = re.findall(r"Lb([01])E", text)
     kinds = re.findall(r"MaskKindE(\d)E", text)
     extensions = re.findall(r"ExtensionE(\d)E", text)
-    # The KV-cache attention has an instantiation per pipeline depth (kvcache_kernel.h's
-    # KVCacheStages): its int template arguments are the head dim and the stages.
-    stages = re.match(r"flash_kvcache_sm80ILi(\d+)ELi(\d+)E", text[entry.start(1):])
-    details = ([f"{stages.group(2)} stages"] if stages else []) + (
+    # The KV-cache attention has an instantiation per pipeline depth and warp count (kvcache_kernel.h's
+    # KVCacheStages): its int template arguments are the head dim, the stages, and after the
+    # element type the warps.
+    stages = re.match(r"flash_kvcache_sm80ILi(\d+)ELi(\d+)EN\d+cutlass\d+\w+?ELi(\d+)E", text[entry.start(1):])
+    details = ([f"{stages.group(2)} stages, {stages.group(3)} warps"] if stages else []) + (
         [f"mask kind {', '.join(kinds)}"] if kinds else []) + (
         [f"extension {', '.join(extensions)}"] if extensions else []) + (
         [f"bool template arguments {', '.join(flags)}"] if flags else [])

@@ -27,6 +27,9 @@ struct KVCacheDevice {
   int smem_per_block;
   int major;  // compute capability
   int minor;
+  // smem_per_block is FLASH_CUTLASS_SMEM_PER_BLOCK's, below the GPU's own: the kernels of a GPU of
+  // that limit run (not the Hopper-only KV-cache TMA kernel, which no such GPU has).
+  bool smem_capped = false;
 };
 
 namespace sm90 {

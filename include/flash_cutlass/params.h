@@ -277,10 +277,9 @@ inline constexpr int kKVCacheTileRows = 16;
 inline constexpr int kKVCacheMaxSplits = 128;
 
 // The KV-cache attention kernel appends a call's new tokens itself (KVCacheParams::append_in_tile)
-// where its threads can hold them, 16 bytes of K or V each, four pieces a thread of 128: at most
-// this many new elements of K per (sequence, kv head), seqlen_new * head_dim.
-inline constexpr int kKVCacheTileAppendPieces = 4;
-inline constexpr int kKVCacheTileAppendElems = kKVCacheTileAppendPieces * 128 * 8 / 2;  // 2,048
+// where its threads can hold them, 16 bytes of K or V each (four pieces a thread of 128, eight of
+// 64): at most this many new elements of K per (sequence, kv head), seqlen_new * head_dim.
+inline constexpr int kKVCacheTileAppendElems = 2048;
 
 // Whether a call may append in the attention kernel: new tokens without rotary (whose queries the
 // append kernel rotates), few enough (kKVCacheTileAppendElems), queries to attend (no kernel runs

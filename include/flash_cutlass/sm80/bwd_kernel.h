@@ -87,6 +87,7 @@ struct BwdKernelTraits : TileShapes<kBlockM_, kBlockN_, kHeadDim_> {
   static constexpr int kGmemElemsPerCopy = 16 / sizeof(Element);
   static constexpr int kGmemThreadsPerRow = (kBlockM % (kThreads / 4) == 0 && kBlockN % (kThreads / 4) == 0) ? 4 : 8;
   static_assert(kHeadDim % (kGmemThreadsPerRow * kGmemElemsPerCopy) == 0);
+  static_assert(kBlockM % (kThreads / kGmemThreadsPerRow) == 0 && kBlockN % (kThreads / kGmemThreadsPerRow) == 0);
   static constexpr int kGmemRowsPerPass = kThreads / kGmemThreadsPerRow;
   using GmemTiledCopy = decltype(cute::make_tiled_copy(
       cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{},

@@ -13,6 +13,7 @@ namespace flash_cutlass::sm80 {
 template <int kHeadDim, DType kDType, MaskKind kMaskKind, Extension kExtension>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
+  static_assert(kSm80TileTiers == 3, "one type a tier");
   return launch_with_tiles<FwdTraitsOfTier<kHeadDim, 0, Element>, FwdTraitsOfTier<kHeadDim, 1, Element>,
                            FwdTraitsOfTier<kHeadDim, 2, Element>>(
       params.sm80_tile_tier, [&](auto tiles) {

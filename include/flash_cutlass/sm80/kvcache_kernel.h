@@ -3,8 +3,9 @@
 //
 // Decoding is memory-bound: each key and value byte is read once and meets only the few query rows
 // of its kv head. So a CTA takes kRows = 16 packed query rows, the query heads of one kv head
-// (GQA) times the queries (packed_row in common/kvcache.h), one MMA tile high, and its 4 warps split
-// the keys: each warp streams its own 16-key chunks (chunk c goes to warp c % 4) through its own
+// (GQA) times the queries (packed_row in common/kvcache.h), one MMA tile high, and its warps (4; 2 in the
+// compact kernel at head dims 192/256) split the keys: each warp streams its own 16-key chunks
+// (chunk c goes to warp c % warps) through its own
 // kStages-deep cp.async pipeline, gathering each key row from its page (any page size, pages in any
 // order), and keeps its own online softmax and O. On Hopper (flash_kvcache_tma_sm90) a chunk's K
 // and V land instead by one TMA tensor copy each into 128-byte-swizzled stages, where the call
@@ -144,8 +145,8 @@ using KVCacheTmaCopy = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, typen
 // is enough: a third stage measured up to 2% slower on the H200 (7% at batch 1 / 8k).
 // kCompactStages and kCompactWarps: the compact kernel, for the devices whose per-block shared
 // memory the usual one (kStages, 4 warps) exceeds (sm86, sm89 and sm120 allow 99 KiB a block; sm80
-// 163 KiB, sm90 227 KiB): the deepest pipeline within kKVCacheCompactSmemBytes, and at head dims
-// 192 and 256, which exceed 99 KiB even at 2 stages, 2 warps. The host picks it from the device's
+// 163 KiB, sm90 227 KiB): the deepest pipeline within kKVCacheCompactSmemBytes, with 2 warps at head
+// dims 192 and 256, which exceed 99 KiB with 4 even at 2 stages. The host picks it from the device's
 // limit; where it equals the usual one, one kernel serves every device.
 constexpr int kKVCacheCompactSmemBytes = 99 * 1024;
 template <int kHeadDim>
@@ -154,7 +155,7 @@ template <> struct KVCacheStages<32>  { static constexpr int kStages = 8, kCompa
 template <> struct KVCacheStages<64>  { static constexpr int kStages = 6, kCompactStages = 5, kCompactWarps = 4; };
 template <> struct KVCacheStages<96>  { static constexpr int kStages = 4, kCompactStages = 3, kCompactWarps = 4; };
 template <> struct KVCacheStages<128> { static constexpr int kStages = 2, kCompactStages = 2, kCompactWarps = 4; };
-template <> struct KVCacheStages<192> { static constexpr int kStages = 2, kCompactStages = 2, kCompactWarps = 2; };
+template <> struct KVCacheStages<192> { static constexpr int kStages = 2, kCompactStages = 3, kCompactWarps = 2; };
 template <> struct KVCacheStages<256> { static constexpr int kStages = 2, kCompactStages = 2, kCompactWarps = 2; };
 
 template <int kHeadDim, class Element>
@@ -173,6 +174,10 @@ static_assert(KVCacheTraits<64, KVCacheStages<64>::kCompactStages + 1, cutlass::
               KVCacheTraits<96, KVCacheStages<96>::kCompactStages + 1, cutlass::half_t>::kSmemBytes >
                   kKVCacheCompactSmemBytes &&
               KVCacheTraits<128, KVCacheStages<128>::kCompactStages + 1, cutlass::half_t>::kSmemBytes >
+                  kKVCacheCompactSmemBytes &&
+              KVCacheTraits<192, KVCacheStages<192>::kCompactStages + 1, cutlass::half_t, false, 2>::kSmemBytes >
+                  kKVCacheCompactSmemBytes &&
+              KVCacheTraits<256, KVCacheStages<256>::kCompactStages + 1, cutlass::half_t, false, 2>::kSmemBytes >
                   kKVCacheCompactSmemBytes,
               "kCompactStages is the deepest pipeline that fits");
 

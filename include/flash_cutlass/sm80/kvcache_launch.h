@@ -66,14 +66,14 @@ template <int kHeadDim, class Element>
 struct KVCacheTmaKernel {
   using Traits = KVCacheTraits<kHeadDim, KVCacheStages<kHeadDim>::kStages, Element, true>;
 
-  // Whether the call runs on it: a build with the sm_90a code, a compute capability 9.0 device, a
-  // chunk's rows in one page (a contiguous cache's rows past its end are TMA's zeros), and the
+  // Whether the call runs on it: a build with the sm_90a code, a compute capability 9.0 device (its
+  // limit not capped: KVCacheDevice::smem_capped), a chunk's rows in one page (a contiguous cache's rows past its end are TMA's zeros), and the
   // caches' addresses and strides as TMA needs them (multiples of 16 bytes).
   static bool takes(KVCacheParams const& params, KVCacheDevice const& device) {
     if constexpr (!has_compiled_head_dims<Direction::kForward, KernelPath::kSm90>()) {
       return false;
     } else {
-      const bool on_hopper = device.major == 9 && device.minor == 0;
+      const bool on_hopper = device.major == 9 && device.minor == 0 && !device.smem_capped;
       auto aligned = [](int64_t elements) { return elements * int64_t(sizeof(Element)) % 16 == 0; };
       auto pointer_aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
       return on_hopper && Traits::kSmemBytes <= device.smem_per_block && params.num_pages >= 1 &&

@@ -144,9 +144,9 @@ static_assert(sm90_backward_query_heads_per_key_tile(1, 64, 8, 32, 132, false) =
 // splitting ((batch, kv head, packed-row block) triples) fill `slots` = SMs x CTAs per SM; a call
 // that fills at least kKVCacheFullWave of them runs unsplit. Otherwise the keys are split into as
 // many parts as keep the CTAs within one wave of the slots, with at least kKVCacheMinKeysPerSplit
-// keys each (two 16-key chunks for each of a CTA's 4 warps, four of the compact kernel's 2; H200, head dim 128, batch 1-4 at 1k-8k
-// keys, page 16: 128 was the fastest or within 4% of it at every shape, 512 up to 1.6x slower),
-// and at most kKVCacheMaxSplits. (Splitting until the CTAs filled the slots left a partial second
+// keys each (two 16-key chunks for each of a CTA's 4 warps, four for each of the compact kernel's
+// 2; H200, head dim 128, batch 1-4 at 1k-8k keys, page 16: 128 was the fastest or within 4% of it
+// at every shape, 512 up to 1.6x slower), and at most kKVCacheMaxSplits. (Splitting until the CTAs filled the slots left a partial second
 // wave: at 64 tiles on 264 slots, 5 splits ran 320 CTAs, 56 of them in a second wave, where 4 run
 // 256 in one.) Two refinements, measured at head dim 128, 32 / 8 heads, page 16 (graph timing,
 // forced split counts, us): caches of at most kKVCacheShortKeys run unsplit from

@@ -3,10 +3,9 @@
 //
 // Decoding is memory-bound: each key and value byte is read once and meets only the few query rows
 // of its kv head. So a CTA takes kRows = 16 packed query rows, the query heads of one kv head
-// (GQA) times the queries (packed_row in common/kvcache.h), one MMA tile high, and its warps (4; 2 in the
-// compact kernel at head dims 192/256) split the keys: each warp streams its own 16-key chunks
-// (chunk c goes to warp c % warps) through its own
-// kStages-deep cp.async pipeline, gathering each key row from its page (any page size, pages in any
+// (GQA) times the queries (packed_row in common/kvcache.h), one MMA tile high, and its warps (4; 2
+// in the compact kernel at head dims 192/256) split the keys: each warp streams its own 16-key
+// chunks (chunk c goes to warp c % warps) through its own kStages-deep cp.async pipeline, gathering each key row from its page (any page size, pages in any
 // order), and keeps its own online softmax and O. On Hopper (flash_kvcache_tma_sm90) a chunk's K
 // and V land instead by one TMA tensor copy each into 128-byte-swizzled stages, where the call
 // allows it (kvcache_launch.h): cp.async into padded rows asks L2 for 1.5x the bytes (and the L2's
@@ -175,9 +174,10 @@ static_assert(KVCacheTraits<64, KVCacheStages<64>::kCompactStages + 1, cutlass::
                   kKVCacheCompactSmemBytes &&
               KVCacheTraits<128, KVCacheStages<128>::kCompactStages + 1, cutlass::half_t>::kSmemBytes >
                   kKVCacheCompactSmemBytes &&
-              KVCacheTraits<192, KVCacheStages<192>::kCompactStages + 1, cutlass::half_t, false, 2>::kSmemBytes >
-                  kKVCacheCompactSmemBytes &&
-              KVCacheTraits<256, KVCacheStages<256>::kCompactStages + 1, cutlass::half_t, false, 2>::kSmemBytes >
+              KVCacheTraits<192, KVCacheStages<192>::kCompactStages + 1, cutlass::half_t, false,
+                            KVCacheStages<192>::kCompactWarps>::kSmemBytes > kKVCacheCompactSmemBytes &&
+              KVCacheTraits<256, KVCacheStages<256>::kCompactStages + 1, cutlass::half_t, false,
+                            KVCacheStages<256>::kCompactWarps>::kSmemBytes >
                   kKVCacheCompactSmemBytes,
               "kCompactStages is the deepest pipeline that fits");
 
@@ -686,20 +686,18 @@ template <int kHeadDim, int kStages, class Element, int kWarps>
 __global__ void __launch_bounds__(KVCacheTraits<kHeadDim, kStages, Element, false, kWarps>::kThreads)
     flash_kvcache_sm80(__grid_constant__ const KVCacheParams params) {
   using Traits = KVCacheTraits<kHeadDim, kStages, Element, false, kWarps>;
-  {
-    // Launched under the kernel before it (the append, or the caller's): wait for its writes (under
-    // the call's own append, later: kvcache_tile); the split merge may launch meanwhile.
-    if (!params.after_own_append) wait_for_previous_grid();
-    allow_next_grid();
-    extern __shared__ __align__(128) char smem[];
-    const int kv_head = int(blockIdx.x % unsigned(params.heads_k));
-    const int batch = int(blockIdx.x / unsigned(params.heads_k));
-    // A chunk's kKeys rows in one page: one page lookup a chunk (kvcache_tile).
-    if ((params.block_table == nullptr ? params.capacity : params.page_size) % Traits::kKeys == 0) {
-      kvcache_tile<Traits, true>(params, smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z));
-    } else {
-      kvcache_tile<Traits, false>(params, smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z));
-    }
+  // Launched under the kernel before it (the append, or the caller's): wait for its writes (under
+  // the call's own append, later: kvcache_tile); the split merge may launch meanwhile.
+  if (!params.after_own_append) wait_for_previous_grid();
+  allow_next_grid();
+  extern __shared__ __align__(128) char smem[];
+  const int kv_head = int(blockIdx.x % unsigned(params.heads_k));
+  const int batch = int(blockIdx.x / unsigned(params.heads_k));
+  // A chunk's kKeys rows in one page: one page lookup a chunk (kvcache_tile).
+  if ((params.block_table == nullptr ? params.capacity : params.page_size) % Traits::kKeys == 0) {
+    kvcache_tile<Traits, true>(params, smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z));
+  } else {
+    kvcache_tile<Traits, false>(params, smem, int(blockIdx.y), batch, kv_head, int(blockIdx.z));
   }
 }
 

@@ -119,7 +119,7 @@ template <int kHeadDim, class Element, class F>
 decltype(auto) with_kvcache_kernel(KVCacheDevice const& device, F&& f) {
   using Stages = KVCacheStages<kHeadDim>;
   using Deep = KVCacheKernel<kHeadDim, Stages::kStages, Element>;
-  if constexpr (Stages::kCompactStages != Stages::kStages || Stages::kCompactWarps != 4) {
+  if constexpr (Stages::kCompactStages != Stages::kStages || Stages::kCompactWarps != Deep::Traits::kWarps) {
     if (Deep::Traits::kSmemBytes > device.smem_per_block) {
       return f(KVCacheKernel<kHeadDim, Stages::kCompactStages, Element, Stages::kCompactWarps>{});
     }

@@ -167,6 +167,8 @@ struct AttentionOptions {
   int page_size = 1;
   int num_pages = 0;
   int64_t paged_capacity = 0;
+  // With staging pages (PrefillForm::kStaged): the cache the paged kernel gathers them from.
+  FwdParams::PageGather page_gather;
 
   bool is_varlen() const { return cu_seqlens_q.has_value() && cu_seqlens_q->defined(); }
 };
@@ -484,6 +486,7 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
     params.num_pages = options.num_pages;
     params.total_k = int64_t(params.batch) * options.paged_capacity;
     params.seqlen_k = static_cast<int>(std::min(options.max_seqlen_k, options.paged_capacity));
+    params.page_gather = options.page_gather;
   }
   set_extended_params(params, options, q);
   set_mask_params(params, options);
@@ -791,8 +794,20 @@ const int* kvcache_indices(const std::optional<at::Tensor>& t, const char* name,
 // slopes are not per sequence (kvcache_prefill_forward's in-place numbering interleaves sequences
 // of no queries); a paged cache through its block table in a causal call without a window or
 // score options (the paged forward kernel's) where its pages are of a multiple of kPagedKeyRows
-// rows, each page's rows one after the other; otherwise gathered.
+// rows, each page's rows one after the other; staged by that kernel itself where they are of a
+// multiple of kStagedPageBoxRows (and $FLASH_CUTLASS_KVCACHE_STAGED_PREFILL is not "0");
+// otherwise gathered.
 using PrefillForm = KVCachePacked::Form;
+
+// $FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=0: chunked prefill over pages smaller than a key block
+// gathers the cache before the forward (PrefillForm::kGathered), as before the paged kernel
+// staged them itself. Unset or "1": staged.
+constexpr const char* kKVCacheStagedPrefillEnv = "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL";
+
+// The staging pages of kPagedKeyRows rows a sequence holds (PrefillForm::kStaged).
+int64_t staged_pages_of(KVCacheParams const& params) {
+  return (int64_t(params.capacity) + kPagedKeyRows - 1) / kPagedKeyRows;
+}
 
 PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions const& options,
                                  const at::Tensor& k_cache, const at::Tensor& v_cache) {
@@ -804,8 +819,11 @@ PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions c
                                v_cache.stride(0) == params.page_size * v_cache.stride(1);
     const bool positions_fit = int64_t(params.num_pages) * params.page_size < (int64_t(1) << 31) &&
                                int64_t(params.batch) * params.capacity < (int64_t(1) << 31);
-    return causal_only && params.page_size % kPagedKeyRows == 0 && rows_in_pages && positions_fit
-               ? PrefillForm::kPaged
+    if (!causal_only || !rows_in_pages || !positions_fit) return PrefillForm::kGathered;
+    if (params.page_size % kPagedKeyRows == 0) return PrefillForm::kPaged;
+    const bool staged_fit = int64_t(params.batch) * staged_pages_of(params) * kPagedKeyRows < (int64_t(1) << 31);
+    return params.page_size % kStagedPageBoxRows == 0 && staged_fit && switched_on(kKVCacheStagedPrefillEnv, true)
+               ? PrefillForm::kStaged
                : PrefillForm::kGathered;
   }
   const bool alibi_per_sequence = alibi && options.alibi_slopes->dim() == 2;
@@ -824,7 +842,7 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
   // A paged cache read through its table takes the gathered form's thresholds (measured with the
   // copy, which it saves).
   const int64_t gather_bytes =
-      form == PrefillForm::kGathered
+      form == PrefillForm::kGathered || form == PrefillForm::kStaged
           ? 2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size()
           : 0;
   if (!kvcache_prefill_may_gather(params.batch, params.seqlen_q, params.capacity, gather_bytes,
@@ -850,6 +868,9 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
 // batch x capacity rows (flash_kvcache_gather_sm80; no length is read on the host).
 struct PrefillGather {
   at::Tensor k, v, cu_seqlens;
+  // Staged: int32, the staging block table (batch, staged pages), the flags (batch, heads_k,
+  // staged pages) and the claimed-page count, one after the other.
+  at::Tensor staging;
   PrefillForm form = PrefillForm::kGathered;
 };
 
@@ -859,14 +880,20 @@ struct PrefillGather {
 std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, PrefillForm form,
                                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                     const at::Tensor& q) {
-  const int64_t rows = form == PrefillForm::kPaged ? int64_t(params.num_pages) * params.page_size
-                                                   : int64_t(params.batch) * params.capacity;
+  const int64_t staged_pages = staged_pages_of(params);
+  const int64_t rows = form == PrefillForm::kPaged    ? int64_t(params.num_pages) * params.page_size
+                       : form == PrefillForm::kStaged ? int64_t(params.batch) * staged_pages * kPagedKeyRows
+                                                      : int64_t(params.batch) * params.capacity;
   PrefillGather gather;
   gather.form = form;
   try {
-    if (form == PrefillForm::kGathered) {
+    if (form == PrefillForm::kGathered || form == PrefillForm::kStaged) {
       gather.k = at::empty({1, rows, params.heads_k, params.head_dim}, q.options());
       gather.v = at::empty_like(gather.k);
+      if (form == PrefillForm::kStaged) {
+        gather.staging =
+            at::empty({int64_t(params.batch) * staged_pages * (1 + params.heads_k) + 1}, q.options().dtype(at::kInt));
+      }
     } else {
       gather.k = k_cache.view({1, rows, params.heads_k, params.head_dim});
       gather.v = v_cache.view({1, rows, params.heads_k, params.head_dim});
@@ -890,9 +917,16 @@ void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& g
   const int64_t head_dim = params.head_dim;
   const at::Tensor& cu_seqlens = gather.cu_seqlens;
   const bool copies = gather.form == PrefillForm::kGathered;
-  const KVCachePacked packed{gather.form, copies ? gather.k.data_ptr() : nullptr,
-                             copies ? gather.v.data_ptr() : nullptr, cu_seqlens.data_ptr<int>(),
-                             cu_seqlens.data_ptr<int>() + cu_seqlens.size(1)};
+  KVCachePacked packed{gather.form, copies ? gather.k.data_ptr() : nullptr,
+                       copies ? gather.v.data_ptr() : nullptr, cu_seqlens.data_ptr<int>(),
+                       cu_seqlens.data_ptr<int>() + cu_seqlens.size(1)};
+  const int64_t staged_pages = staged_pages_of(params);
+  if (gather.form == PrefillForm::kStaged) {
+    packed.staged_table = gather.staging.data_ptr<int>();
+    packed.staged_flags = packed.staged_table + batch * staged_pages;
+    packed.staged_next_page = packed.staged_flags + batch * params.heads_k * staged_pages;
+    packed.staged_pages = int(staged_pages);
+  }
   const cudaError_t status = run_kvcache_gather_kernel(params, packed, dtype, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache gather launch failed: ", cudaGetErrorString(status));
   if (gather.form == PrefillForm::kPaged) {
@@ -901,6 +935,28 @@ void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& g
     options.page_size = params.page_size;
     options.num_pages = params.num_pages;
     options.paged_capacity = params.capacity;
+  } else if (gather.form == PrefillForm::kStaged) {
+    // The forward reads the staging pages as a paged cache of kPagedKeyRows-row pages, each
+    // sequence's in order, while it fills them from the cache (params.h, FwdParams::page_gather).
+    options.block_table = packed.staged_table;
+    options.block_table_batch_stride = staged_pages;
+    options.page_size = kPagedKeyRows;
+    options.num_pages = int(batch * staged_pages);
+    options.paged_capacity = params.capacity;
+    FwdParams::PageGather& page_gather = options.page_gather;
+    page_gather.k = params.k;
+    page_gather.v = params.v;
+    page_gather.k_row_stride = params.k_row_stride;
+    page_gather.k_head_stride = params.k_head_stride;
+    page_gather.v_row_stride = params.v_row_stride;
+    page_gather.v_head_stride = params.v_head_stride;
+    page_gather.block_table = params.block_table;
+    page_gather.block_table_batch_stride = params.block_table_batch_stride;
+    page_gather.page_size = params.page_size;
+    page_gather.num_pages = params.num_pages;
+    page_gather.flags = packed.staged_flags;
+    page_gather.next_page = packed.staged_next_page;
+    page_gather.staged_pages = int(staged_pages);
   }
   options.cu_seqlens_q = cu_seqlens[0];
   options.cu_seqlens_k = cu_seqlens[1];

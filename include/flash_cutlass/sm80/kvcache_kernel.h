@@ -931,7 +931,8 @@ __global__ void __launch_bounds__(128) flash_kvcache_append_sm80(__grid_constant
 // (kKVCacheGatherRows positions, sequence, kv head), one thread per 8 columns of a row; reads the
 // same clamped lengths and pages as the attention kernel (common/kvcache.h), so both see the same
 // keys whatever the device holds. The paged form (the forward reads the pages through the block
-// table) writes the cumulative lengths only, one CTA per sequence.
+// table) writes the cumulative lengths only, one CTA per sequence; the staged form (the forward
+// gathers the pages itself) the lengths and the staging's table, flags and count (params.h).
 template <class Element>
 __global__ void __launch_bounds__(128) flash_kvcache_gather_sm80(__grid_constant__ const KVCacheParams params,
                                                                  const KVCachePacked packed) {
@@ -955,7 +956,15 @@ __global__ void __launch_bounds__(128) flash_kvcache_gather_sm80(__grid_constant
     packed.cu_seqlens_q[batch + 1] = (batch + 1) * params.seqlen_q;
     if (batch == 0) packed.cu_seqlens_k[0] = packed.cu_seqlens_q[0] = 0;
   }
-  if (packed.form != KVCachePacked::Form::kGathered) return;  // the paged form: the lengths alone
+  if (packed.form == KVCachePacked::Form::kStaged && writes_lengths) {
+    for (int j = threadIdx.x; j < packed.staged_pages; j += blockDim.x) {
+      packed.staged_table[int64_t(batch) * packed.staged_pages + j] = batch * packed.staged_pages + j;
+    }
+    const int64_t flags = int64_t(params.heads_k) * packed.staged_pages;
+    for (int64_t i = threadIdx.x; i < flags; i += blockDim.x) packed.staged_flags[batch * flags + i] = 0;
+    if (batch == 0 && threadIdx.x == 0) *packed.staged_next_page = 0;
+  }
+  if (packed.form != KVCachePacked::Form::kGathered) return;  // the paged and staged forms: the lengths alone
   const SequencePages pages = sequence_pages(params, batch);
   const int chunks_per_row = params.head_dim / 8;
   const int rows = min(kKVCacheGatherRows, length - first);

@@ -52,6 +52,10 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_STORE{}, out, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
       store_o_with_tma,
       PersistentWork{},
+      {},  // the gather's descriptors: built below where the call stages pages
+      {},
+      {},
+      {},
   };
 
   // Paged K and V (params.h, block_table; chunked prefill over a paged KV cache): a variable-length

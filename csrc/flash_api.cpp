@@ -795,13 +795,14 @@ const int* kvcache_indices(const std::optional<at::Tensor>& t, const char* name,
 // of no queries); a paged cache through its block table in a causal call without a window or
 // score options (the paged forward kernel's) where its pages are of a multiple of kPagedKeyRows
 // rows, each page's rows one after the other; staged by that kernel itself where they are of a
-// multiple of kStagedPageBoxRows (and $FLASH_CUTLASS_KVCACHE_STAGED_PREFILL is not "0");
-// otherwise gathered.
+// multiple of kStagedPageBoxRows and $FLASH_CUTLASS_KVCACHE_STAGED_PREFILL is "1"; otherwise
+// gathered.
 using PrefillForm = KVCachePacked::Form;
 
-// $FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=0: chunked prefill over pages smaller than a key block
-// gathers the cache before the forward (PrefillForm::kGathered), as before the paged kernel
-// staged them itself. Unset or "1": staged.
+// $FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=1: chunked prefill over pages smaller than a key block runs
+// the paged forward kernel, which stages the pages itself while its tiles run
+// (PrefillForm::kStaged, sm90/fwd_page_gather.h). Unset or "0": the cache is gathered before the
+// forward (PrefillForm::kGathered). Opt-in until it has run on a GPU: written without one.
 constexpr const char* kKVCacheStagedPrefillEnv = "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL";
 
 // The staging pages of kPagedKeyRows rows a sequence holds (PrefillForm::kStaged).
@@ -822,7 +823,7 @@ PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions c
     if (!causal_only || !rows_in_pages || !positions_fit) return PrefillForm::kGathered;
     if (params.page_size % kPagedKeyRows == 0) return PrefillForm::kPaged;
     const bool staged_fit = int64_t(params.batch) * staged_pages_of(params) * kPagedKeyRows < (int64_t(1) << 31);
-    return params.page_size % kStagedPageBoxRows == 0 && staged_fit && switched_on(kKVCacheStagedPrefillEnv, true)
+    return params.page_size % kStagedPageBoxRows == 0 && staged_fit && switched_on(kKVCacheStagedPrefillEnv)
                ? PrefillForm::kStaged
                : PrefillForm::kGathered;
   }

@@ -746,21 +746,25 @@ def reads_pages_in_the_forward(kernel_name) -> bool:
 @pytest.mark.parametrize("page_size", [16, 48, 64], ids=["p16", "p48", "p64"])
 @pytest.mark.parametrize("heads,heads_k", [(8, 2), (6, 6)], ids=["gqa4", "mha"])
 def test_chunked_prefill_stages_small_pages_in_the_forward(cuda_gen, monkeypatch, page_size, heads, heads_k):
-    """A causal call over pages smaller than a key block (a multiple of 16 rows) runs the paged
-    forward kernel, which stages the pages itself while its tiles run
-    (include/flash_cutlass/sm90/fwd_page_gather.h), instead of a gather and then the
-    variable-length kernel; FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=0 gathers first. Both read the same
-    keys in the same order: equal to the bit, over sequences of 1 to 61 staged pages, with the
-    append."""
+    """With FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=1 a causal call over pages smaller than a key block
+    (a multiple of 16 rows) runs the paged forward kernel, which stages the pages itself while its
+    tiles run (include/flash_cutlass/sm90/fwd_page_gather.h); by default (and with 0) the cache is
+    gathered first and the variable-length kernel runs. Both read the same keys in the same order:
+    equal to the bit, over sequences of 1 to 61 staged pages, with the append."""
     requires_prefill_forward()
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = make_call(gen, batch=4, seqlen_q=PREFILL_SEQLEN_Q, heads=heads, heads_k=heads_k, head_dim=PREFILL_HEAD_DIM,
                      seqlens=(0, 130, 1500, 7600), seqlen_new=PREFILL_SEQLEN_Q, page_size=page_size, capacity=7744,
                      device="cuda")
     gathered = cloned(call)
+    default = cloned(call)
+    monkeypatch.setenv(STAGED_PREFILL_ENV, "1")
     staged_kernels, (out, lse) = hopper_forward_kernels(lambda: run(call, causal=True))
     monkeypatch.setenv(STAGED_PREFILL_ENV, "0")
     gathered_kernels, (out_gathered, lse_gathered) = hopper_forward_kernels(lambda: run(gathered, causal=True))
+    monkeypatch.delenv(STAGED_PREFILL_ENV)
+    default_kernels, _ = hopper_forward_kernels(lambda: run(default, causal=True))
+    assert [reads_pages_in_the_forward(name) for name in default_kernels] == [False]
     assert [reads_pages_in_the_forward(name) for name in staged_kernels] == [True]
     assert [reads_pages_in_the_forward(name) for name in gathered_kernels] == [False]
     assert torch.equal(out, out_gathered) and torch.equal(lse, lse_gathered)

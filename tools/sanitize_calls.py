@@ -14,8 +14,8 @@ store switched off and on (docs/DEVELOPING.md); a variable-length batch (lengths
 and 130); the window, soft cap, ALiBi and dropout kernels where the build has them, and a causal
 call with attention sinks; and KV-cache calls (paged, pages of 16 in shuffled order, lengths 0, 1
 and 100 with as many appended tokens as queries, split and unsplit, with sinks; a contiguous cache; 4 queries a sequence; 128, chunked prefill, over
-pages of 128 that the Hopper forward reads through the block table and of 16 that it stages itself,
-the last length 4,200: 34 key blocks). Each result is checked
+pages of 128 that the Hopper forward reads through the block table and of 16 that it stages itself
+(FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=1), the last length 4,200: 34 key blocks). Each result is checked
 against the same call on CPU copies (the pure-PyTorch reference, fp32 inside), loosely: this is
 for the sanitizer, the tests check accuracy, but a kernel that ran and wrote garbage fails here too
 (dropout's results are only checked finite: test_dropout.py checks its mask). Prints a line a
@@ -38,6 +38,7 @@ import flash_cutlass  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu runs the same calls on the reference (a check of this script)
 TOLERANCE = 0.05  # of the largest reference value (at least 1): bf16 results of unit-scale inputs
+STAGED_PREFILL_ENV = "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL"  # docs/DEVELOPING.md, opt-in kernel changes
 
 
 def _close(name: str, got, want, failures: list) -> None:
@@ -142,9 +143,17 @@ def _kvcache_cases(head_dim, dtype, failures):
                 table = None
             v_cache = torch.randn_like(k_cache)
             ref_k, ref_v = k_cache.clone(), v_cache.clone()
-            out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
-                                                             block_table=table, causal=True, num_splits=num_splits,
-                                                             sinks=sinks)
+            # Chunked prefill over pages of 16: the paged forward kernel staging them itself (opt-in).
+            staged = paged and seqlen_q >= 128 and page < 128
+            if staged:
+                os.environ[STAGED_PREFILL_ENV] = "1"
+            try:
+                out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
+                                                                 block_table=table, causal=True,
+                                                                 num_splits=num_splits, sinks=sinks)
+            finally:
+                if staged:
+                    del os.environ[STAGED_PREFILL_ENV]
             ref_out = flash_cutlass.flash_attention_with_kvcache(
                 *_cpu(q, ref_k, ref_v, new_k, new_v), lengths.cpu(),
                 block_table=None if table is None else table.cpu(), causal=True,

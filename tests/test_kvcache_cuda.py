@@ -652,7 +652,12 @@ def test_chunked_prefill_paged_is_bitwise_contiguous(cuda_gen, page_size, seqlen
     assert torch.equal(out_paged, out_contiguous) and torch.equal(lse_paged, lse_contiguous)
 
 
-def test_chunked_prefill_cuda_graph_replay_matches_eager(cuda_gen):
+@pytest.mark.parametrize("staged", ["0", "1"], ids=["gathered", "staged"])
+def test_chunked_prefill_cuda_graph_replay_matches_eager(cuda_gen, monkeypatch, staged):
+    """Pages of 16, gathered before the forward or staged by it (FLASH_CUTLASS_KVCACHE_STAGED_PREFILL;
+    each replay zeroes the staging's flags again): the replay of a captured call is the eager call's,
+    to the bit, also with new lengths and queries."""
+    monkeypatch.setenv("FLASH_CUTLASS_KVCACHE_STAGED_PREFILL", staged)
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = prefill_call(gen, 16, PREFILL_SEQLEN_Q, seqlens=(10, 300, 1, 700))
     eager = cloned(call)
@@ -769,6 +774,28 @@ def test_chunked_prefill_stages_small_pages_in_the_forward(cuda_gen, monkeypatch
     assert [reads_pages_in_the_forward(name) for name in gathered_kernels] == [False]
     assert torch.equal(out, out_gathered) and torch.equal(lse, lse_gathered)
     assert torch.equal(call["k_cache"], gathered["k_cache"]) and torch.equal(call["v_cache"], gathered["v_cache"])
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_chunked_prefill_stages_pages_at_every_head_dim(cuda_gen, monkeypatch, head_dim):
+    """The staged route at each head dim's tiles (key blocks of 128 rows, or of 64 past head dim 128:
+    two a staged page; 3 to 8 shared-memory slots of 16-row boxes) against the gathered one, to
+    the bit; pages of 32, GQA 4."""
+    if head_dim not in KVCACHE_HEAD_DIMS:
+        pytest.skip(f"head dim {head_dim} has no KV-cache kernel in this build")
+    reason = kernel_unavailable("sm90", head_dim, "forward")
+    if reason:
+        pytest.skip(reason)
+    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
+    call = make_call(gen, batch=2, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=2, head_dim=head_dim,
+                     seqlens=(300, 1900), seqlen_new=PREFILL_SEQLEN_Q, page_size=32, capacity=2048, device="cuda")
+    gathered = cloned(call)
+    monkeypatch.setenv(STAGED_PREFILL_ENV, "1")
+    kernels, (out, lse) = hopper_forward_kernels(lambda: run(call, causal=True))
+    monkeypatch.setenv(STAGED_PREFILL_ENV, "0")
+    out_gathered, lse_gathered = run(gathered, causal=True)
+    assert [reads_pages_in_the_forward(name) for name in kernels] == [True]
+    assert torch.equal(out, out_gathered) and torch.equal(lse, lse_gathered)
 
 
 def test_staged_prefill_variable_is_checked(cuda_gen, monkeypatch):

@@ -75,7 +75,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<kPagedKV ? Traits::kPagedProducerRegisters : Traits::kProducerRegisters>();
     // The paged kernel's producer is warp 0 (its lanes read the block table together; lane 0
     // issues: fwd_producer.h, load_paged_tile), the others' thread 0. Where the paged kernel stages
-    // the cache's pages itself, thread 32 does (fwd_page_gather.h).
+    // the cache's pages itself, thread 32 does (fwd_page_gather.h); the warp index is taken by
+    // every lane of its warp before that lane leaves (a shuffle of the whole warp).
+    const int producer_warp = cutlass::canonical_warp_idx_sync();
     if constexpr (kPagedKV) {
       if (params.page_gather.flags != nullptr && threadIdx.x == 32) {
         gather_pages<Traits>(kernel_params,
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         return;
       }
     }
-    if (kPagedKV ? cutlass::canonical_warp_idx_sync() == 0 : producer_thread) {
+    if (kPagedKV ? producer_warp == 0 : producer_thread) {
       // TMA views of Q, K, V: (seqlen, head_dim, heads, batch), or (total, head_dim, heads, 1) in a
       // variable-length call, each sequence's rows from its first one on; rows and columns past the
       // tensor arrive as zeros (V through per-sequence descriptors in a packed batch: fwd_producer.h).

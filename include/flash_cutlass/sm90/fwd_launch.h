@@ -133,9 +133,11 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   }
   if constexpr (kPagedKernel) {
     if (paged) {
+      // With the gather's slots whether or not the call stages pages: one size for the kernel, so
+      // that its shared-memory attribute never goes down under a launch of another thread or a
+      // captured graph's (1 CTA an SM either way).
       return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension, true>, num_ctas, Traits::kThreads,
-                           gather.flags != nullptr ? Traits::kPagedSmemBytes : Traits::kSmemBytes, kernel_params,
-                           stream);
+                           Traits::kPagedSmemBytes, kernel_params, stream);
     }
   }
   return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,

@@ -34,8 +34,9 @@ __device__ __forceinline__ int* staged_page_flag(FwdParams const& params, int ba
 }
 
 // Returns once the staged page of `flag` is filled, its stores ordered before this thread's next
-// TMA loads; as poll_until (ordered_reduce.h), traps past about a minute. (Inline and lean: the
-// paged kernel's producer runs on 32 registers past head dim 128, where a call spilled 52 bytes.)
+// TMA loads; as poll_until (ordered_reduce.h), traps past 2^26 polls (at least 8 s: the route stages
+// at most kKVCachePrefillMaxGatherBytes, milliseconds of copying). (Inline and lean: the paged
+// kernel's producer runs on 32 registers past head dim 128, where a call spilled 52 bytes.)
 __device__ __forceinline__ void wait_for_staged_page(const int* flag) {
   for (unsigned polls = 0;; ++polls) {
     int staged;

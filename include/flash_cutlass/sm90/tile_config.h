@@ -160,10 +160,11 @@ struct FwdKernelTraits {
   // The paged kernel's own gather of a cache of small pages (params.h, FwdParams::page_gather;
   // fwd_page_gather.h): boxes of kStagedPageBoxRows rows of one K/V head, row-major, go from the
   // cache into kGatherSlots slots past SharedStorage by TMA loads, and out into the staging pages by
-  // TMA stores; about 16 KiB in all. Only the paged kernel launches with them (kPagedSmemBytes).
+  // TMA stores; about 16 KiB in all, at least 3 slots (two loads in flight). Only the paged kernel
+  // launches with them (kPagedSmemBytes).
   static constexpr int kGatherBoxRows = kStagedPageBoxRows;
   static constexpr int kGatherBoxBytes = kGatherBoxRows * kHeadDim * int(sizeof(Element));
-  static constexpr int kGatherSlots = 16384 / kGatherBoxBytes < 2 ? 2 : 16384 / kGatherBoxBytes;
+  static constexpr int kGatherSlots = 16384 / kGatherBoxBytes < 3 ? 3 : 16384 / kGatherBoxBytes;
   using SmemLayoutGatherBox = cute::Layout<cute::Shape<cute::Int<kGatherBoxRows>, cute::Int<kHeadDim>>,
                                            cute::Stride<cute::Int<kHeadDim>, cute::_1>>;
   using SmemLayoutGatherSlots =

@@ -35,8 +35,7 @@ __device__ __forceinline__ int* staged_page_flag(FwdParams const& params, int ba
 
 // Returns once the staged page of `flag` is filled, its stores ordered before this thread's next
 // TMA loads; as poll_until (ordered_reduce.h), traps past 2^26 polls (at least 8 s: the route stages
-// at most kKVCachePrefillMaxGatherBytes, milliseconds of copying). (Inline and lean: the paged
-// kernel's producer runs on 32 registers past head dim 128, where a call spilled 52 bytes.)
+// at most kKVCachePrefillMaxGatherBytes, milliseconds of copying).
 __device__ __forceinline__ void wait_for_staged_page(const int* flag) {
   for (unsigned polls = 0;; ++polls) {
     int staged;
@@ -51,7 +50,7 @@ __device__ __forceinline__ void wait_for_staged_page(const int* flag) {
 // Run by one thread (of the producer warpgroup's second warp) until every staged page is claimed.
 template <class Traits>
 __device__ __forceinline__ void gather_pages(FwdKernelParams<Traits> const& kernel_params,
-                                          typename Traits::GatherStorage& staging) {
+                                             typename Traits::GatherStorage& staging) {
   using namespace cute;
   constexpr int kSlots = Traits::kGatherSlots;
   constexpr int kBoxRows = Traits::kGatherBoxRows;
@@ -60,10 +59,12 @@ __device__ __forceinline__ void gather_pages(FwdKernelParams<Traits> const& kern
   const FwdParams::PageGather& gather = params.page_gather;
   const int64_t cache_rows = int64_t(gather.num_pages) * gather.page_size;
   const int64_t staged_rows = int64_t(params.num_pages) * params.page_size;
-  Tensor mCacheK = kernel_params.tma_gather_k.get_tma_tensor(make_shape(int(cache_rows), params.head_dim, params.heads_k, 1));
-  Tensor mCacheV = kernel_params.tma_gather_v.get_tma_tensor(make_shape(int(cache_rows), params.head_dim, params.heads_k, 1));
-  Tensor mStagedK = kernel_params.tma_stage_k.get_tma_tensor(make_shape(int(staged_rows), params.head_dim, params.heads_k, 1));
-  Tensor mStagedV = kernel_params.tma_stage_v.get_tma_tensor(make_shape(int(staged_rows), params.head_dim, params.heads_k, 1));
+  const auto cache_shape = make_shape(int(cache_rows), params.head_dim, params.heads_k, 1);
+  const auto staged_shape = make_shape(int(staged_rows), params.head_dim, params.heads_k, 1);
+  Tensor mCacheK = kernel_params.tma_gather_k.get_tma_tensor(cache_shape);
+  Tensor mCacheV = kernel_params.tma_gather_v.get_tma_tensor(cache_shape);
+  Tensor mStagedK = kernel_params.tma_stage_k.get_tma_tensor(staged_shape);
+  Tensor mStagedV = kernel_params.tma_stage_v.get_tma_tensor(staged_shape);
   Tensor sSlots = make_tensor(make_smem_ptr(staging.boxes.data()), typename Traits::SmemLayoutGatherSlots{});
   using BoxShape = typename Traits::GatherBoxShape;
   // The slots' barriers, this thread's alone: initialized here, visible to the TMA unit before use.
@@ -108,8 +109,8 @@ __device__ __forceinline__ void gather_pages(FwdKernelParams<Traits> const& kern
       const int slot = (boxes_moved + c) % kSlots;
       const int position = first_position + (c / 2) * kBoxRows;
       const int page_index = position / gather.page_size;
-      const int cache_row =
-          clamped_page(table_row, page_index, gather.num_pages) * gather.page_size + position - page_index * gather.page_size;
+      const int cache_row = clamped_page(table_row, page_index, gather.num_pages) * gather.page_size + position -
+                            page_index * gather.page_size;
       auto& landed = staging.landed[slot];
       landed.arrive_and_expect_tx(Traits::kGatherBoxBytes);
       if (c % 2 == 0) {

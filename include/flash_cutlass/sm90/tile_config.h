@@ -195,8 +195,8 @@ struct FwdKernelTraits {
                                              cute::take<0, 2>(SmemLayoutKV{}), cute::select<1, 2>(TileShape{}),
                                              cute::_1{}));
   using GatherBoxShape = cute::Shape<cute::Int<kGatherBoxRows>, cute::Int<kHeadDim>>;
-  using TmaGatherLoad =
-      decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutGatherBox{}, GatherBoxShape{}, cute::_1{}));
+  using TmaGatherLoad = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutGatherBox{},
+                                                     GatherBoxShape{}, cute::_1{}));
   using TmaGatherStore = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutGatherBox{},
                                                       GatherBoxShape{}, cute::_1{}));
 };

@@ -53,15 +53,14 @@ from benchmark_forward import with_environment  # noqa: E402
 IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_full", "flash_cutlass_prefill",
          "flash_cutlass_append_kernel", "flash_cutlass_staged", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn",
          "flex")
-# flash_cutlass (paged) with the append kernel launched before the attention kernel
-# (FLASH_CUTLASS_KVCACHE_TILE_APPEND=0 around each call, docs/DEVELOPING.md), for an A/B of the
-# append inside the attention kernel with --append.
-APPEND_KERNEL_ENV = "FLASH_CUTLASS_KVCACHE_TILE_APPEND"
 APPENDING_IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_append_kernel")
-# flash_cutlass (paged) with chunked prefill over pages smaller than a key block staged by the paged
-# forward kernel itself (FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=1 around each call, docs/DEVELOPING.md)
-# instead of gathered before the forward: the A/B of the staging.
-STAGED_PREFILL_ENV = "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL"
+# flash_cutlass (paged) with a switch of docs/DEVELOPING.md set around each call, for an A/B against
+# the default in one process: flash_cutlass_append_kernel launches the append kernel before the
+# attention kernel (with --append; against the append inside the attention kernel);
+# flash_cutlass_staged has chunked prefill over pages smaller than a key block staged by the paged
+# forward kernel itself instead of gathered before the forward.
+SWITCHED_PAGED_IMPLS = {"flash_cutlass_append_kernel": ("FLASH_CUTLASS_KVCACHE_TILE_APPEND", "0"),
+                        "flash_cutlass_staged": ("FLASH_CUTLASS_KVCACHE_STAGED_PREFILL", "1")}
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, context: int, head_dim: int) -> float:
@@ -130,7 +129,7 @@ def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dt
 
     q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
     lengths = new_tokens(batch, context, seqlen_q, heads_k, head_dim, dtype, append)
-    if impl in ("flash_cutlass", "flash_cutlass_append_kernel", "flash_cutlass_staged"):
+    if impl == "flash_cutlass" or impl in SWITCHED_PAGED_IMPLS:
         blocks = -(-context // page_size)
         k_cache = torch.randn(batch * blocks, page_size, heads_k, head_dim, device="cuda", dtype=dtype)
         v_cache = torch.randn_like(k_cache)
@@ -139,9 +138,7 @@ def make_callables(impl, batch, context, heads, heads_k, head_dim, page_size, dt
         def paged():
             return flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, **lengths, block_table=table,
                                                               causal=True, num_splits=num_splits)
-        if impl == "flash_cutlass_staged":
-            return with_environment(paged, STAGED_PREFILL_ENV, "0")
-        return paged if impl == "flash_cutlass" else with_environment(paged, APPEND_KERNEL_ENV, "0")
+        return paged if impl == "flash_cutlass" else with_environment(paged, *SWITCHED_PAGED_IMPLS[impl])
     if impl == "flash_cutlass_contiguous":
         k_cache = torch.randn(batch, context, heads_k, head_dim, device="cuda", dtype=dtype)
         v_cache = torch.randn_like(k_cache)

@@ -805,9 +805,17 @@ using PrefillForm = KVCachePacked::Form;
 // forward (PrefillForm::kGathered). Opt-in until it has run on a GPU: written without one.
 constexpr const char* kKVCacheStagedPrefillEnv = "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL";
 
-// The staging pages of kPagedKeyRows rows a sequence holds (PrefillForm::kStaged).
-int64_t staged_pages_of(KVCacheParams const& params) {
-  return (int64_t(params.capacity) + kPagedKeyRows - 1) / kPagedKeyRows;
+// The staged form's int32 buffer (PrefillGather::staging), in elements: the staging block table
+// (batch, pages), the flags (batch, heads_k, pages) and the claimed-page count, one after the
+// other; pages: the staging pages of kPagedKeyRows rows a sequence holds.
+struct StagingLayout {
+  int64_t pages, flags, next_page, size;
+};
+
+StagingLayout staging_layout(KVCacheParams const& params) {
+  const int64_t pages = (int64_t(params.capacity) + kPagedKeyRows - 1) / kPagedKeyRows;
+  const int64_t table = int64_t(params.batch) * pages;
+  return {pages, table, table * (1 + params.heads_k), table * (1 + params.heads_k) + 1};
 }
 
 PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions const& options,
@@ -822,7 +830,8 @@ PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions c
                                int64_t(params.batch) * params.capacity < (int64_t(1) << 31);
     if (!causal_only || !rows_in_pages || !positions_fit) return PrefillForm::kGathered;
     if (params.page_size % kPagedKeyRows == 0) return PrefillForm::kPaged;
-    const bool staged_fit = int64_t(params.batch) * staged_pages_of(params) * kPagedKeyRows < (int64_t(1) << 31);
+    const int64_t staged_rows = int64_t(params.batch) * staging_layout(params).pages * kPagedKeyRows;
+    const bool staged_fit = staged_rows < (int64_t(1) << 31);
     return params.page_size % kStagedPageBoxRows == 0 && staged_fit && switched_on(kKVCacheStagedPrefillEnv)
                ? PrefillForm::kStaged
                : PrefillForm::kGathered;
@@ -881,9 +890,9 @@ struct PrefillGather {
 std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, PrefillForm form,
                                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                     const at::Tensor& q) {
-  const int64_t staged_pages = staged_pages_of(params);
+  const StagingLayout staging = staging_layout(params);
   const int64_t rows = form == PrefillForm::kPaged    ? int64_t(params.num_pages) * params.page_size
-                       : form == PrefillForm::kStaged ? int64_t(params.batch) * staged_pages * kPagedKeyRows
+                       : form == PrefillForm::kStaged ? int64_t(params.batch) * staging.pages * kPagedKeyRows
                                                       : int64_t(params.batch) * params.capacity;
   PrefillGather gather;
   gather.form = form;
@@ -892,8 +901,7 @@ std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params,
       gather.k = at::empty({1, rows, params.heads_k, params.head_dim}, q.options());
       gather.v = at::empty_like(gather.k);
       if (form == PrefillForm::kStaged) {
-        gather.staging =
-            at::empty({int64_t(params.batch) * staged_pages * (1 + params.heads_k) + 1}, q.options().dtype(at::kInt));
+        gather.staging = at::empty({staging.size}, q.options().dtype(at::kInt));
       }
     } else {
       gather.k = k_cache.view({1, rows, params.heads_k, params.head_dim});
@@ -921,12 +929,12 @@ void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& g
   KVCachePacked packed{gather.form, copies ? gather.k.data_ptr() : nullptr,
                        copies ? gather.v.data_ptr() : nullptr, cu_seqlens.data_ptr<int>(),
                        cu_seqlens.data_ptr<int>() + cu_seqlens.size(1)};
-  const int64_t staged_pages = staged_pages_of(params);
+  const StagingLayout staging = staging_layout(params);
   if (gather.form == PrefillForm::kStaged) {
     packed.staged_table = gather.staging.data_ptr<int>();
-    packed.staged_flags = packed.staged_table + batch * staged_pages;
-    packed.staged_next_page = packed.staged_flags + batch * params.heads_k * staged_pages;
-    packed.staged_pages = int(staged_pages);
+    packed.staged_flags = packed.staged_table + staging.flags;
+    packed.staged_next_page = packed.staged_table + staging.next_page;
+    packed.staged_pages = int(staging.pages);
   }
   const cudaError_t status = run_kvcache_gather_kernel(params, packed, dtype, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache gather launch failed: ", cudaGetErrorString(status));
@@ -940,9 +948,9 @@ void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& g
     // The forward reads the staging pages as a paged cache of kPagedKeyRows-row pages, each
     // sequence's in order, while it fills them from the cache (params.h, FwdParams::page_gather).
     options.block_table = packed.staged_table;
-    options.block_table_batch_stride = staged_pages;
+    options.block_table_batch_stride = staging.pages;
     options.page_size = kPagedKeyRows;
-    options.num_pages = int(batch * staged_pages);
+    options.num_pages = int(batch * staging.pages);
     options.paged_capacity = params.capacity;
     FwdParams::PageGather& page_gather = options.page_gather;
     page_gather.k = params.k;
@@ -957,7 +965,7 @@ void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& g
     page_gather.num_pages = params.num_pages;
     page_gather.flags = packed.staged_flags;
     page_gather.next_page = packed.staged_next_page;
-    page_gather.staged_pages = int(staged_pages);
+    page_gather.staged_pages = int(staging.pages);
   }
   options.cu_seqlens_q = cu_seqlens[0];
   options.cu_seqlens_k = cu_seqlens[1];

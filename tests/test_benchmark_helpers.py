@@ -451,10 +451,16 @@ def test_opt_in_runners_set_their_variable_for_each_call_only(monkeypatch, impl)
     assert impl in bench.IMPLS and impl not in bench.DEFAULT_IMPLS
 
 
-def test_decode_benchmark_runs_its_append_kernel_subject_with_the_switch_off(monkeypatch):
+@pytest.mark.parametrize("impl,variable,value",
+                         [("flash_cutlass_append_kernel", "FLASH_CUTLASS_KVCACHE_TILE_APPEND", "0"),
+                          ("flash_cutlass_staged", "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL", "1")])
+def test_decode_benchmark_runs_its_switch_subjects_with_the_switch_set(monkeypatch, impl, variable, value):
     # flash_cutlass_append_kernel: the paged call with FLASH_CUTLASS_KVCACHE_TILE_APPEND=0 around
-    # each call only, and it appends with --append as the other flash_cutlass subjects do.
-    assert "flash_cutlass_append_kernel" in decode.IMPLS and "flash_cutlass_append_kernel" in decode.APPENDING_IMPLS
-    monkeypatch.setenv(decode.APPEND_KERNEL_ENV, "1")
-    seen = decode.with_environment(lambda: os.environ[decode.APPEND_KERNEL_ENV], decode.APPEND_KERNEL_ENV, "0")()
-    assert seen == "0" and os.environ[decode.APPEND_KERNEL_ENV] == "1"
+    # each call only, and it appends with --append as the other flash_cutlass subjects do;
+    # flash_cutlass_staged: FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=1, the staged chunked prefill.
+    assert impl in decode.IMPLS and decode.SWITCHED_PAGED_IMPLS[impl] == (variable, value)
+    assert "flash_cutlass_append_kernel" in decode.APPENDING_IMPLS
+    other = "1" if value == "0" else "0"
+    monkeypatch.setenv(variable, other)
+    seen = decode.with_environment(lambda: os.environ[variable], *decode.SWITCHED_PAGED_IMPLS[impl])()
+    assert seen == value and os.environ[variable] == other

@@ -146,15 +146,15 @@ static_assert(sm90_backward_query_heads_per_key_tile(1, 64, 8, 32, 132, false) =
 // many parts as keep the CTAs within one wave of the slots, with at least kKVCacheMinKeysPerSplit
 // keys each (two 16-key chunks for each of a CTA's 4 warps, four for each of the compact kernel's
 // 2; H200, head dim 128, batch 1-4 at 1k-8k keys, page 16: 128 was the fastest or within 4% of it
-// at every shape, 512 up to 1.6x slower), and at most kKVCacheMaxSplits. (Splitting until the CTAs filled the slots left a partial second
-// wave: at 64 tiles on 264 slots, 5 splits ran 320 CTAs, 56 of them in a second wave, where 4 run
-// 256 in one.) Two refinements, measured at head dim 128, 32 / 8 heads, page 16 (graph timing,
-// forced split counts, us): caches of at most kKVCacheShortKeys run unsplit from
-// kKVCacheShortWave of the slots, the split merge costing more than the second CTA an SM gains
-// (batch 16 / 1k, 128 tiles: 22.2 unsplit, 24.2 in 2; batch 12, 96 tiles: 19.8 / 19.6); from
-// kKVCacheLongKeys keys a call below kKVCacheFullWave splits in at least 2, as more CTAs than the
-// slots stream faster than fewer than an SM each (batch 24, 192 tiles: 8k 227.5 -> 206.6 us, 32k
-// 882.9 -> 806.1).
+// at every shape, 512 up to 1.6x slower), and at most kKVCacheMaxSplits. (Splitting until the CTAs
+// filled the slots left a partial second wave: at 64 tiles on 264 slots, 5 splits ran 320 CTAs, 56
+// of them in a second wave, where 4 run 256 in one.) Two refinements, measured at head dim 128, 32
+// / 8 heads, page 16 (graph timing, forced split counts, us): caches of at most kKVCacheShortKeys
+// run unsplit from kKVCacheShortWave of the slots, the split merge costing more than the second CTA
+// an SM gains (batch 16 / 1k, 128 tiles: 22.2 unsplit, 24.2 in 2; batch 12, 96 tiles: 19.8 / 19.6);
+// from kKVCacheLongKeys keys a call below kKVCacheFullWave splits in at least 2, as more CTAs than
+// the slots stream faster than fewer than an SM each (batch 24, 192 tiles: 8k 227.5 -> 206.6 us,
+// 32k 882.9 -> 806.1).
 inline constexpr double kKVCacheFullWave = 0.8;
 inline constexpr int kKVCacheMinKeysPerSplit = 128;
 inline constexpr double kKVCacheShortWave = 0.45;

@@ -2,7 +2,8 @@
 // out = softmax(scale * Q K^T) V and its log-sum-exp, one each or (a persistent grid, one CTA per
 // SM) in turn (tile_scheduler.h).
 // A producer thread brings each tile's Q and its K/V blocks through a multi-stage pipeline with
-// TMA (fwd_producer.h; in the paged kernel, another stages small pages: fwd_page_gather.h), running ahead into the next tile while the consumers finish this one; each
+// TMA (fwd_producer.h; in the paged kernel, another may stage small pages: fwd_page_gather.h),
+// running ahead into the next tile while the consumers finish this one; each
 // consumer warpgroup owns 64 query rows and runs S = Q K^T and O += P V as wgmma, with the online
 // softmax in registers between them (fwd_mainloop.h), then stores O and the log-sum-exp
 // (fwd_epilogue.h).

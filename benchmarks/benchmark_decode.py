@@ -51,16 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_forward import with_environment  # noqa: E402
 
 IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_full", "flash_cutlass_prefill",
-         "flash_cutlass_append_kernel", "flash_cutlass_staged", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn",
-         "flex")
+         "flash_cutlass_append_kernel", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
 APPENDING_IMPLS = ("flash_cutlass", "flash_cutlass_contiguous", "flash_cutlass_append_kernel")
 # flash_cutlass (paged) with a switch of docs/DEVELOPING.md set around each call, for an A/B against
 # the default in one process: flash_cutlass_append_kernel launches the append kernel before the
-# attention kernel (with --append; against the append inside the attention kernel);
-# flash_cutlass_staged has chunked prefill over pages smaller than a key block staged by the paged
-# forward kernel itself instead of gathered before the forward.
-SWITCHED_PAGED_IMPLS = {"flash_cutlass_append_kernel": ("FLASH_CUTLASS_KVCACHE_TILE_APPEND", "0"),
-                        "flash_cutlass_staged": ("FLASH_CUTLASS_KVCACHE_STAGED_PREFILL", "1")}
+# attention kernel (with --append; against the append inside the attention kernel).
+SWITCHED_PAGED_IMPLS = {"flash_cutlass_append_kernel": ("FLASH_CUTLASS_KVCACHE_TILE_APPEND", "0")}
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, context: int, head_dim: int) -> float:

@@ -167,8 +167,6 @@ struct AttentionOptions {
   int page_size = 1;
   int num_pages = 0;
   int64_t paged_capacity = 0;
-  // With staging pages (PrefillForm::kStaged): the cache the paged kernel gathers them from.
-  FwdParams::PageGather page_gather;
 
   bool is_varlen() const { return cu_seqlens_q.has_value() && cu_seqlens_q->defined(); }
 };
@@ -486,7 +484,6 @@ void set_attention_params(FwdParams& params, const at::Tensor& q, const at::Tens
     params.num_pages = options.num_pages;
     params.total_k = int64_t(params.batch) * options.paged_capacity;
     params.seqlen_k = static_cast<int>(std::min(options.max_seqlen_k, options.paged_capacity));
-    params.page_gather = options.page_gather;
   }
   set_extended_params(params, options, q);
   set_mask_params(params, options);
@@ -572,7 +569,7 @@ constexpr const char* kGqaWalkHeadsEnv = "FLASH_CUTLASS_GQA_WALK_HEADS";
 // 0.89x (H200), launched key block major 0.80 / 0.81x at 128 and 0.51 / 0.51x at 256 (H100), parts
 // of a group 0.93-0.98x (docs/PERFORMANCE.md, What was tried).
 bool walks_by_default(int kernel_hdim, bool deterministic) {
-  if (deterministic) return kernel_hdim == 128;
+  if (deterministic) return true;
   return kernel_hdim == 96 || kernel_hdim == 128 || kernel_hdim == 256;
 }
 
@@ -794,29 +791,8 @@ const int* kvcache_indices(const std::optional<at::Tensor>& t, const char* name,
 // slopes are not per sequence (kvcache_prefill_forward's in-place numbering interleaves sequences
 // of no queries); a paged cache through its block table in a causal call without a window or
 // score options (the paged forward kernel's) where its pages are of a multiple of kPagedKeyRows
-// rows, each page's rows one after the other; staged by that kernel itself where they are of a
-// multiple of kStagedPageBoxRows and $FLASH_CUTLASS_KVCACHE_STAGED_PREFILL is "1"; otherwise
-// gathered.
+// rows, each page's rows one after the other; otherwise gathered.
 using PrefillForm = KVCachePacked::Form;
-
-// $FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=1: chunked prefill over pages smaller than a key block runs
-// the paged forward kernel, which stages the pages itself while its tiles run
-// (PrefillForm::kStaged, sm90/fwd_page_gather.h). Unset or "0": the cache is gathered before the
-// forward (PrefillForm::kGathered). Opt-in until it has run on a GPU: written without one.
-constexpr const char* kKVCacheStagedPrefillEnv = "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL";
-
-// The staged form's int32 buffer (PrefillGather::staging), in elements: the staging block table
-// (batch, pages), the flags (batch, heads_k, pages) and the claimed-page count, one after the
-// other; pages: the staging pages of kPagedKeyRows rows a sequence holds.
-struct StagingLayout {
-  int64_t pages, flags, next_page, size;
-};
-
-StagingLayout staging_layout(KVCacheParams const& params) {
-  const int64_t pages = (int64_t(params.capacity) + kPagedKeyRows - 1) / kPagedKeyRows;
-  const int64_t table = int64_t(params.batch) * pages;
-  return {pages, table, table * (1 + params.heads_k), table * (1 + params.heads_k) + 1};
-}
 
 PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions const& options,
                                  const at::Tensor& k_cache, const at::Tensor& v_cache) {
@@ -828,12 +804,8 @@ PrefillForm kvcache_prefill_form(KVCacheParams const& params, AttentionOptions c
                                v_cache.stride(0) == params.page_size * v_cache.stride(1);
     const bool positions_fit = int64_t(params.num_pages) * params.page_size < (int64_t(1) << 31) &&
                                int64_t(params.batch) * params.capacity < (int64_t(1) << 31);
-    if (!causal_only || !rows_in_pages || !positions_fit) return PrefillForm::kGathered;
-    if (params.page_size % kPagedKeyRows == 0) return PrefillForm::kPaged;
-    const int64_t staged_rows = int64_t(params.batch) * staging_layout(params).pages * kPagedKeyRows;
-    const bool staged_fit = staged_rows < (int64_t(1) << 31);
-    return params.page_size % kStagedPageBoxRows == 0 && staged_fit && switched_on(kKVCacheStagedPrefillEnv)
-               ? PrefillForm::kStaged
+    return causal_only && params.page_size % kPagedKeyRows == 0 && rows_in_pages && positions_fit
+               ? PrefillForm::kPaged
                : PrefillForm::kGathered;
   }
   const bool alibi_per_sequence = alibi && options.alibi_slopes->dim() == 2;
@@ -852,7 +824,7 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
   // A paged cache read through its table takes the gathered form's thresholds (measured with the
   // copy, which it saves).
   const int64_t gather_bytes =
-      form == PrefillForm::kGathered || form == PrefillForm::kStaged
+      form == PrefillForm::kGathered
           ? 2 * int64_t(params.batch) * params.capacity * params.heads_k * params.head_dim * q.element_size()
           : 0;
   if (!kvcache_prefill_may_gather(params.batch, params.seqlen_q, params.capacity, gather_bytes,
@@ -878,9 +850,6 @@ bool kvcache_prefill_runs_forward(KVCacheParams const& params, AttentionOptions 
 // batch x capacity rows (flash_kvcache_gather_sm80; no length is read on the host).
 struct PrefillGather {
   at::Tensor k, v, cu_seqlens;
-  // Staged: int32, the staging block table (batch, staged pages), the flags (batch, heads_k,
-  // staged pages) and the claimed-page count, one after the other.
-  at::Tensor staging;
   PrefillForm form = PrefillForm::kGathered;
 };
 
@@ -890,19 +859,14 @@ struct PrefillGather {
 std::optional<PrefillGather> prefill_gather_buffers(KVCacheParams const& params, PrefillForm form,
                                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                     const at::Tensor& q) {
-  const StagingLayout staging = staging_layout(params);
-  const int64_t rows = form == PrefillForm::kPaged    ? int64_t(params.num_pages) * params.page_size
-                       : form == PrefillForm::kStaged ? int64_t(params.batch) * staging.pages * kPagedKeyRows
-                                                      : int64_t(params.batch) * params.capacity;
+  const int64_t rows = form == PrefillForm::kPaged ? int64_t(params.num_pages) * params.page_size
+                                                   : int64_t(params.batch) * params.capacity;
   PrefillGather gather;
   gather.form = form;
   try {
-    if (form == PrefillForm::kGathered || form == PrefillForm::kStaged) {
+    if (form == PrefillForm::kGathered) {
       gather.k = at::empty({1, rows, params.heads_k, params.head_dim}, q.options());
       gather.v = at::empty_like(gather.k);
-      if (form == PrefillForm::kStaged) {
-        gather.staging = at::empty({staging.size}, q.options().dtype(at::kInt));
-      }
     } else {
       gather.k = k_cache.view({1, rows, params.heads_k, params.head_dim});
       gather.v = v_cache.view({1, rows, params.heads_k, params.head_dim});
@@ -926,16 +890,9 @@ void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& g
   const int64_t head_dim = params.head_dim;
   const at::Tensor& cu_seqlens = gather.cu_seqlens;
   const bool copies = gather.form == PrefillForm::kGathered;
-  KVCachePacked packed{gather.form, copies ? gather.k.data_ptr() : nullptr,
-                       copies ? gather.v.data_ptr() : nullptr, cu_seqlens.data_ptr<int>(),
-                       cu_seqlens.data_ptr<int>() + cu_seqlens.size(1)};
-  const StagingLayout staging = staging_layout(params);
-  if (gather.form == PrefillForm::kStaged) {
-    packed.staged_table = gather.staging.data_ptr<int>();
-    packed.staged_flags = packed.staged_table + staging.flags;
-    packed.staged_next_page = packed.staged_table + staging.next_page;
-    packed.staged_pages = int(staging.pages);
-  }
+  const KVCachePacked packed{gather.form, copies ? gather.k.data_ptr() : nullptr,
+                             copies ? gather.v.data_ptr() : nullptr, cu_seqlens.data_ptr<int>(),
+                             cu_seqlens.data_ptr<int>() + cu_seqlens.size(1)};
   const cudaError_t status = run_kvcache_gather_kernel(params, packed, dtype, stream);
   FLASH_CHECK(status == cudaSuccess, "flash_cutlass KV-cache gather launch failed: ", cudaGetErrorString(status));
   if (gather.form == PrefillForm::kPaged) {
@@ -944,28 +901,6 @@ void kvcache_prefill_forward(KVCacheParams const& params, PrefillGather const& g
     options.page_size = params.page_size;
     options.num_pages = params.num_pages;
     options.paged_capacity = params.capacity;
-  } else if (gather.form == PrefillForm::kStaged) {
-    // The forward reads the staging pages as a paged cache of kPagedKeyRows-row pages, each
-    // sequence's in order, while it fills them from the cache (params.h, FwdParams::page_gather).
-    options.block_table = packed.staged_table;
-    options.block_table_batch_stride = staging.pages;
-    options.page_size = kPagedKeyRows;
-    options.num_pages = int(batch * staging.pages);
-    options.paged_capacity = params.capacity;
-    FwdParams::PageGather& page_gather = options.page_gather;
-    page_gather.k = params.k;
-    page_gather.v = params.v;
-    page_gather.k_row_stride = params.k_row_stride;
-    page_gather.k_head_stride = params.k_head_stride;
-    page_gather.v_row_stride = params.v_row_stride;
-    page_gather.v_head_stride = params.v_head_stride;
-    page_gather.block_table = params.block_table;
-    page_gather.block_table_batch_stride = params.block_table_batch_stride;
-    page_gather.page_size = params.page_size;
-    page_gather.num_pages = params.num_pages;
-    page_gather.flags = packed.staged_flags;
-    page_gather.next_page = packed.staged_next_page;
-    page_gather.staged_pages = int(staging.pages);
   }
   options.cu_seqlens_q = cu_seqlens[0];
   options.cu_seqlens_k = cu_seqlens[1];

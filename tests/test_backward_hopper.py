@@ -412,7 +412,7 @@ def test_gqa_walk_values_are_checked(cuda_gen, monkeypatch, value, deterministic
 @pytest.mark.parametrize("head_dim", COMPILED_SM90_BACKWARD_HEAD_DIMS)
 def test_default_walks_whole_groups_without_a_mask_only(cuda_gen, monkeypatch, head_dim):
     """$FLASH_CUTLASS_GQA_WALK_HEADS unset: cuDNN's 64 / 8 heads at 4k walk whole groups without a
-    mask (no fp32 dK/dV accumulators) at head dims 96, 128 and 256, deterministic at 128
+    mask (no fp32 dK/dV accumulators) at head dims 96, 128 and 256, deterministic at every head dim
     (csrc/flash_api.cpp, walks_by_default), and one head a tile causal (the K/V heads'
     accumulators) and elsewhere; the same gradients as one head a tile."""
     skip_unless_hopper_backward(head_dim)
@@ -425,7 +425,7 @@ def test_default_walks_whole_groups_without_a_mask_only(cuda_gen, monkeypatch, h
     per_kv_head = 2 * batch * seqlen * heads_k * head_dim * 4
     row_buffers = batch * heads * seqlen * 4 + (1 << 20)  # D (1 MiB here) and under 1 MiB of turn counters
     assert per_kv_head > 4 * row_buffers
-    cases = ((False, False, head_dim in (96, 128, 256)), (True, False, False), (False, True, head_dim == 128))
+    cases = ((False, False, head_dim in (96, 128, 256)), (True, False, False), (False, True, True))
     for causal, deterministic, walks in cases:
         out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
         monkeypatch.delenv(WALK_ENV, raising=False)

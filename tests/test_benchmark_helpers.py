@@ -452,12 +452,10 @@ def test_opt_in_runners_set_their_variable_for_each_call_only(monkeypatch, impl)
 
 
 @pytest.mark.parametrize("impl,variable,value",
-                         [("flash_cutlass_append_kernel", "FLASH_CUTLASS_KVCACHE_TILE_APPEND", "0"),
-                          ("flash_cutlass_staged", "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL", "1")])
+                         [("flash_cutlass_append_kernel", "FLASH_CUTLASS_KVCACHE_TILE_APPEND", "0")])
 def test_decode_benchmark_runs_its_switch_subjects_with_the_switch_set(monkeypatch, impl, variable, value):
     # flash_cutlass_append_kernel: the paged call with FLASH_CUTLASS_KVCACHE_TILE_APPEND=0 around
-    # each call only, and it appends with --append as the other flash_cutlass subjects do;
-    # flash_cutlass_staged: FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=1, the staged chunked prefill.
+    # each call only, and it appends with --append as the other flash_cutlass subjects do.
     assert impl in decode.IMPLS and decode.SWITCHED_PAGED_IMPLS[impl] == (variable, value)
     assert "flash_cutlass_append_kernel" in decode.APPENDING_IMPLS
     other = "1" if value == "0" else "0"

@@ -6,7 +6,6 @@ and None cache_seqlens, NaN past the lengths; attention sinks; CUDA graph replay
 block ids stay inside the cache. Skipped without a GPU."""
 
 import math
-import re
 
 import pytest
 import torch
@@ -652,12 +651,7 @@ def test_chunked_prefill_paged_is_bitwise_contiguous(cuda_gen, page_size, seqlen
     assert torch.equal(out_paged, out_contiguous) and torch.equal(lse_paged, lse_contiguous)
 
 
-@pytest.mark.parametrize("staged", ["0", "1"], ids=["gathered", "staged"])
-def test_chunked_prefill_cuda_graph_replay_matches_eager(cuda_gen, monkeypatch, staged):
-    """Pages of 16, gathered before the forward or staged by it (FLASH_CUTLASS_KVCACHE_STAGED_PREFILL;
-    each replay zeroes the staging's flags again): the replay of a captured call is the eager call's,
-    to the bit, also with new lengths and queries."""
-    monkeypatch.setenv("FLASH_CUTLASS_KVCACHE_STAGED_PREFILL", staged)
+def test_chunked_prefill_cuda_graph_replay_matches_eager(cuda_gen):
     gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
     call = prefill_call(gen, 16, PREFILL_SEQLEN_Q, seqlens=(10, 300, 1, 700))
     eager = cloned(call)
@@ -725,86 +719,6 @@ def test_chunked_prefill_reads_pages_of_128_rows_without_a_copy(cuda_gen, page_s
     torch.cuda.synchronize()
     grown = torch.cuda.max_memory_allocated() - before
     assert (grown >= gathered_bytes) == copies, f"peak grew by {grown} bytes; a gathered copy is {gathered_bytes}"
-
-
-STAGED_PREFILL_ENV = "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL"
-
-
-def hopper_forward_kernels(run_call) -> tuple:
-    """The Hopper forward kernels run_call() launches (demangled names, from torch.profiler), and
-    its result."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        result = run_call()
-        torch.cuda.synchronize()
-    return [event.name for event in profiler.events() if "flash_fwd_sm90<" in event.name], result
-
-
-def reads_pages_in_the_forward(kernel_name) -> bool:
-    """Whether a flash_fwd_sm90 kernel is the paged one (its last template argument, kPagedKV)."""
-    paged = re.search(r",\s*(true|false)>\(", kernel_name)
-    assert paged, kernel_name
-    return paged.group(1) == "true"
-
-
-@pytest.mark.parametrize("page_size", [16, 48, 64], ids=["p16", "p48", "p64"])
-@pytest.mark.parametrize("heads,heads_k", [(8, 2), (6, 6)], ids=["gqa4", "mha"])
-def test_chunked_prefill_stages_small_pages_in_the_forward(cuda_gen, monkeypatch, page_size, heads, heads_k):
-    """With FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=1 a causal call over pages smaller than a key block
-    (a multiple of 16 rows) runs the paged forward kernel, which stages the pages itself while its
-    tiles run (include/flash_cutlass/sm90/fwd_page_gather.h); by default (and with 0) the cache is
-    gathered first and the variable-length kernel runs. Both read the same keys in the same order:
-    equal to the bit, over sequences of 1 to 61 staged pages, with the append."""
-    requires_prefill_forward()
-    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
-    call = make_call(gen, batch=4, seqlen_q=PREFILL_SEQLEN_Q, heads=heads, heads_k=heads_k, head_dim=PREFILL_HEAD_DIM,
-                     seqlens=(0, 130, 1500, 7600), seqlen_new=PREFILL_SEQLEN_Q, page_size=page_size, capacity=7744,
-                     device="cuda")
-    gathered = cloned(call)
-    default = cloned(call)
-    monkeypatch.setenv(STAGED_PREFILL_ENV, "1")
-    staged_kernels, (out, lse) = hopper_forward_kernels(lambda: run(call, causal=True))
-    monkeypatch.setenv(STAGED_PREFILL_ENV, "0")
-    gathered_kernels, (out_gathered, lse_gathered) = hopper_forward_kernels(lambda: run(gathered, causal=True))
-    monkeypatch.delenv(STAGED_PREFILL_ENV)
-    default_kernels, _ = hopper_forward_kernels(lambda: run(default, causal=True))
-    assert [reads_pages_in_the_forward(name) for name in default_kernels] == [False]
-    assert [reads_pages_in_the_forward(name) for name in staged_kernels] == [True]
-    assert [reads_pages_in_the_forward(name) for name in gathered_kernels] == [False]
-    assert torch.equal(out, out_gathered) and torch.equal(lse, lse_gathered)
-    assert torch.equal(call["k_cache"], gathered["k_cache"]) and torch.equal(call["v_cache"], gathered["v_cache"])
-
-
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
-def test_chunked_prefill_stages_pages_at_every_head_dim(cuda_gen, monkeypatch, head_dim):
-    """The staged route at each head dim's tiles (key blocks of 128 rows, or of 64 past head dim 128:
-    two a staged page; 3 to 8 shared-memory slots of 16-row boxes) against the gathered one, to
-    the bit; pages of 32, GQA 4."""
-    if head_dim not in KVCACHE_HEAD_DIMS:
-        pytest.skip(f"head dim {head_dim} has no KV-cache kernel in this build")
-    reason = kernel_unavailable("sm90", head_dim, "forward")
-    if reason:
-        pytest.skip(reason)
-    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
-    call = make_call(gen, batch=2, seqlen_q=PREFILL_SEQLEN_Q, heads=8, heads_k=2, head_dim=head_dim,
-                     seqlens=(300, 1900), seqlen_new=PREFILL_SEQLEN_Q, page_size=32, capacity=2048, device="cuda")
-    gathered = cloned(call)
-    monkeypatch.setenv(STAGED_PREFILL_ENV, "1")
-    kernels, (out, lse) = hopper_forward_kernels(lambda: run(call, causal=True))
-    monkeypatch.setenv(STAGED_PREFILL_ENV, "0")
-    out_gathered, lse_gathered = run(gathered, causal=True)
-    assert [reads_pages_in_the_forward(name) for name in kernels] == [True]
-    assert torch.equal(out, out_gathered) and torch.equal(lse, lse_gathered)
-
-
-def test_staged_prefill_variable_is_checked(cuda_gen, monkeypatch):
-    requires_prefill_forward()
-    gen = torch.Generator().manual_seed(cuda_gen.initial_seed())
-    call = prefill_call(gen, 16, 0)
-    monkeypatch.setenv(STAGED_PREFILL_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{STAGED_PREFILL_ENV} must be 0 or 1, got 'yes'"):
-        run(call, causal=True)
 
 
 def test_kernel_errors_name_the_argument(cuda_gen):

@@ -28,9 +28,8 @@ def test_cpu_walk_covers_every_case(capsys):
         assert f"d{head_dim} 130x200 heads 4/2 causal deterministic backward dq" in printed
         assert f"d{head_dim} 200x200 heads 72/72 deterministic True backward dk" in printed
     if flash_cutlass.compiled_kvcache() and head_dim in flash_cutlass.compiled_kvcache_head_dims():
-        assert f"kvcache d{head_dim} paged 16 seqlen_q 1 num_splits 3 sinks" in printed
-        assert f"kvcache d{head_dim} paged 128 seqlen_q 128 num_splits 0" in printed
-        assert f"kvcache d{head_dim} paged 16 seqlen_q 128 num_splits 0" in printed
+        assert f"kvcache d{head_dim} paged seqlen_q 1 num_splits 3 sinks" in printed
+        assert f"kvcache d{head_dim} paged seqlen_q 128 num_splits 0" in printed
 
 
 def test_rejects_head_dims_outside_the_build(capsys):

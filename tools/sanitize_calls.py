@@ -14,8 +14,8 @@ store switched off and on (docs/DEVELOPING.md); a variable-length batch (lengths
 and 130); the window, soft cap, ALiBi and dropout kernels where the build has them, and a causal
 call with attention sinks; and KV-cache calls (paged, pages of 16 in shuffled order, lengths 0, 1
 and 100 with as many appended tokens as queries, split and unsplit, with sinks; a contiguous cache; 4 queries a sequence; 128, chunked prefill, over
-pages of 128 that the Hopper forward reads through the block table and of 16 that it stages itself
-(FLASH_CUTLASS_KVCACHE_STAGED_PREFILL=1), the last length 4,200: 34 key blocks). Each result is checked
+pages of 128 that the Hopper forward reads through the block table, the last length 4,200: 34 key
+blocks). Each result is checked
 against the same call on CPU copies (the pure-PyTorch reference, fp32 inside), loosely: this is
 for the sanitizer, the tests check accuracy, but a kernel that ran and wrote garbage fails here too
 (dropout's results are only checked finite: test_dropout.py checks its mask). Prints a line a
@@ -38,7 +38,6 @@ import flash_cutlass  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu runs the same calls on the reference (a check of this script)
 TOLERANCE = 0.05  # of the largest reference value (at least 1): bf16 results of unit-scale inputs
-STAGED_PREFILL_ENV = "FLASH_CUTLASS_KVCACHE_STAGED_PREFILL"  # docs/DEVELOPING.md, opt-in kernel changes
 
 
 def _close(name: str, got, want, failures: list) -> None:
@@ -123,11 +122,11 @@ def _varlen_case(name, head_dim, dtype, heads, lengths, causal, backward, failur
 
 def _kvcache_cases(head_dim, dtype, failures):
     batch, heads, heads_k = 3, 8, 2
-    for seqlen_q, num_splits, page in ((1, 0, 16), (1, 3, 16), (4, 1, 16), (128, 0, 128), (128, 0, 16)):
-        # 128 positions a sequence in pages of 16; chunked prefill 4,352, the longest sequence of more
-        # key blocks (34) than the paged forward's producer warp reads of its block table at a time
-        # (32), in pages of 128 that it reads through the block table, and of 16 that it stages itself.
-        blocks = 128 // page if seqlen_q < 128 else 4352 // page
+    for seqlen_q, num_splits in ((1, 0), (1, 3), (4, 1), (128, 0)):
+        # 128 positions a sequence in pages of 16; chunked prefill 4,352 in pages of 128, the longest
+        # sequence of more key blocks (34) than the paged forward's producer warp reads of its block
+        # table at a time (32).
+        page, blocks = (16, 8) if seqlen_q < 128 else (128, 34)
         lengths = torch.tensor([0, 1, 100 if seqlen_q < 128 else 4200], dtype=torch.int32, device=DEVICE)
         q = torch.randn(batch, seqlen_q, heads, head_dim, device=DEVICE, dtype=dtype)
         new_k = torch.randn(batch, seqlen_q, heads_k, head_dim, device=DEVICE, dtype=dtype)
@@ -143,22 +142,14 @@ def _kvcache_cases(head_dim, dtype, failures):
                 table = None
             v_cache = torch.randn_like(k_cache)
             ref_k, ref_v = k_cache.clone(), v_cache.clone()
-            # Chunked prefill over pages of 16: the paged forward kernel staging them itself (opt-in).
-            staged = paged and seqlen_q >= 128 and page < 128
-            if staged:
-                os.environ[STAGED_PREFILL_ENV] = "1"
-            try:
-                out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
-                                                                 block_table=table, causal=True,
-                                                                 num_splits=num_splits, sinks=sinks)
-            finally:
-                if staged:
-                    del os.environ[STAGED_PREFILL_ENV]
+            out = flash_cutlass.flash_attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, lengths,
+                                                             block_table=table, causal=True, num_splits=num_splits,
+                                                             sinks=sinks)
             ref_out = flash_cutlass.flash_attention_with_kvcache(
                 *_cpu(q, ref_k, ref_v, new_k, new_v), lengths.cpu(),
                 block_table=None if table is None else table.cpu(), causal=True,
                 sinks=None if sinks is None else sinks.cpu())
-            name = (f"kvcache d{head_dim} {f'paged {page}' if paged else 'contiguous'} seqlen_q {seqlen_q} "
+            name = (f"kvcache d{head_dim} {'paged' if paged else 'contiguous'} seqlen_q {seqlen_q} "
                     f"num_splits {num_splits}{' sinks' if sinks is not None else ''}")
             _close(name, out.cpu(), ref_out, failures)
 

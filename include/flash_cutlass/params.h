@@ -115,27 +115,6 @@ struct FwdParams {
   int64_t block_table_batch_stride = 0;
   int page_size = 1;
   int num_pages = 0;
-  // Chunked prefill over a paged cache whose pages are smaller than a key block (a multiple of
-  // kStagedPageBoxRows rows): the paged forward kernel gathers the cache itself
-  // (sm90/fwd_page_gather.h). Its k and v are then staging buffers of kPagedKeyRows-row pages, read
-  // through block_table as above, which its producer warpgroup fills from the cache a page (of a
-  // sequence and K/V head) at a time while the tiles run, releasing a flag per staged page that the
-  // loader acquires before loading from it. flags: null where the call reads its pages directly.
-  struct PageGather {
-    const void* k = nullptr;  // the cache's pages, (num_pages * page_size rows, heads_k, head_dim)
-    const void* v = nullptr;
-    int64_t k_row_stride = 0, k_head_stride = 0, v_row_stride = 0, v_head_stride = 0;
-    const int* block_table = nullptr;  // the cache's, as block_table above
-    int64_t block_table_batch_stride = 0;
-    int page_size = 1;
-    int num_pages = 0;
-    // int32 (batch, heads_k, staged_pages): a staged page's flag, 1 once filled; and next_page, the
-    // count of staged pages claimed (the pages are claimed in the order the tiles read them). Both
-    // zero before the kernel (flash_kvcache_gather_sm80's staged form).
-    int* flags = nullptr;
-    int* next_page = nullptr;
-    int staged_pages = 0;  // a sequence's staged pages: ceil(capacity / kPagedKeyRows)
-  } page_gather;
   // The sm80 path's tiles: 0 the usual ones, 1 and 2 those for smaller shared memories
   // (sm80/kernel_traits.h FwdTraitsOfTier, sm80/bwd_kernel.h BwdTilesOf): the host takes the first
   // tier of the call's direction that the device's per-block limit holds (csrc/flash_api.cpp).
@@ -146,10 +125,6 @@ inline constexpr int kSm80TileTiers = 3;
 // The Hopper forward reads paged keys and values a key block at a time, each block from one page
 // (sm90/fwd_producer.h): it takes pages of a multiple of this many rows, its largest key block.
 inline constexpr int kPagedKeyRows = 128;
-
-// The forward's own gather (FwdParams::page_gather) copies the cache in boxes of this many rows of
-// one K/V head, each within one page: it takes pages of a multiple of it.
-inline constexpr int kStagedPageBoxRows = 16;
 
 // Whether a call sets any option of the extended instantiations: a soft cap, ALiBi or dropout.
 inline bool uses_extension(FwdParams const& params) {
@@ -279,25 +254,16 @@ struct KVCacheParams : FwdParams {
 // other, and int32 cumulative lengths (batch + 1 entries each) of the queries (b * seqlen_q) and
 // the keys (the running sum of the sequences' lengths after the append); the paged form writes the
 // lengths alone (k and v null); the in-place form 2 batch + 1 entries each
-// (flash_kvcache_sequences_sm80). The staged form writes the lengths too, and readies the
-// forward's own gather (FwdParams::page_gather): the staging block table, staged_table[b][j] =
-// b * staged_pages + j, and the gather's flags and page count zeroed.
+// (flash_kvcache_sequences_sm80).
 struct KVCachePacked {
-  // How the forward reads the cache: gathered into k and v; in place (a contiguous cache); through
-  // the block table (a paged cache, FwdParams::block_table), the lengths alone written; or staged
-  // by the forward itself into pages of kPagedKeyRows rows (FwdParams::page_gather).
-  enum class Form { kGathered, kInPlace, kPaged, kStaged };
+  // How the forward reads the cache: gathered into k and v; in place (a contiguous cache); or
+  // through the block table (a paged cache, FwdParams::block_table), the lengths alone written.
+  enum class Form { kGathered, kInPlace, kPaged };
   Form form = Form::kGathered;
   void* k = nullptr;
   void* v = nullptr;
   int* cu_seqlens_q = nullptr;
   int* cu_seqlens_k = nullptr;
-  // The staged form's: int32 (batch, staged_pages) staging block table, (batch, heads_k,
-  // staged_pages) flags and the claimed-page count, one allocation.
-  int* staged_table = nullptr;
-  int* staged_flags = nullptr;
-  int* staged_next_page = nullptr;
-  int staged_pages = 0;
 };
 
 // Cache positions one CTA of the KV-cache gather copies (per sequence and kv head).

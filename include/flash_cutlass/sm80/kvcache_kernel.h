@@ -2,18 +2,18 @@
 // Hopper alike: decoding and chunked prefill over a contiguous or paged cache.
 //
 // Decoding is memory-bound: each key and value byte is read once and meets only the few query rows
-// of its kv head. So a CTA takes kRows = 16 packed query rows, the query heads of one kv head (GQA)
-// times the queries (packed_row in common/kvcache.h), one MMA tile high, and its warps (4; 2 in the
-// compact kernel at head dims 192/256) split the keys: each warp streams its own 16-key chunks
-// (chunk c goes to warp c % warps) through its own kStages-deep cp.async pipeline, gathering each
-// key row from its page (any page size, pages in any order), and keeps its own online softmax and
-// O. On Hopper (flash_kvcache_tma_sm90) a chunk's K and V land instead by one TMA tensor copy each
-// into 128-byte-swizzled stages, where the call allows it (kvcache_launch.h): cp.async into padded
-// rows asks L2 for 1.5x the bytes (and the L2's throughput bounds decoding). The warps' results
-// merge once, at the end, through shared memory; the warps never wait for each other in the main
-// loop. The score options (soft cap, ALiBi) and the mask (none, causal, window: KeyMask<kLocal>)
-// are runtime values and every tile is masked: their few instructions a tile hide under the loads,
-// and one instantiation per (head dim, dtype) serves every call.
+// of its kv head. So a CTA takes kRows = 16 packed query rows, the query heads of one kv head
+// (GQA) times the queries (packed_row in common/kvcache.h), one MMA tile high, and its warps (4; 2
+// in the compact kernel at head dims 192/256) split the keys: each warp streams its own 16-key
+// chunks (chunk c goes to warp c % warps) through its own kStages-deep cp.async pipeline, gathering each key row from its page (any page size, pages in any
+// order), and keeps its own online softmax and O. On Hopper (flash_kvcache_tma_sm90) a chunk's K
+// and V land instead by one TMA tensor copy each into 128-byte-swizzled stages, where the call
+// allows it (kvcache_launch.h): cp.async into padded rows asks L2 for 1.5x the bytes (and the L2's
+// throughput bounds decoding). The warps' results merge once, at the end,
+// through shared memory; the warps never wait for each other in the main loop. The score options
+// (soft cap, ALiBi) and the mask (none, causal, window: KeyMask<kLocal>) are runtime values and
+// every tile is masked: their few instructions a tile hide under the loads, and one instantiation
+// per (head dim, dtype) serves every call.
 //
 // Split-KV: num_splits CTAs share the key chunks of one (row block, batch, kv head) and write fp32
 // partial outputs with their log-sum-exps; flash_kvcache_combine_sm80 merges them.
@@ -931,8 +931,7 @@ __global__ void __launch_bounds__(128) flash_kvcache_append_sm80(__grid_constant
 // (kKVCacheGatherRows positions, sequence, kv head), one thread per 8 columns of a row; reads the
 // same clamped lengths and pages as the attention kernel (common/kvcache.h), so both see the same
 // keys whatever the device holds. The paged form (the forward reads the pages through the block
-// table) writes the cumulative lengths only, one CTA per sequence; the staged form (the forward
-// gathers the pages itself) the lengths and the staging's table, flags and count (params.h).
+// table) writes the cumulative lengths only, one CTA per sequence.
 template <class Element>
 __global__ void __launch_bounds__(128) flash_kvcache_gather_sm80(__grid_constant__ const KVCacheParams params,
                                                                  const KVCachePacked packed) {
@@ -956,15 +955,7 @@ __global__ void __launch_bounds__(128) flash_kvcache_gather_sm80(__grid_constant
     packed.cu_seqlens_q[batch + 1] = (batch + 1) * params.seqlen_q;
     if (batch == 0) packed.cu_seqlens_k[0] = packed.cu_seqlens_q[0] = 0;
   }
-  if (packed.form == KVCachePacked::Form::kStaged && writes_lengths) {
-    for (int j = threadIdx.x; j < packed.staged_pages; j += blockDim.x) {
-      packed.staged_table[int64_t(batch) * packed.staged_pages + j] = batch * packed.staged_pages + j;
-    }
-    const int64_t flags = int64_t(params.heads_k) * packed.staged_pages;
-    for (int64_t i = threadIdx.x; i < flags; i += blockDim.x) packed.staged_flags[batch * flags + i] = 0;
-    if (batch == 0 && threadIdx.x == 0) *packed.staged_next_page = 0;
-  }
-  if (packed.form != KVCachePacked::Form::kGathered) return;  // paged and staged: no copy
+  if (packed.form != KVCachePacked::Form::kGathered) return;  // the paged form: the lengths alone
   const SequencePages pages = sequence_pages(params, batch);
   const int chunks_per_row = params.head_dim / 8;
   const int rows = min(kKVCacheGatherRows, length - first);

@@ -2,8 +2,7 @@
 // out = softmax(scale * Q K^T) V and its log-sum-exp, one each or (a persistent grid, one CTA per
 // SM) in turn (tile_scheduler.h).
 // A producer thread brings each tile's Q and its K/V blocks through a multi-stage pipeline with
-// TMA (fwd_producer.h; in the paged kernel, another may stage small pages: fwd_page_gather.h),
-// running ahead into the next tile while the consumers finish this one; each
+// TMA (fwd_producer.h), running ahead into the next tile while the consumers finish this one; each
 // consumer warpgroup owns 64 query rows and runs S = Q K^T and O += P V as wgmma, with the online
 // softmax in registers between them (fwd_mainloop.h), then stores O and the log-sum-exp
 // (fwd_epilogue.h).
@@ -75,18 +74,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kPagedKV ? Traits::kPagedProducerRegisters : Traits::kProducerRegisters>();
     // The paged kernel's producer is warp 0 (its lanes read the block table together; lane 0
-    // issues: fwd_producer.h, load_paged_tile), the others' thread 0. Where the paged kernel stages
-    // the cache's pages itself, thread 32 does (fwd_page_gather.h); the warp index is taken by
-    // every lane of its warp before that lane leaves (a shuffle of the whole warp).
-    const int producer_warp = cutlass::canonical_warp_idx_sync();
-    if constexpr (kPagedKV) {
-      if (params.page_gather.flags != nullptr && threadIdx.x == 32) {
-        gather_pages<Traits>(kernel_params,
-                             *reinterpret_cast<typename Traits::GatherStorage*>(smem + Traits::kGatherOffset));
-        return;
-      }
-    }
-    if (kPagedKV ? producer_warp == 0 : producer_thread) {
+    // issues: fwd_producer.h, load_paged_tile), the others' thread 0.
+    if (kPagedKV ? cutlass::canonical_warp_idx_sync() == 0 : producer_thread) {
       // TMA views of Q, K, V: (seqlen, head_dim, heads, batch), or (total, head_dim, heads, 1) in a
       // variable-length call, each sequence's rows from its first one on; rows and columns past the
       // tensor arrive as zeros (V through per-sequence descriptors in a packed batch: fwd_producer.h).

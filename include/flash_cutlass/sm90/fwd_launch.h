@@ -52,10 +52,6 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_STORE{}, out, typename Traits::SmemLayoutQ{}, select<0, 2>(TileShape{}), _1{}),
       store_o_with_tma,
       PersistentWork{},
-      {},  // the gather's descriptors: built below where the call stages pages
-      {},
-      {},
-      {},
   };
 
   // Paged K and V (params.h, block_table; chunked prefill over a paged KV cache): a variable-length
@@ -67,32 +63,6 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   if (paged && (!kPagedKernel || params.cu_seqlens_k == nullptr || params.page_size <= 0 ||
                 params.page_size % Traits::kBlockN != 0)) {
     return cudaErrorInvalidValue;
-  }
-  // The paged kernel's own gather (params.h, page_gather): staging pages of kPagedKeyRows rows, the
-  // cache's pages of a multiple of the gather's boxes.
-  const FwdParams::PageGather& gather = params.page_gather;
-  if (gather.flags != nullptr) {
-    if (!paged || params.page_size != kPagedKeyRows || gather.page_size <= 0 ||
-        gather.page_size % Traits::kGatherBoxRows != 0 || gather.next_page == nullptr || gather.staged_pages <= 0) {
-      return cudaErrorInvalidValue;
-    }
-    const int64_t cache_rows = int64_t(gather.num_pages) * gather.page_size;
-    const auto cache_k = gmem_tensor<Traits>(static_cast<Element const*>(gather.k), int(cache_rows), params.head_dim,
-                                             params.heads_k, 1, gather.k_row_stride, gather.k_head_stride, 0);
-    const auto cache_v = gmem_tensor<Traits>(static_cast<Element const*>(gather.v), int(cache_rows), params.head_dim,
-                                             params.heads_k, 1, gather.v_row_stride, gather.v_head_stride, 0);
-    const auto staged_k = gmem_tensor<Traits>(static_cast<Element*>(const_cast<void*>(params.k)), extents.rows_k,
-                                              params.head_dim, params.heads_k, 1, params.k_row_stride,
-                                              params.k_head_stride, 0);
-    const auto staged_v = gmem_tensor<Traits>(static_cast<Element*>(const_cast<void*>(params.v)), extents.rows_k,
-                                              params.head_dim, params.heads_k, 1, params.v_row_stride,
-                                              params.v_head_stride, 0);
-    using Box = typename Traits::SmemLayoutGatherBox;
-    using BoxShape = typename Traits::GatherBoxShape;
-    kernel_params.tma_gather_k = make_tma_copy(SM90_TMA_LOAD{}, cache_k, Box{}, BoxShape{}, _1{});
-    kernel_params.tma_gather_v = make_tma_copy(SM90_TMA_LOAD{}, cache_v, Box{}, BoxShape{}, _1{});
-    kernel_params.tma_stage_k = make_tma_copy(SM90_TMA_STORE{}, staged_k, Box{}, BoxShape{}, _1{});
-    kernel_params.tma_stage_v = make_tma_copy(SM90_TMA_STORE{}, staged_v, Box{}, BoxShape{}, _1{});
   }
 
   // A persistent grid (tile_config.h, per head dim): CTAs take tiles in turn, causal ones in pairs
@@ -133,11 +103,8 @@ cudaError_t run_fwd_with_traits(FwdParams const& params, cudaStream_t stream) {
   }
   if constexpr (kPagedKernel) {
     if (paged) {
-      // With the gather's slots whether or not the call stages pages: one size for the kernel, so
-      // that its shared-memory attribute never goes down under a launch of another thread or a
-      // captured graph's (1 CTA an SM either way).
       return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension, true>, num_ctas, Traits::kThreads,
-                           Traits::kPagedSmemBytes, kernel_params, stream);
+                           Traits::kSmemBytes, kernel_params, stream);
     }
   }
   return launch_kernel(&flash_fwd_sm90<Traits, kMaskKind, kExtension>, num_ctas, Traits::kThreads, Traits::kSmemBytes,

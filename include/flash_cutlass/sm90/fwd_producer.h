@@ -3,8 +3,7 @@
 // full/empty barrier pair, running ahead into the next tile while the consumers finish this one.
 // In a variable-length call V comes through its sequence's own descriptor (sequence_descriptors.h),
 // so that the rows a tile reads past the sequence arrive as zeros; paged K and V (chunked prefill
-// over a paged KV cache) a key block at a time from the page the block table names, or from the
-// staging pages the kernel fills itself (fwd_page_gather.h), once each page is staged.
+// over a paged KV cache) a key block at a time from the page the block table names.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -13,7 +12,6 @@
 #include "flash_cutlass/common/kvcache.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm90/fwd_kernel_params.h"
-#include "flash_cutlass/sm90/fwd_page_gather.h"
 #include "flash_cutlass/sm90/sequence_descriptors.h"
 #include "flash_cutlass/sm90/tile_config.h"
 #include "flash_cutlass/sm90/tile_scheduler.h"
@@ -127,11 +125,6 @@ struct FwdProducer {
     };
     int chunk_rows = chunk_row(0);
     int next_chunk_rows = last - first >= 32 ? chunk_row(1) : 0;
-    // Pages the kernel stages itself (FwdParams::page_gather, fwd_page_gather.h): a block's staged
-    // page is read once its flag is released.
-    const int* staged_flags = params.page_gather.flags == nullptr
-                                  ? nullptr
-                                  : staged_page_flag(params, work.tile.batch, head_k, 0);
     load_blocks(
         work,
         [&](int n_block) {
@@ -140,11 +133,7 @@ struct FwdProducer {
             chunk_rows = next_chunk_rows;
             if (step + 32 <= last - first) next_chunk_rows = chunk_row(step / 32 + 1);
           }
-          const int row = __shfl_sync(0xffffffffu, chunk_rows, step % 32);
-          if (staged_flags != nullptr && lane == 0) {
-            wait_for_staged_page(staged_flags + n_block * kBlockN / kPagedKeyRows);
-          }
-          return row / kBlockN;
+          return __shfl_sync(0xffffffffu, chunk_rows, step % 32) / kBlockN;
         },
         [&](int block, int, int stage, uint64_t& barrier) {
           if (lane == 0) copy(kernel_params.tma_k.with(barrier), tKgK(_, block), tKsK(_, stage));

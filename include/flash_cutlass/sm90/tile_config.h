@@ -9,8 +9,6 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "flash_cutlass/params.h"
-
 namespace flash_cutlass::sm90 {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPersistent_, class Element_>
@@ -157,27 +155,6 @@ struct FwdKernelTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
 
-  // The paged kernel's own gather of a cache of small pages (params.h, FwdParams::page_gather;
-  // fwd_page_gather.h): boxes of kStagedPageBoxRows rows of one K/V head, row-major, go from the
-  // cache into kGatherSlots slots past SharedStorage by TMA loads, and out into the staging pages by
-  // TMA stores; about 16 KiB in all, at least 3 slots (two loads in flight). Only the paged kernel
-  // launches with them (kPagedSmemBytes).
-  static constexpr int kGatherBoxRows = kStagedPageBoxRows;
-  static constexpr int kGatherBoxBytes = kGatherBoxRows * kHeadDim * int(sizeof(Element));
-  static constexpr int kGatherSlots = 16384 / kGatherBoxBytes < 3 ? 3 : 16384 / kGatherBoxBytes;
-  using SmemLayoutGatherBox = cute::Layout<cute::Shape<cute::Int<kGatherBoxRows>, cute::Int<kHeadDim>>,
-                                           cute::Stride<cute::Int<kHeadDim>, cute::_1>>;
-  using SmemLayoutGatherSlots =
-      cute::Layout<cute::Shape<cute::Int<kGatherBoxRows>, cute::Int<kHeadDim>, cute::Int<kGatherSlots>>,
-                   cute::Stride<cute::Int<kHeadDim>, cute::_1, cute::Int<kGatherBoxRows * kHeadDim>>>;
-  struct GatherStorage {
-    alignas(128) cute::array_aligned<Element, kGatherSlots * kGatherBoxRows * kHeadDim> boxes;
-    cutlass::arch::ClusterTransactionBarrier landed[kGatherSlots];
-  };
-  static constexpr int kGatherOffset = (kSmemBytes + 127) / 128 * 128;
-  static constexpr int kPagedSmemBytes = kGatherOffset + int(sizeof(GatherStorage));
-  static_assert(kPagedSmemBytes <= 227 * 1024, "the paged kernel's gather slots do not fit in shared memory");
-
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // one stage of K (or V)
 
@@ -194,11 +171,6 @@ struct FwdKernelTraits {
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                              cute::take<0, 2>(SmemLayoutKV{}), cute::select<1, 2>(TileShape{}),
                                              cute::_1{}));
-  using GatherBoxShape = cute::Shape<cute::Int<kGatherBoxRows>, cute::Int<kHeadDim>>;
-  using TmaGatherLoad = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutGatherBox{},
-                                                     GatherBoxShape{}, cute::_1{}));
-  using TmaGatherStore = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutGatherBox{},
-                                                      GatherBoxShape{}, cute::_1{}));
 };
 
 // Tile sizes per head dim: consumer warpgroups of 64 query rows each, which ping-pong

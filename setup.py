@@ -33,6 +33,12 @@ Build options (environment variables; see README.md):
   FLASH_CUTLASS_PTXAS_VERBOSE=1  print ptxas's register and spill report for every kernel.
   FLASH_CUTLASS_TIMELINE    0 (default); 1 records a clock64 timeline of every Hopper forward tile
                             for developers (tools/timeline.py reads it). Not for production.
+  FLASH_CUTLASS_PTX         1 embeds the PTX of the newest target next to the machine code, so that
+                            GPUs newer than every target can JIT-compile the kernels (at their first
+                            load); 0 leaves it out (a build of head dim 128 for sm_90a in 0.8x the
+                            time, an sm80-path backward file in 0.58x).
+                            Default: 0 when the targets are the visible GPU's (the build runs where
+                            it will run), else 1.
 """
 
 import importlib.util
@@ -124,17 +130,26 @@ def parse_list(name, default, allowed, convert=str):
     return sorted(set(values), key=list(allowed).index)
 
 
-def cuda_archs():
-    raw = os.environ.get("FLASH_CUTLASS_CUDA_ARCHS", "").strip()
-    if not raw:
-        try:
-            import torch
+def local_gpu_arch():
+    """The visible GPU's compute capability as "XY", or "" without one."""
+    try:
+        import torch
 
-            if torch.cuda.is_available():
-                major, minor = torch.cuda.get_device_capability()
-                raw = f"{major}{minor}"
-        except Exception:
-            raw = ""
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"{major}{minor}"
+    except Exception:
+        pass
+    return ""
+
+
+def cuda_archs():
+    """The targets, and whether they are the visible GPU's (FLASH_CUTLASS_CUDA_ARCHS unset)."""
+    raw = os.environ.get("FLASH_CUTLASS_CUDA_ARCHS", "").strip()
+    local = False
+    if not raw:
+        raw = local_gpu_arch()
+        local = bool(raw)
     if not raw:
         raw = "80;90"
     archs = []
@@ -148,7 +163,7 @@ def cuda_archs():
                 "(e.g. 80, 86, 89, 90); older GPUs are not supported"
             )
         archs.append(int(item))
-    return sorted(set(archs))
+    return sorted(set(archs)), local
 
 
 def sm90_enabled(archs):
@@ -182,7 +197,7 @@ def default_jobs():
 
 def build_selection(catalogue):
     """What this build compiles, from the environment variables in this file's docstring."""
-    archs = cuda_archs()
+    archs, local = cuda_archs()
     return catalogue.BuildSelection(
         head_dims=tuple(parse_list("FLASH_CUTLASS_HEAD_DIMS", catalogue.ALL_HEAD_DIMS, catalogue.ALL_HEAD_DIMS, int)),
         dtypes=tuple(parse_list("FLASH_CUTLASS_DTYPES", catalogue.DTYPES, tuple(catalogue.DTYPES))),
@@ -195,6 +210,7 @@ def build_selection(catalogue):
         dropout=feature_enabled("FLASH_CUTLASS_DROPOUT"),
         kvcache=feature_enabled("FLASH_CUTLASS_KVCACHE"),
         timeline=feature_enabled("FLASH_CUTLASS_TIMELINE", default=False),
+        ptx=feature_enabled("FLASH_CUTLASS_PTX", default=not local),
     )
 
 
@@ -210,11 +226,12 @@ def main():
     sources += [str(path.relative_to(ROOT)) for path in catalogue.sources(selection, GENERATED)]
     # The kernels' one build-time switch; everything else the build selected is in compiled.h.
     defines = ["-DFLASH_CUTLASS_TIMELINE"] if selection.timeline else []
-    archs, targets = selection.archs, selection.targets()
+    targets = selection.targets()
 
     gencode = [f"-gencode=arch=compute_{t},code=sm_{t}" for t in targets]
-    # PTX of the newest arch, so newer GPUs can still JIT the kernels.
-    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    if selection.ptx_arch() is not None:  # so that GPUs newer than the targets can JIT the kernels
+        ptx = selection.ptx_arch()
+        gencode.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
     nvcc_flags = [
         "-O3",
         "--use_fast_math",
@@ -253,4 +270,5 @@ def main():
     )
 
 
-main()
+if __name__ == "__main__":  # pip's build backend runs setup.py as __main__; tests import its functions
+    main()

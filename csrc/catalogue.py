@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 # Head dims of each (direction, kernel path).
 HEAD_DIMS: Dict[Tuple[str, str], Tuple[int, ...]] = {
@@ -60,6 +60,7 @@ class BuildSelection:
     dropout: bool = True
     kvcache: bool = True  # the KV-cache kernels
     timeline: bool = False  # the Hopper forward's developer timeline
+    ptx: bool = True  # PTX of the newest arch next to the machine code, for GPUs newer than the targets
 
     def paths(self) -> Tuple[str, ...]:
         return ("sm80", "sm90") if self.sm90 else ("sm80",)
@@ -83,9 +84,14 @@ class BuildSelection:
         """nvcc's machine-code targets; wgmma and setmaxnreg exist only in the sm_90a target."""
         return tuple(f"{a}a" if a == 90 and self.sm90 else str(a) for a in self.archs)
 
+    def ptx_arch(self) -> Optional[int]:
+        """The compute capability whose PTX the build embeds, or None."""
+        return self.archs[-1] if self.ptx else None
+
     def arch_names(self) -> str:
-        """The compiled targets as flash_cutlass.compiled_archs() reports them, with the PTX of the newest."""
-        return ",".join([f"sm_{t}" for t in self.targets()] + [f"compute_{self.archs[-1]}"])
+        """The compiled targets as flash_cutlass.compiled_archs() reports them, with the PTX if any."""
+        ptx = [] if self.ptx_arch() is None else [f"compute_{self.ptx_arch()}"]
+        return ",".join([f"sm_{t}" for t in self.targets()] + ptx)
 
 
 _INSTANCE = """template cudaError_t flash_cutlass::{path}::run_{prefix}<{hdim}, flash_cutlass::DType::{dtype},

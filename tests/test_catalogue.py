@@ -51,6 +51,14 @@ def test_a_pruned_build_generates_only_what_it_asked_for(tmp_path):
     assert 'kArchs[] = "sm_90a,compute_90"' in header
 
 
+def test_the_ptx_is_reported_only_where_the_build_embeds_it():
+    # The PTX of the newest target, for GPUs newer than the targets (FLASH_CUTLASS_PTX in setup.py).
+    assert catalogue.BuildSelection(archs=(80, 90)).arch_names() == "sm_80,sm_90a,compute_90"
+    assert catalogue.BuildSelection(archs=(80, 90), ptx=False).arch_names() == "sm_80,sm_90a"
+    assert catalogue.BuildSelection(archs=(86,), sm90=False, ptx=False).ptx_arch() is None
+    assert catalogue.BuildSelection(archs=(80, 86), sm90=False).ptx_arch() == 86
+
+
 def test_regenerating_removes_files_the_build_no_longer_compiles_and_keeps_the_others(tmp_path):
     catalogue.generate(catalogue.BuildSelection(head_dims=(64, 128), archs=(80,), sm90=False, kvcache=False), tmp_path)
     kept = tmp_path / "instantiations" / "fwd_sm80_hdim64.cu"

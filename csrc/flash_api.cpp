@@ -565,9 +565,12 @@ constexpr const char* kGqaWalkHeadsEnv = "FLASH_CUTLASS_GQA_WALK_HEADS";
 // Whole-group walks against one head a tile, 64 / 8 heads without a mask, backward TFLOPS at 4k /
 // 16k (2026-12-05): head dim 128 1.12 / 1.01x (H200), deterministic 1.10 / 1.01x (H100); 96 1.05 /
 // 1.00x, 64 1.05 / 0.98x and 192 0.99 / 0.99x (H100); 256 walks by default since its tests passed
-// (its walks not timed alone). Causal walks were slower wherever timed: whole groups at 128 0.77 /
-// 0.89x (H200), launched key block major 0.80 / 0.81x at 128 and 0.51 / 0.51x at 256 (H100), parts
-// of a group 0.93-0.98x (docs/PERFORMANCE.md, What was tried).
+// (1.03 / 0.99x, H100, 2026-12-06). Deterministic, against one head a tile with fp32 dK/dV per query
+// head summed after the kernel (H100, 2026-12-06): 64 1.09 / 1.01x, 96 1.08 / 1.01x, 192 1.06 /
+// 0.99x, 256 1.07 / 0.98x. Causal walks were slower wherever timed: whole groups at 128 0.77 /
+// 0.89x (H200), deterministic 0.69-0.80x at 64-256 (H100), launched key block major 0.80 / 0.81x at
+// 128 and 0.51 / 0.51x at 256 (H100), parts of a group 0.93-0.98x (docs/PERFORMANCE.md, What was
+// tried).
 bool walks_by_default(int kernel_hdim, bool deterministic) {
   if (deterministic) return true;
   return kernel_hdim == 96 || kernel_hdim == 128 || kernel_hdim == 256;

@@ -35,8 +35,9 @@ Build options (environment variables; see README.md):
                             for developers (tools/timeline.py reads it). Not for production.
   FLASH_CUTLASS_PTX         1 embeds the PTX of the newest target next to the machine code, so that
                             GPUs newer than every target can JIT-compile the kernels (at their first
-                            load); 0 leaves it out (a build of head dim 128 for sm_90a in 0.8x the
-                            time, an sm80-path backward file in 0.58x).
+                            load); 0 leaves it out (an sm80-path backward file compiles in 0.58x the
+                            time, a build of head dim 128 for sm_90a on 2 cores in 0.8x; level on
+                            16 cores, where the longest files bound the build).
                             Default: 0 when the targets are the visible GPU's (the build runs where
                             it will run), else 1.
 """

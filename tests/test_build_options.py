@@ -67,4 +67,3 @@ def test_ptx_is_left_out_where_the_targets_are_the_visible_gpus(monkeypatch, loc
             monkeypatch.setenv(variable, value)
     selection = build_selection(setup_globals["load_catalogue"]())
     assert (selection.archs, selection.ptx) == expected
-

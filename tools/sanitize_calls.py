@@ -13,10 +13,10 @@ more key tiles than SMs (72 heads), deterministic and not, and GQA tails again w
 store switched off and on (docs/DEVELOPING.md); a variable-length batch (lengths 1, 77
 and 130); the window, soft cap, ALiBi and dropout kernels where the build has them, and a causal
 call with attention sinks; and KV-cache calls (paged, pages of 16 in shuffled order, lengths 0, 1
-and 100 with as many appended tokens as queries, split and unsplit, with sinks; a contiguous cache; 4 queries a sequence; 128, chunked prefill, over
-pages of 128 that the Hopper forward reads through the block table, the last length 4,200: 34 key
-blocks). Each result is checked
-against the same call on CPU copies (the pure-PyTorch reference, fp32 inside), loosely: this is
+and 100 with as many appended tokens as queries, split and unsplit, with sinks; a contiguous cache;
+4 queries a sequence; 128, chunked prefill, over pages of 128 that the Hopper forward reads
+through the block table, the last length 4,200: 34 key blocks). Each result is checked against
+the same call on CPU copies (the pure-PyTorch reference, fp32 inside), loosely: this is
 for the sanitizer, the tests check accuracy, but a kernel that ran and wrote garbage fails here too
 (dropout's results are only checked finite: test_dropout.py checks its mask). Prints a line a
 result and exits 1 on any mismatch. tools/gpu_pass.sh's `sanitize` step runs both tools over it.

@@ -629,3 +629,96 @@ def test_opt_in_switches_take_0_or_1(cuda_gen, monkeypatch, variable):
     monkeypatch.setenv(variable, "yes")
     with pytest.raises(ValueError, match=f"{variable} must be 0 or 1, got 'yes'"):
         flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")
+
+
+# The deterministic backward's dQ in chains of turns (csrc/flash_api.cpp,
+# $FLASH_CUTLASS_BWD_DQ_CHAINS): key block n takes its turns in chain n % chains, each chain adds
+# into its own fp32 copy of dQ, and the postprocess sums the copies in chain order.
+DQ_CHAINS_ENV = "FLASH_CUTLASS_BWD_DQ_CHAINS"
+# (seqlen_q, seqlen_k, heads_k, batch, causal): launch-order turns under a causal mask, with more
+# queries than keys (query blocks no key block reaches, and 3 key blocks of 128: with 4 chains one
+# chain has none); rotated walks of whole heads without a mask (GQA walks of whole groups and MHA,
+# several heads a CTA); a tail of one query and key blocks fewer than the chains.
+DQ_CHAINS_CASES = {"causal_more_queries": (700, 333, 2, 2, True), "causal_more_keys": (333, 700, 8, 2, True),
+                   "rotated_gqa": (1050, 1000, 2, 3, False), "rotated_mha": (1050, 1000, 8, 2, False),
+                   "few_key_blocks": (65, 100, 2, 2, False)}
+
+
+@pytest.mark.parametrize("chains", [2, 3, 4])
+@pytest.mark.parametrize("case", list(DQ_CHAINS_CASES))
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_deterministic_dq_chains(cuda_gen, monkeypatch, head_dim, case, chains):
+    """Over memory left full of NaNs (an unwritten copy would show): three runs bitwise equal, the
+    first against the fp32 oracle with FlashAttention-2's rule, and close to one chain's gradients."""
+    skip_unless_hopper_backward(head_dim)
+    seqlen_q, seqlen_k, heads_k, batch, causal = DQ_CHAINS_CASES[case]
+    monkeypatch.setenv(DQ_CHAINS_ENV, str(chains))
+    poison_cached_memory()
+    check_deterministic_runs(cuda_gen, head_dim, (seqlen_q, seqlen_k), heads_k, causal, {},
+                             f"head dim {head_dim}, {case}, {chains} chains", batch=batch)
+    q, k, v, dout = random_inputs(cuda_gen, batch, seqlen_q, seqlen_k, heads_k, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=causal)
+
+    def gradients(value):
+        monkeypatch.setenv(DQ_CHAINS_ENV, value)
+        return flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, kernel="sm90")
+
+    assert_gradients_close(gradients(str(chains)), gradients("1"), f"{chains} chains against one ({case})")
+
+
+@pytest.mark.parametrize("head_dim", DETERMINISTIC_HEAD_DIMS)
+def test_deterministic_dq_chains_zeroed_and_in_a_cuda_graph(cuda_gen, monkeypatch, head_dim):
+    """Two chains with dQ's first store switched off (the preprocess zeroes both copies, every turn
+    adds), bitwise equal to the first store's; and graph replays of the rotated walk equal to eager."""
+    skip_unless_hopper_backward(head_dim)
+    monkeypatch.setenv(DQ_CHAINS_ENV, "2")
+    q, k, v, dout = random_inputs(cuda_gen, 2, 700, 333, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+
+    def gradients(switch):
+        monkeypatch.setenv(DQ_FIRST_STORE_ENV, switch)
+        poison_cached_memory()
+        return flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, kernel="sm90")
+
+    assert_gradients_equal(gradients("0"), gradients("1"), f"two chains with {DQ_FIRST_STORE_ENV}=0")
+    monkeypatch.delenv(DQ_FIRST_STORE_ENV)
+    q, k, v, dout = random_inputs(cuda_gen, 3, 700, 650, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+
+    def backward():
+        return flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")
+
+    eager = backward()
+    graph, captured = capture_graph(backward)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_gradients_equal(captured, eager, "two chains, graph replay")
+
+
+def test_dq_chains_leave_other_calls_alone(cuda_gen, monkeypatch):
+    """Calls that are not deterministic, and variable-length ones, take one chain whatever the
+    variable says: their gradients are those without it."""
+    head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
+    skip_unless_hopper_backward(head_dim)
+    backward = packed_causal_backward(cuda_gen, head_dim)
+    one = backward(deterministic=True)
+    monkeypatch.setenv(DQ_CHAINS_ENV, "4")
+    assert_gradients_equal(backward(deterministic=True), one, f"deterministic varlen with {DQ_CHAINS_ENV}=4")
+    q, k, v, dout = random_inputs(cuda_gen, 2, 333, 700, 2, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v, causal=True)
+    grads = flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, kernel="sm90")
+    monkeypatch.delenv(DQ_CHAINS_ENV)
+    assert_gradients_close(grads, flash_cutlass.flash_backward(dout, q, k, v, out, lse, causal=True, kernel="sm90"),
+                           f"atomics with {DQ_CHAINS_ENV}=4")
+
+
+@pytest.mark.parametrize("value", ["0", "9", "two", "2.5"])
+def test_dq_chains_values_are_checked(cuda_gen, monkeypatch, value):
+    head_dim = max(COMPILED_SM90_BACKWARD_HEAD_DIMS, default=0)
+    skip_unless_hopper_backward(head_dim)
+    q, k, v, dout = random_inputs(cuda_gen, 1, 64, 64, HEADS, head_dim)
+    out, lse = flash_cutlass.flash_forward(q, k, v)
+    monkeypatch.setenv(DQ_CHAINS_ENV, value)
+    with pytest.raises(ValueError, match=f"{DQ_CHAINS_ENV} must be a number of chains from 1 to 8, got '{value}'"):
+        flash_cutlass.flash_backward(dout, q, k, v, out, lse, deterministic=True, kernel="sm90")

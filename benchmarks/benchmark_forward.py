@@ -52,19 +52,14 @@ SUBJECT_DETERMINISTIC = "flash_cutlass_deterministic"
 SUBJECT_SINKS = "flash_cutlass_sinks"
 # A switch of the Hopper backward (docs/DEVELOPING.md) set around each call of another subject (the
 # extension reads these variables per call), for an A/B against that subject in one process; run
-# only when asked for: the GQA walks chosen by their rule, V loaded after the first Q and dO, dQ's
-# first store switched off (dq_accum zeroed by the preprocess, as before it became the default), and
-# the deterministic backward's dQ chains.
+# only when asked for: the GQA walks chosen by their rule, V loaded after the first Q and dO, and
+# dQ's first store switched off (dq_accum zeroed by the preprocess, as before it became the default).
 SUBJECT_GQA_WALK = "flash_cutlass_gqa_walk"
 SUBJECT_V_AFTER_Q = "flash_cutlass_v_after_q"
 SUBJECT_DQ_ZEROED = "flash_cutlass_dq_zeroed"
-# The deterministic subject with its dQ in 1, 2 or 4 chains of turns (FLASH_CUTLASS_BWD_DQ_CHAINS).
-SUBJECT_DQ_CHAINS = {chains: f"flash_cutlass_dq_chains_{chains}" for chains in (1, 2, 4)}
 SUBJECT_ENVIRONMENT = {SUBJECT_GQA_WALK: (SUBJECT, "FLASH_CUTLASS_GQA_WALK_HEADS", "auto"),
                        SUBJECT_V_AFTER_Q: (SUBJECT, "FLASH_CUTLASS_BWD_V_AFTER_Q", "1"),
-                       SUBJECT_DQ_ZEROED: (SUBJECT, "FLASH_CUTLASS_BWD_DQ_FIRST_STORE", "0"),
-                       **{subject: (SUBJECT_DETERMINISTIC, "FLASH_CUTLASS_BWD_DQ_CHAINS", str(chains))
-                          for chains, subject in SUBJECT_DQ_CHAINS.items()}}
+                       SUBJECT_DQ_ZEROED: (SUBJECT, "FLASH_CUTLASS_BWD_DQ_FIRST_STORE", "0")}
 FORCED_KERNELS = {SUBJECT: None, SUBJECT_SM80: "sm80", SUBJECT_SM90: "sm90", SUBJECT_DETERMINISTIC: None,
                   SUBJECT_SINKS: None, **{subject: None for subject in SUBJECT_ENVIRONMENT}}
 SDPA_BACKENDS = {

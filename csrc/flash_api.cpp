@@ -625,36 +625,6 @@ bool dq_first_store_by_default(int kernel_hdim, bool deterministic) {
   return deterministic || kernel_hdim <= 128;
 }
 
-// $FLASH_CUTLASS_BWD_DQ_CHAINS: how many independent chains of turns a deterministic Hopper
-// backward of a fixed-length call adds dQ in (BwdParams::dq_chains; each chain adds to its own fp32
-// copy of dQ, summed in chain order by the postprocess): 1-8, unset or empty where
-// dq_chains_by_default says so. Other calls take 1 whatever it says.
-constexpr const char* kDqChainsEnv = "FLASH_CUTLASS_BWD_DQ_CHAINS";
-constexpr int kMaxDqChains = 8;
-int dq_chains_by_default(int kernel_hdim) {
-  (void)kernel_hdim;
-  return 1;
-}
-
-int dq_chains(KernelSelection const& kernel, AttentionOptions const& options) {
-  const char* value = std::getenv(kDqChainsEnv);
-  const std::string text = value == nullptr ? "" : value;
-  int chains = 0;
-  if (!text.empty()) {
-    size_t parsed = 0;
-    try {
-      chains = std::stoi(text, &parsed);
-    } catch (const std::exception&) {
-      parsed = 0;
-    }
-    TORCH_CHECK_VALUE(parsed == text.size() && chains >= 1 && chains <= kMaxDqChains,
-                      message(kDqChainsEnv, " must be a number of chains from 1 to ", kMaxDqChains, ", got '", text,
-                              "'"));
-  }
-  if (!options.deterministic || kernel.path != KernelPath::kSm90 || options.is_varlen()) return 1;
-  return text.empty() ? dq_chains_by_default(kernel.kernel_hdim) : chains;
-}
-
 // $FLASH_CUTLASS_BWD_V_AFTER_Q=1: the Hopper backward loads V after its walk's first Q and dO
 // (BwdParams::v_after_first_query). Unset or 0: with K, first, as before (not yet measured on a GPU).
 constexpr const char* kVAfterQueryEnv = "FLASH_CUTLASS_BWD_V_AFTER_Q";
@@ -723,8 +693,7 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
     dsoftmax_sum.zero_();
     return;
   }
-  params.dq_chains = dq_chains(kernel, options);
-  at::Tensor dq_accum = at::empty({params.dq_chains * batch, heads, seqlen_q, accum_hdim}, fp32);
+  at::Tensor dq_accum = at::empty({batch, heads, seqlen_q, accum_hdim}, fp32);
   const int query_heads_per_key_tile = gqa_walk_heads(params, kernel, options.deterministic, q);
   params.query_heads_per_key_tile = query_heads_per_key_tile;
   params.sm80_tile_tier = kernel.sm80_tile_tier;
@@ -773,10 +742,9 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
                                        dq_first_store_by_default(kernel.kernel_hdim, options.deterministic));
   params.dq_first_store = first_store && kernel.path == KernelPath::kSm90 && !options.is_varlen() &&
                           !uses_extension(params);
-  // Counters per query block of at least 64 rows (the Hopper kernels' smallest), in each chain of
-  // turns: zeroed here, or with dQ's first store by the preprocess.
-  const int64_t block_counters =
-      int64_t(params.dq_chains) * params.batch * params.heads * ((params.seqlen_q + 63) / 64);
+  // Counters per query block of at least 64 rows (the Hopper kernels' smallest): zeroed here, or
+  // with dQ's first store by the preprocess.
+  const int64_t block_counters = int64_t(params.batch) * params.heads * ((params.seqlen_q + 63) / 64);
   const auto counters = [&] {
     const auto int32 = q.options().dtype(at::kInt);
     return params.dq_first_store ? at::empty({block_counters}, int32) : at::zeros({block_counters}, int32);

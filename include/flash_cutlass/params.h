@@ -161,13 +161,6 @@ struct BwdParams : FwdParams {
   // have added to that query block (64: the smallest block of rows a Hopper backward walks).
   bool deterministic = false;
   int* dq_turns = nullptr;
-  // The Hopper path's deterministic dQ in dq_chains independent chains of turns (fixed-length
-  // calls; 1 elsewhere): key block n adds to chain n % dq_chains, each chain into its own slice of
-  // dq_accum, (dq_chains * batch, heads, seqlen_q, kernel head dim), with its own turn counters,
-  // (dq_chains * batch, heads, ceil(seqlen_q / 64)); the postprocess adds the slices in chain
-  // order. A turn waits for the reductions before it to complete: with more chains each chain's
-  // turns come that many steps of the walks apart.
-  int dq_chains = 1;
   // dQ's first store (Hopper path, fixed-length calls; csrc/flash_api.cpp decides where): the
   // preprocess leaves dq_accum unwritten and zeroes the counters of the query blocks instead
   // (dq_turns in a deterministic call, else dq_arrivals: int32 (batch, heads, ceil(seqlen_q /

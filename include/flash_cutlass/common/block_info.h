@@ -339,21 +339,20 @@ __device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, in
 }
 
 // The place of key block n_block among the key blocks of its sequence that add to query block
-// m_block (those whose query_block_range holds it) in its chain (the blocks of its index modulo
-// `chains`: BwdParams::dq_chains), in decreasing order of their index: how many come before it,
-// out of the sequence's first n_blocks key blocks. Without a mask every key block sees every query
-// block; with one, a warp counts them, 32 a step.
+// m_block (those whose query_block_range holds it), in decreasing order of their index: how many
+// come before it, out of the sequence's first n_blocks key blocks. Without a mask every key block
+// sees every query block; with one, a warp counts them, 32 a step.
 template <int kBlockM, int kBlockN, MaskKind kKind>
 __device__ __forceinline__ int later_key_blocks(KeyMask<kKind> const& mask, int n_block, int n_blocks, int m_block,
-                                                int lane, int chains = 1) {
+                                                int lane) {
   if constexpr (kKind == MaskKind::kNone) {
-    return (n_blocks - 1 - n_block) / chains;
+    return n_blocks - 1 - n_block;
   } else {
     int count = 0;
     for (int first = n_block + 1; first < n_blocks; first += 32) {
       const int n = first + lane;
       bool adds = false;
-      if (n < n_blocks && (n - n_block) % chains == 0) {
+      if (n < n_blocks) {
         const int2 m_blocks = query_block_range<kBlockM>(mask, n * kBlockN, kBlockN);
         adds = m_blocks.x <= m_block && m_block < m_blocks.y;
       }

@@ -27,8 +27,6 @@ constexpr int threads_per_row(int head_dim) {
 template <int kHeadDim>
 constexpr int kThreadsPerRow = threads_per_row(kHeadDim);
 constexpr int kPrePostThreads = 128;
-// A whole SM's threads resident (at most 32 registers a thread): the passes are bound by memory.
-constexpr int kPrePostBlocksPerSm = 2048 / kPrePostThreads;
 static_assert(kThreadsPerRow<256> <= 32 && kPrePostThreads % 32 == 0);
 
 // With dQ's first store (BwdParams::dq_first_store), the counters of the key blocks that reach each
@@ -37,26 +35,16 @@ __host__ __device__ __forceinline__ int* dq_block_counts(BwdParams const& params
   if (!params.dq_first_store) return nullptr;
   return params.deterministic ? params.dq_turns : params.dq_arrivals;
 }
-// Where query row `query` of (batch, head) is counted in chain 0's counters (dq_block_counts); chain
-// c's are c * dq_block_chain_stride further.
 __device__ __forceinline__ int64_t dq_block_index(BwdParams const& params, int batch, int head, int query) {
   const int64_t blocks = (params.seqlen_q + params.dq_block_rows - 1) / params.dq_block_rows;
   return (int64_t(batch) * params.heads + head) * blocks + query / params.dq_block_rows;
 }
-__device__ __forceinline__ int64_t dq_block_chain_stride(BwdParams const& params) {
-  return int64_t(params.batch) * params.heads * ((params.seqlen_q + params.dq_block_rows - 1) / params.dq_block_rows);
-}
-// The distance between two chains' slices of dq_accum (BwdParams::dq_chains), in floats.
-__device__ __forceinline__ int64_t dq_chain_stride(BwdParams const& params, int head_dim) {
-  return int64_t(params.batch) * params.heads * params.seqlen_q * head_dim;
-}
 
 // One row (batch, query, head) per kThreadsPerRow threads, rows in memory order of dout:
 // dsoftmax_sum[batch, head, query] = sum(dout * out) over the head dim, in fp32, and the row of
-// dq_accum zeroed in each chain's slice (with dQ's first store, each block's arrival count
-// instead).
+// dq_accum zeroed (with dQ's first store, each block's arrival count instead).
 template <int kHeadDim, class Element>
-__global__ void __launch_bounds__(kPrePostThreads, kPrePostBlocksPerSm)
+__global__ void __launch_bounds__(kPrePostThreads)
     flash_bwd_preprocess(__grid_constant__ const BwdParams params) {
   constexpr int kGroup = kThreadsPerRow<kHeadDim>;
   const int64_t row = (int64_t(blockIdx.x) * kPrePostThreads + threadIdx.x) / kGroup;
@@ -83,27 +71,20 @@ __global__ void __launch_bounds__(kPrePostThreads, kPrePostBlocksPerSm)
     const int64_t out_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
     if (lane == 0) params.dsoftmax_sum[out_row] = sum;
     if (int* counts = dq_block_counts(params)) {
-      if (lane == 0 && query % params.dq_block_rows == 0) {
-        const int64_t index = dq_block_index(params, batch, head, query), stride = dq_block_chain_stride(params);
-        for (int chain = 0; chain < params.dq_chains; ++chain) counts[index + chain * stride] = 0;
-      }
+      if (lane == 0 && query % params.dq_block_rows == 0) counts[dq_block_index(params, batch, head, query)] = 0;
     } else {
-      float* dq_accum = params.dq_accum + out_row * kHeadDim + col;
-      const int64_t stride = dq_chain_stride(params, kHeadDim);
-      for (int chain = 0; chain < params.dq_chains; ++chain, dq_accum += stride) {
-        reinterpret_cast<float4*>(dq_accum)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-        reinterpret_cast<float4*>(dq_accum)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+      float4* dq_accum = reinterpret_cast<float4*>(params.dq_accum + out_row * kHeadDim + col);
+      dq_accum[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      dq_accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
 }
 
 // dq[batch, query, head, :head_dim] = softmax_scale * dq_accum[batch, head, query, :head_dim] in
-// Element, one row per kThreadsPerRow threads as above: the chains' slices added in chain order,
-// each where written (dQ's first store leaves a block unwritten in a chain none of whose key blocks
-// reached it).
+// Element, one row per kThreadsPerRow threads as above (zeros where dQ's first store left the
+// row's block unwritten: no key block reached it).
 template <int kHeadDim, class Element>
-__global__ void __launch_bounds__(kPrePostThreads, kPrePostBlocksPerSm)
+__global__ void __launch_bounds__(kPrePostThreads)
     flash_bwd_postprocess(__grid_constant__ const BwdParams params) {
   constexpr int kGroup = kThreadsPerRow<kHeadDim>;
   const int64_t row = (int64_t(blockIdx.x) * kPrePostThreads + threadIdx.x) / kGroup;
@@ -114,19 +95,14 @@ __global__ void __launch_bounds__(kPrePostThreads, kPrePostBlocksPerSm)
   const int query = int((row / params.heads) % params.seqlen_q);
   const int batch = int(row / (int64_t(params.heads) * params.seqlen_q));
   const int64_t accum_row = (int64_t(batch) * params.heads + head) * params.seqlen_q + query;
+  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + accum_row * kHeadDim + col);
   const int* counts = dq_block_counts(params);
-  const int64_t count_index = counts == nullptr ? 0 : dq_block_index(params, batch, head, query);
-  const int64_t count_stride = counts == nullptr ? 0 : dq_block_chain_stride(params);
-  const float* src = params.dq_accum + accum_row * kHeadDim + col;
-  const int64_t src_stride = dq_chain_stride(params, kHeadDim);
+  const bool written = counts == nullptr || counts[dq_block_index(params, batch, head, query)] != 0;
+  const float4 zeros = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4 lo = written ? src[0] : zeros, hi = written ? src[1] : zeros;
   cutlass::Array<float, 8> values;
-  values.fill(0.f);
-  for (int chain = 0; chain < params.dq_chains; ++chain, src += src_stride) {
-    if (counts != nullptr && counts[count_index + chain * count_stride] == 0) continue;
-    const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
-    values[0] += lo.x, values[1] += lo.y, values[2] += lo.z, values[3] += lo.w;
-    values[4] += hi.x, values[5] += hi.y, values[6] += hi.z, values[7] += hi.w;
-  }
+  values[0] = lo.x, values[1] = lo.y, values[2] = lo.z, values[3] = lo.w;
+  values[4] = hi.x, values[5] = hi.y, values[6] = hi.z, values[7] = hi.w;
   CUTE_UNROLL
   for (int i = 0; i < 8; ++i) values[i] *= params.softmax_scale;
   Element* dq = static_cast<Element*>(params.dq) + batch * params.dq_batch_stride + query * params.dq_row_stride +

@@ -24,10 +24,6 @@ cudaError_t run_bwd(BwdParams const& call, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
   using Traits = BwdTraitsFor<kHeadDim, Element>;
   if (call.deterministic && call.dq_turns == nullptr) return cudaErrorInvalidValue;
-  // dQ's chains of turns: deterministic fixed-length calls only (BwdParams::dq_chains).
-  if (call.dq_chains < 1 || (call.dq_chains > 1 && (!call.deterministic || call.cu_seqlens_q != nullptr))) {
-    return cudaErrorInvalidValue;
-  }
   // dQ's first store: in fixed-length calls only (a variable-length tail block's store would
   // overwrite the next sequence's first rows), its counters per query block of this kernel's rows.
   if (call.dq_first_store && (call.cu_seqlens_q != nullptr || dq_block_counts(call) == nullptr)) {
@@ -57,12 +53,10 @@ cudaError_t run_bwd(BwdParams const& call, cudaStream_t stream) {
   const auto tma_dout = make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q_stage, TileQ{}, _1{});
   const auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, TileKV{}, _1{});
   const auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, TileKV{}, _1{});
-  // dq_accum: (dq_chains * batch, heads, seqlen_q, kHeadDim), or (heads, total_q, kHeadDim) in a
-  // variable-length call.
+  // dq_accum: (batch, heads, seqlen_q, kHeadDim), or (heads, total_q, kHeadDim) in a variable-length call.
   const bool varlen = params.cu_seqlens_q != nullptr;
   const int64_t dq_head_stride = int64_t(extents.rows_q) * kHeadDim;
-  const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads,
-                                            extents.batch * params.dq_chains,
+  const auto dq_accum = gmem_tensor<Traits>(params.dq_accum, extents.rows_q, kHeadDim, params.heads, extents.batch,
                                             int64_t(kHeadDim), dq_head_stride,
                                             varlen ? int64_t(0) : dq_head_stride * params.heads);
   // The grid's walk (tile_scheduler.h): for calls without a mask or score modifications, rotated

@@ -240,13 +240,12 @@ __device__ __forceinline__ void write_dq(BwdKernelParams<Traits> const& kernel_p
   constexpr int kDqColumns = size<1>(TileDq{});
   BwdParams const& params = kernel_params.call;
   const TmaExtents extents = tma_extents(params);
-  // dq_accum's batch entries, one slice of them a chain (BwdParams::dq_chains: fixed-length calls).
+  const int tma_batch = params.cu_seqlens_q == nullptr ? work.tile.batch : 0;
   Tensor mdQ = kernel_params.tma_dq.get_tma_tensor(
-      make_shape(extents.rows_q, Int<Traits::kHeadDim>{}, params.heads, extents.batch * params.dq_chains));
+      make_shape(extents.rows_q, Int<Traits::kHeadDim>{}, params.heads, extents.batch));
   Tensor sdQ = make_tensor(make_smem_ptr(storage.dq.data()), typename Traits::SmemLayoutdQ{});
   const bool varlen = params.cu_seqlens_q != nullptr;
   const DqTurns<Traits::kBlockM, Traits::kBlockN, kMaskKind> turns(params, work, kRotatedWalk);
-  const int tma_batch = params.cu_seqlens_q == nullptr ? turns.chain * params.batch + work.tile.batch : 0;
   const DqArrivals<Traits::kBlockM> arrivals(params, work.tile.batch);
   const int num_m_blocks = work.num_m_blocks();
   const int num_steps = work.num_steps();

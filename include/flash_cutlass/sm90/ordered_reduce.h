@@ -51,17 +51,17 @@ __device__ __forceinline__ void release_add_after_bulk_copies(int* counter, int 
 __device__ __forceinline__ void pass_turn_after_reductions(int* turn) { release_add_after_bulk_copies(turn, 1); }
 
 // One int32 counter per query head and query block of kBlockM rows of a batch entry: `base` holds
-// (chains, batch, heads, ceil(seqlen_q / kBlockM)) of them (params.seqlen_q bounds every sequence;
-// chains: BwdParams::dq_chains, the turns' only), or is null where the call keeps none.
+// (batch, heads, ceil(seqlen_q / kBlockM)) of them (params.seqlen_q bounds every sequence), or is
+// null where the call keeps none.
 template <int kBlockM>
 struct QueryBlockCounters {
   int* counters = nullptr;  // of the batch entry's query head 0
   int m_blocks = 0;         // counters a query head
 
-  __device__ QueryBlockCounters(int* base, BwdParams const& params, int batch, int chain = 0) {
+  __device__ QueryBlockCounters(int* base, BwdParams const& params, int batch) {
     if (base == nullptr) return;
     m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-    counters = base + (int64_t(chain) * params.batch + batch) * params.heads * m_blocks;
+    counters = base + int64_t(batch) * params.heads * m_blocks;
   }
 
   __device__ explicit operator bool() const { return counters != nullptr; }
@@ -72,33 +72,23 @@ struct QueryBlockCounters {
   }
 };
 
-// A deterministic call's turn counters of this CTA's sequence and chain (BwdParams::dq_chains: key
-// block n takes turns in chain n % dq_chains, adding to that chain's slice of dq_accum), one per
-// query head and query block of kBlockM rows (params.dq_turns; null in other calls), and the place
-// of the CTA's key block in each (the same for every query head a GQA walk takes: each head's
-// adders are the same key blocks, in the same order). In order: the chain's key blocks take turns
-// last first, as they are walked (key_tile_at, sm90/tile_scheduler.h). Rotated walks (no mask,
-// every key block adds to every query block): in the order they reach the block, key block n at
-// step (m - rotation(n)) mod m_blocks.
+// A deterministic call's turn counters of this CTA's sequence, one per query head and query block
+// of kBlockM rows (params.dq_turns; null in other calls), and the place of the CTA's key block in
+// each (the same for every query head a GQA walk takes: each head's adders are the same key
+// blocks, in the same order). In order: the key blocks take turns last first, as they are walked (key_tile_at,
+// sm90/tile_scheduler.h). Rotated walks (no mask, every key block adds to every query block): in
+// the order they reach the block, key block n at step (m - rotation(n)) mod m_blocks.
 template <int kBlockM, int kBlockN, MaskKind kMaskKind>
 struct DqTurns {
   QueryBlockCounters<kBlockM> counters;
   int key_blocks = 0;  // of the sequence
-  int chains = 1;
-  int chain = 0;  // this CTA's
   bool rotated = false;
 
   __device__ DqTurns(BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
                      bool rotated_walk)
-      : counters(params.deterministic ? params.dq_turns : nullptr, params, work.tile.batch, chain_of(params, work)) {
+      : counters(params.deterministic ? params.dq_turns : nullptr, params, work.tile.batch) {
     key_blocks = (work.sequence.seqlen_k + kBlockN - 1) / kBlockN;
-    chains = params.dq_chains;
-    chain = chain_of(params, work);
     rotated = rotated_walk;
-  }
-
-  __device__ static int chain_of(BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work) {
-    return params.dq_chains == 1 ? 0 : work.tile.n_block % params.dq_chains;
   }
 
   __device__ explicit operator bool() const { return bool(counters); }
@@ -109,9 +99,7 @@ struct DqTurns {
   // This CTA's place at m_block; every lane of a warp calls it.
   __device__ __forceinline__ int place(KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work, int m_block,
                                        int lane) const {
-    if (!rotated) {
-      return later_key_blocks<kBlockM, kBlockN>(work.mask, work.tile.n_block, key_blocks, m_block, lane, chains);
-    }
+    if (!rotated) return later_key_blocks<kBlockM, kBlockN>(work.mask, work.tile.n_block, key_blocks, m_block, lane);
     // The rotations as the walk sets them (m_blocks >= key_blocks, so that no two are equal).
     const int m_blocks = work.num_m_blocks();
     auto step_at = [&](int n_block) {
@@ -122,7 +110,7 @@ struct DqTurns {
     int earlier = 0;
     for (int first = 0; first < key_blocks; first += 32) {
       const int n = first + lane;
-      earlier += __popc(__ballot_sync(0xffffffffu, n < key_blocks && n % chains == chain && step_at(n) < own_step));
+      earlier += __popc(__ballot_sync(0xffffffffu, n < key_blocks && step_at(n) < own_step));
     }
     return earlier;
   }

@@ -341,12 +341,19 @@ __device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, in
 // The place of key block n_block among the key blocks of its sequence that add to query block
 // m_block (those whose query_block_range holds it), in decreasing order of their index: how many
 // come before it, out of the sequence's first n_blocks key blocks. Without a mask every key block
-// sees every query block; with one, a warp counts them, 32 a step.
+// sees every query block, under a causal mask those up to the last that reaches the diagonal; with a
+// window, a warp counts them, 32 a step.
 template <int kBlockM, int kBlockN, MaskKind kKind>
 __device__ __forceinline__ int later_key_blocks(KeyMask<kKind> const& mask, int n_block, int n_blocks, int m_block,
                                                 int lane) {
   if constexpr (kKind == MaskKind::kNone) {
     return n_blocks - 1 - n_block;
+  } else if constexpr (kKind == MaskKind::kCausal) {
+    // Key block n reaches m_block iff n * kBlockN - diagonal < (m_block + 1) * kBlockM
+    // (query_block_range): the blocks up to `last`, n_block among them.
+    const int diagonal = mask.seqlen_k - mask.seqlen_q;
+    const int last = min(n_blocks - 1, ((m_block + 1) * kBlockM + diagonal - 1) / kBlockN);
+    return last - n_block;
   } else {
     int count = 0;
     for (int first = n_block + 1; first < n_blocks; first += 32) {

@@ -100,19 +100,15 @@ struct DqTurns {
   __device__ __forceinline__ int place(KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work, int m_block,
                                        int lane) const {
     if (!rotated) return later_key_blocks<kBlockM, kBlockN>(work.mask, work.tile.n_block, key_blocks, m_block, lane);
-    // The rotations as the walk sets them (m_blocks >= key_blocks, so that no two are equal).
+    // The rotations as the walk sets them (m_blocks >= key_blocks, so that no two are equal): key
+    // block n starts at s(n) = rotated_start(n), increasing in n, and reaches m_block at step
+    // (m - s(n)) mod m_blocks. The blocks there before this one are those whose starts lie after
+    // its own, up to m, cyclically; `reached` counts the starts at most m.
     const int m_blocks = work.num_m_blocks();
-    auto step_at = [&](int n_block) {
-      const int step = m_block - work.m_block_begin - rotated_start(n_block, m_blocks, key_blocks);
-      return step < 0 ? step + m_blocks : step;
-    };
-    const int own_step = step_at(work.tile.n_block);
-    int earlier = 0;
-    for (int first = 0; first < key_blocks; first += 32) {
-      const int n = first + lane;
-      earlier += __popc(__ballot_sync(0xffffffffu, n < key_blocks && step_at(n) < own_step));
-    }
-    return earlier;
+    const int m = m_block - work.m_block_begin;
+    const int own = work.tile.n_block;
+    const int reached = min(key_blocks, ((m + 1) * key_blocks + m_blocks - 1) / m_blocks);
+    return rotated_start(own, m_blocks, key_blocks) <= m ? reached - own - 1 : key_blocks - 1 - own + reached;
   }
 };
 

@@ -40,6 +40,11 @@ Build options (environment variables; see README.md):
                             16 cores, where the longest files bound the build).
                             Default: 0 when the targets are the visible GPU's (the build runs where
                             it will run), else 1.
+  FLASH_CUTLASS_SM90_SMALL_TILES  0 (default) leaves the sm80 backward's smaller tiles (those of
+                            GPUs that allow a block less shared memory: sm_86/89/120, the A100) out
+                            of the sm_90a code, where no Hopper GPU picks them (the sm80 backward
+                            files' longest pass, 0.7x the time); 1 keeps them, for the tests that
+                            force them on a Hopper GPU through FLASH_CUTLASS_SMEM_PER_BLOCK.
 """
 
 import importlib.util
@@ -212,6 +217,7 @@ def build_selection(catalogue):
         kvcache=feature_enabled("FLASH_CUTLASS_KVCACHE"),
         timeline=feature_enabled("FLASH_CUTLASS_TIMELINE", default=False),
         ptx=feature_enabled("FLASH_CUTLASS_PTX", default=not local),
+        sm90_small_tiles=feature_enabled("FLASH_CUTLASS_SM90_SMALL_TILES", default=False),
     )
 
 

@@ -509,6 +509,14 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
     }
     check_smem(needed, device.smem_per_block, kDirection == Direction::kForward ? "forward" : "backward",
                shape.head_dim, hdim, q);
+    // The sm_90a code holds the backward's usual tiles only, unless built with
+    // FLASH_CUTLASS_SM90_SMALL_TILES=1 (sm80/bwd_kernel.h, compiles_tiles_here).
+    FLASH_CHECK(kDirection == Direction::kForward || selection.sm80_tile_tier == 0 || device.major != 9 ||
+                    compiled::kSm80SmallTilesOnHopper,
+                "the sm80 backward at head dim ", hdim, " needs its smaller tiles on ", q.device(), ", which allows ",
+                device.smem_per_block / 1024, " KiB of shared memory a block",
+                device.smem_capped ? " (FLASH_CUTLASS_SMEM_PER_BLOCK)" : "",
+                "; this build leaves them out of its sm_90a code: rebuild with FLASH_CUTLASS_SM90_SMALL_TILES=1");
   }
   return selection;
 }
@@ -1182,6 +1190,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("compiled_alibi") = fc::compiled::kAlibi;
   m.attr("compiled_dropout") = fc::compiled::kDropout;
   m.attr("compiled_kvcache") = fc::compiled::kKVCache;
+  m.attr("compiled_sm80_small_tiles_on_hopper") = fc::compiled::kSm80SmallTilesOnHopper;
   m.attr("compiled_archs") = std::string(fc::compiled::kArchs);
   m.def("forward_timeline", &fc::forward_timeline,
         "The Hopper forward's developer timeline of one head dim's kernels (FLASH_CUTLASS_TIMELINE=1)",

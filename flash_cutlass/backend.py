@@ -67,6 +67,14 @@ def compiled_backward() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_sm80_small_tiles_on_hopper() -> bool:
+    """Whether a Hopper GPU can run the sm80 backward's smaller tiles, those of GPUs that allow a
+    block less shared memory, which only FLASH_CUTLASS_SMEM_PER_BLOCK makes it pick: this build's
+    sm_90a code holds them only with FLASH_CUTLASS_SM90_SMALL_TILES=1 (code for sm_90 or PTX always)."""
+    return bool(_extension().compiled_sm80_small_tiles_on_hopper)
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_window() -> bool:
     """Whether this build has the sliding-window kernels (window_size=; FLASH_CUTLASS_WINDOW)."""
     return bool(_extension().compiled_window)

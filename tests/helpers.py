@@ -27,6 +27,18 @@ SMEM_99_KIB = 99 * 1024
 SMEM_163_KIB = 163 * 1024
 
 
+def small_tiles_unavailable() -> str:
+    """Why this GPU cannot run the sm80 backward's smaller tiles that FLASH_CUTLASS_SMEM_PER_BLOCK makes
+    it pick, or '': a Hopper GPU runs this build's sm_90a code, which holds them only when built with
+    FLASH_CUTLASS_SM90_SMALL_TILES=1."""
+    from flash_cutlass.backend import compiled_sm80_small_tiles_on_hopper
+
+    if torch.cuda.get_device_capability() != (9, 0) or compiled_sm80_small_tiles_on_hopper():
+        return ""
+    return ("this build leaves the sm80 backward's smaller tiles out of its sm_90a code (build with "
+            "FLASH_CUTLASS_SM90_SMALL_TILES=1 to run them on a Hopper GPU)")
+
+
 def load_catalogue():
     """csrc/catalogue.py, the one list of what can be compiled (not a package: loaded by path)."""
     spec = importlib.util.spec_from_file_location("flash_cutlass_catalogue", ROOT / "csrc" / "catalogue.py")

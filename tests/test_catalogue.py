@@ -51,6 +51,18 @@ def test_a_pruned_build_generates_only_what_it_asked_for(tmp_path):
     assert 'kArchs[] = "sm_90a,compute_90"' in header
 
 
+def test_the_sm90a_code_keeps_the_sm80_backwards_smaller_tiles_only_when_asked(tmp_path):
+    # FLASH_CUTLASS_SM90_SMALL_TILES: a Hopper GPU runs them only from code other than sm_90a's.
+    assert not catalogue.BuildSelection(archs=(80, 90)).hopper_has_small_tiles()
+    assert catalogue.BuildSelection(archs=(80, 90), sm90_small_tiles=True).hopper_has_small_tiles()
+    assert catalogue.BuildSelection(archs=(80, 90), sm90=False).hopper_has_small_tiles()  # sm_90 code
+    assert catalogue.BuildSelection(archs=(80, 86), sm90=False).hopper_has_small_tiles()  # PTX
+    for small_tiles, value in ((False, "false"), (True, "true")):
+        catalogue.generate(catalogue.BuildSelection(archs=(90,), sm90_small_tiles=small_tiles), tmp_path)
+        header = (tmp_path / "include" / "flash_cutlass" / "compiled.h").read_text()
+        assert f"inline constexpr bool kSm80SmallTilesOnHopper = {value};" in header
+
+
 def test_the_ptx_is_reported_only_where_the_build_embeds_it():
     # The PTX of the newest target, for GPUs newer than the targets (FLASH_CUTLASS_PTX in setup.py).
     assert catalogue.BuildSelection(archs=(80, 90)).arch_names() == "sm_80,sm_90a,compute_90"

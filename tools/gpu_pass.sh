@@ -7,7 +7,8 @@
 #   sanitize: compute-sanitizer memcheck and racecheck over tools/sanitize_calls.py (SANITIZE_ARGS: its options)
 #   compact: the kernels of GPUs that allow a block less shared memory (FLASH_CUTLASS_SMEM_PER_BLOCK):
 #     their tests, then memcheck and racecheck over tools/sanitize_calls.py --kernel sm80 under 99 KiB
-#     (docs/DEVELOPING.md)
+#     (docs/DEVELOPING.md); on a Hopper GPU, the sm80 backward's smaller tiles need a build with
+#     FLASH_CUTLASS_SM90_SMALL_TILES=1
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
 #   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's
 #   --impls, e.g. with flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's

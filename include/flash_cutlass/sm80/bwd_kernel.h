@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -26,6 +27,7 @@
 #include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/common/utils.h"
+#include "flash_cutlass/compiled.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm80/gemm.h"
 #include "flash_cutlass/sm80/kernel_traits.h"
@@ -231,10 +233,25 @@ __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, S
   }
 }
 
-// kAccumulateDq: add dS K into dq_accum with atomics; without it (deterministic mode) dQ comes
-// from flash_bwd_dq_sm80.
+// Whether this compilation pass holds the code of the kernels on Traits' tiles: every pass but
+// sm_90a's holds every tier; sm_90a's only tier 0 unless the build keeps the smaller ones
+// (FLASH_CUTLASS_SM90_SMALL_TILES): a Hopper GPU picks them only where FLASH_CUTLASS_SMEM_PER_BLOCK
+// says its blocks have less shared memory than they do, and csrc/flash_api.cpp refuses such a call
+// to a build without them before any launch.
+template <class Traits>
+constexpr bool compiles_tiles_here() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  return compiled::kSm80SmallTilesOnHopper ||
+         std::is_same_v<Traits, BwdTraitsFor<Traits::kHeadDim, typename Traits::Element>>;
+#else
+  return true;
+#endif
+}
+
+// The main kernel's CTA (below). kAccumulateDq: add dS K into dq_accum with atomics; without it
+// (deterministic mode) dQ comes from flash_bwd_dq_sm80.
 template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kAccumulateDq>
-__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_constant__ const BwdParams params) {
+__device__ __forceinline__ void bwd_key_block_sm80(BwdParams const& params) {
   using namespace cute;
   constexpr bool kExtended = carries_score_mods(kExtension);
   constexpr bool kDropout = carries_dropout(kExtension);
@@ -428,11 +445,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_con
   store_dk_dv<Element, kHeadDim>(params, work, rows_left_k, acc_dk, acc_dv, tKVc);
 }
 
+template <class Traits, MaskKind kMaskKind, Extension kExtension, bool kAccumulateDq>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80(__grid_constant__ const BwdParams params) {
+  if constexpr (compiles_tiles_here<Traits>()) bwd_key_block_sm80<Traits, kMaskKind, kExtension, kAccumulateDq>(params);
+}
+
 // Deterministic dQ: one CTA per (query block, head, batch) keeps Q and dO in shared memory, walks
 // the key blocks it sees in a fixed order and accumulates dQ = dS K in registers, then stores it
 // (fp32, unscaled) into dq_accum without atomics.
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
-__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_constant__ const BwdParams params) {
+__device__ __forceinline__ void bwd_dq_query_block_sm80(BwdParams const& params) {
   using namespace cute;
   constexpr bool kExtended = carries_score_mods(kExtension);
   constexpr bool kDropout = carries_dropout(kExtension);
@@ -552,6 +574,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_
   Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(typename Traits::TileQ{}));
   store_rows(params.dq_accum + (row_offset + row_start) * kHeadDim, kHeadDim, acc_dq, 1.f, tdQcdQ, rows_left_q,
              kHeadDim);
+}
+
+template <class Traits, MaskKind kMaskKind, Extension kExtension>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dq_sm80(__grid_constant__ const BwdParams params) {
+  if constexpr (compiles_tiles_here<Traits>()) bwd_dq_query_block_sm80<Traits, kMaskKind, kExtension>(params);
 }
 
 }  // namespace flash_cutlass::sm80

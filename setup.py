@@ -33,11 +33,12 @@ Build options (environment variables; see README.md):
   FLASH_CUTLASS_PTXAS_VERBOSE=1  print ptxas's register and spill report for every kernel.
   FLASH_CUTLASS_TIMELINE    0 (default); 1 records a clock64 timeline of every Hopper forward tile
                             for developers (tools/timeline.py reads it). Not for production.
-  FLASH_CUTLASS_PTX         1 embeds the PTX of the newest target next to the machine code, so that
+  FLASH_CUTLASS_PTX         1 embeds the PTX of the oldest target next to the machine code, so that
                             GPUs newer than every target can JIT-compile the kernels (at their first
-                            load); 0 leaves it out (an sm80-path backward file compiles in 0.58x the
-                            time, a build of head dim 128 for sm_90a on 2 cores in 0.8x; level on
-                            16 cores, where the longest files bound the build).
+                            load); nvcc makes it in the pass that compiles that target, at almost no
+                            cost. 0 leaves it out. With a single sm_90a target the PTX (compute_90)
+                            is a pass of its own: a build of head dim 128 for sm_90a on 2 cores
+                            takes 0.8x the time without it; level on 16 cores.
                             Default: 0 when the targets are the visible GPU's (the build runs where
                             it will run), else 1.
   FLASH_CUTLASS_SM90_SMALL_TILES  0 (default) leaves the sm80 backward's smaller tiles (those of

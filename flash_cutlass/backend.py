@@ -134,7 +134,7 @@ def compiled_dtypes() -> Tuple[torch.dtype, ...]:
 
 @functools.lru_cache(maxsize=None)
 def compiled_archs() -> Tuple[str, ...]:
-    """Targets the kernels were compiled for, e.g. ('sm_80', 'sm_90a', 'compute_90')."""
+    """Targets the kernels were compiled for, e.g. ('sm_80', 'sm_90a', 'compute_80')."""
     return tuple(a for a in _extension().compiled_archs.split(",") if a)
 
 

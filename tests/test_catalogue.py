@@ -64,11 +64,20 @@ def test_the_sm90a_code_keeps_the_sm80_backwards_smaller_tiles_only_when_asked(t
 
 
 def test_the_ptx_is_reported_only_where_the_build_embeds_it():
-    # The PTX of the newest target, for GPUs newer than the targets (FLASH_CUTLASS_PTX in setup.py).
-    assert catalogue.BuildSelection(archs=(80, 90)).arch_names() == "sm_80,sm_90a,compute_90"
+    # The PTX of the oldest target, for GPUs newer than the targets (FLASH_CUTLASS_PTX in setup.py).
+    assert catalogue.BuildSelection(archs=(80, 90)).arch_names() == "sm_80,sm_90a,compute_80"
     assert catalogue.BuildSelection(archs=(80, 90), ptx=False).arch_names() == "sm_80,sm_90a"
     assert catalogue.BuildSelection(archs=(86,), sm90=False, ptx=False).ptx_arch() is None
-    assert catalogue.BuildSelection(archs=(80, 86), sm90=False).ptx_arch() == 86
+    assert catalogue.BuildSelection(archs=(80, 86), sm90=False).ptx_arch() == 80
+    assert catalogue.BuildSelection(archs=(90,)).arch_names() == "sm_90a,compute_90"
+
+
+def test_programmatic_launches_are_left_to_hopper_gpus_that_run_sm90_machine_code(tmp_path):
+    # The KV-cache launches wait on the GPU with griddepcontrol, which PTX older than compute_90 lacks.
+    for archs, sm90, value in (((80, 90), True, "true"), ((80, 90), False, "true"), ((80, 86), False, "false")):
+        catalogue.generate(catalogue.BuildSelection(archs=archs, sm90=sm90), tmp_path)
+        header = (tmp_path / "include" / "flash_cutlass" / "compiled.h").read_text()
+        assert f"inline constexpr bool kSm90MachineCode = {value};" in header
 
 
 def test_regenerating_removes_files_the_build_no_longer_compiles_and_keeps_the_others(tmp_path):

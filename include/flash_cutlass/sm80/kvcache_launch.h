@@ -140,8 +140,9 @@ cudaError_t run_kvcache(KVCacheParams const& params, KVCacheDevice const& device
   const dim3 grid(unsigned(kv_heads), unsigned(row_blocks), unsigned(params.num_splits));
   // On Hopper both kernels launch while the kernel before them (the append, the attention) still
   // runs, and wait for it on the GPU (programmatic dependent launch): the launch gaps of a small
-  // decoding call are a large part of it.
-  const bool after_previous = device.major >= 9;
+  // decoding call are a large part of it. Only where the GPU runs this build's sm_90 machine code:
+  // the PTX (of the oldest arch) has no griddepcontrol to wait with.
+  const bool after_previous = compiled::kSm90MachineCode && device.major == 9 && device.minor == 0;
   auto launch_cp_async = [&] {
     return with_kvcache_kernel<kHeadDim, Element>(
         device, [&](auto kernel) { return kernel.launch(params, device.index, grid, stream, after_previous); });

@@ -12,7 +12,8 @@
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
 #   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's
 #   --impls, e.g. with flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's
-#   opt-ins), PYTEST_ARGS.
+#   opt-ins), PYTEST_ARGS, PYTEST_WORKERS (test: pytest processes at once, default 8;
+#   tools/parallel_pytest.py, its logs pytest_<n>.log).
 set -uo pipefail
 
 out_dir=${1:?usage: tools/gpu_pass.sh OUT_DIR [build|test|bench|profile...]}
@@ -55,9 +56,10 @@ for step in $steps; do
       grep -a -E "spill stores|Used [0-9]+ registers" "$out_dir/build.log" | sort | uniq -c >"$out_dir/ptxas.txt"
       ;;
     test)
-      python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} tests >"$out_dir/pytest.log" 2>&1
+      python3 tools/parallel_pytest.py --workers "${PYTEST_WORKERS:-8}" --log-dir "$out_dir" tests \
+        -- ${PYTEST_ARGS:-} >"$out_dir/pytest.log" 2>&1
       status=$?
-      summary "pytest: $(tail -n 1 "$out_dir/pytest.log")"
+      summary "pytest: $(grep -E "exit|processes" "$out_dir/pytest.log" | tr '\n' ' ')"
       ;;
     bench)
       python3 benchmarks/benchmark_forward.py --check --memory ${BENCH_ARGS:-} \

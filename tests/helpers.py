@@ -82,6 +82,32 @@ def over_compiled_kernels(test):
     return pytest.mark.parametrize("head_dim", COMPILED_HEAD_DIMS)(test)
 
 
+def host_tool(name: str, tmp_path: Path) -> Path:
+    """tools/<name>.cu compiled for the host with nvcc against the CUTLASS headers the build would
+    use (setup.py's order); skips the test where nvcc or the headers are missing."""
+    import os
+    import shutil
+    import subprocess
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    candidates = [Path(os.environ["CUTLASS_PATH"])] if os.environ.get("CUTLASS_PATH") else []
+    candidates.append(ROOT / "third_party" / "cutlass")
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.submodule_search_locations:
+        candidates.append(Path(list(spec.submodule_search_locations)[0]) / "source")
+    include = next((root / "include" for root in candidates if (root / "include" / "cute" / "tensor.hpp").exists()),
+                   None)
+    if include is None:
+        pytest.skip("CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0)")
+    binary = tmp_path / name
+    build = subprocess.run([nvcc, "-std=c++17", f"-I{include}", f"-I{ROOT / 'include'}",
+                            str(ROOT / "tools" / f"{name}.cu"), "-o", str(binary)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    return binary
+
+
 def load_script(folder: str, name: str):
     """<folder>/<name>.py (benchmarks/ or tools/) imported as the module `name` (the scripts are not
     a package)."""

@@ -325,7 +325,7 @@ __device__ __forceinline__ KeyBlockRange key_block_range(KeyMask<kKind> const& m
 
 // The query blocks whose rows see any key of [key_start, key_start + block_n): [begin, end).
 template <int kBlockM, MaskKind kKind>
-__device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, int key_start, int block_n) {
+__host__ __device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, int key_start, int block_n) {
   const int num_m_blocks = (mask.seqlen_q + kBlockM - 1) / kBlockM;
   const int diagonal = mask.seqlen_k - mask.seqlen_q;
   if constexpr (kKind == MaskKind::kNone) return {0, num_m_blocks};
@@ -341,19 +341,29 @@ __device__ __forceinline__ int2 query_block_range(KeyMask<kKind> const& mask, in
 // The place of key block n_block among the key blocks of its sequence that add to query block
 // m_block (those whose query_block_range holds it), in decreasing order of their index: how many
 // come before it, out of the sequence's first n_blocks key blocks. Without a mask every key block
-// sees every query block, under a causal mask those up to the last that reaches the diagonal; with a
-// window, a warp counts them, 32 a step.
+// sees every query block, under a causal mask those up to the last that reaches the diagonal
+// (closed forms, on the host too: tools/check_turn_places.cu); with a window, a warp counts them,
+// 32 a step.
 template <int kBlockM, int kBlockN, MaskKind kKind>
-__device__ __forceinline__ int later_key_blocks(KeyMask<kKind> const& mask, int n_block, int n_blocks, int m_block,
-                                                int lane) {
+__host__ __device__ __forceinline__ int later_key_blocks_in_closed_form(KeyMask<kKind> const& mask, int n_block,
+                                                                        int n_blocks, int m_block) {
+  static_assert(kKind != MaskKind::kLocal, "a window's key blocks are counted (later_key_blocks)");
   if constexpr (kKind == MaskKind::kNone) {
     return n_blocks - 1 - n_block;
-  } else if constexpr (kKind == MaskKind::kCausal) {
+  } else {
     // Key block n reaches m_block iff n * kBlockN - diagonal < (m_block + 1) * kBlockM
     // (query_block_range): the blocks up to `last`, n_block among them.
     const int diagonal = mask.seqlen_k - mask.seqlen_q;
     const int last = min(n_blocks - 1, ((m_block + 1) * kBlockM + diagonal - 1) / kBlockN);
     return last - n_block;
+  }
+}
+
+template <int kBlockM, int kBlockN, MaskKind kKind>
+__device__ __forceinline__ int later_key_blocks(KeyMask<kKind> const& mask, int n_block, int n_blocks, int m_block,
+                                                int lane) {
+  if constexpr (kKind != MaskKind::kLocal) {
+    return later_key_blocks_in_closed_form<kBlockM, kBlockN>(mask, n_block, n_blocks, m_block);
   } else {
     int count = 0;
     for (int first = n_block + 1; first < n_blocks; first += 32) {
@@ -375,8 +385,18 @@ __device__ __forceinline__ int later_key_blocks(KeyMask<kKind> const& mask, int 
 // Where a rotated walk without a mask starts (KeyBlockWork::m_rotation): key block n_block of
 // n_blocks at query block n_block * m_blocks / n_blocks, so that its key blocks reach each query
 // block one after the other (the deterministic rotated walks; dQ's first store in other calls).
-__device__ __forceinline__ int rotated_start(int n_block, int m_blocks, int n_blocks) {
+__host__ __device__ __forceinline__ int rotated_start(int n_block, int m_blocks, int n_blocks) {
   return n_block * m_blocks / n_blocks;
+}
+
+// In rotated walks over m_blocks >= n_blocks query blocks (so that no two starts are equal), the
+// key blocks that reach query block m (counted from the walk's first) before key block `own`: key
+// block n reaches m at step (m - rotated_start(n)) mod m_blocks, and the starts increase with n, so
+// those before `own` are the ones whose starts lie after its own, up to m, cyclically; `reached`
+// counts the starts at most m.
+__host__ __device__ __forceinline__ int rotated_walk_place(int own, int m, int m_blocks, int n_blocks) {
+  const int reached = min(n_blocks, ((m + 1) * n_blocks + m_blocks - 1) / m_blocks);
+  return rotated_start(own, m_blocks, n_blocks) <= m ? reached - own - 1 : n_blocks - 1 - own + reached;
 }
 
 template <int kBlockM, int kBlockN, MaskKind kKind>

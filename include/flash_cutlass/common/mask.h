@@ -23,12 +23,12 @@ struct KeyMask {
   int window_right;
 
   // The first key query row `row` may attend to (0 but with kLocal; may be >= key_limit).
-  __device__ __forceinline__ int key_begin(int row) const {
+  __host__ __device__ __forceinline__ int key_begin(int row) const {
     return kLocal ? max(0, row + seqlen_k - seqlen_q - window_left) : 0;
   }
 
   // One past the last key query row `row` may attend to (may be <= 0).
-  __device__ __forceinline__ int key_limit(int row) const {
+  __host__ __device__ __forceinline__ int key_limit(int row) const {
     if constexpr (kKind == MaskKind::kCausal) return min(seqlen_k, row + 1 + seqlen_k - seqlen_q);
     if constexpr (kLocal) return min(seqlen_k, row + 1 + seqlen_k - seqlen_q + window_right);
     return seqlen_k;

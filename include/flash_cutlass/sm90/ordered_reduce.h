@@ -100,15 +100,7 @@ struct DqTurns {
   __device__ __forceinline__ int place(KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work, int m_block,
                                        int lane) const {
     if (!rotated) return later_key_blocks<kBlockM, kBlockN>(work.mask, work.tile.n_block, key_blocks, m_block, lane);
-    // The rotations as the walk sets them (m_blocks >= key_blocks, so that no two are equal): key
-    // block n starts at s(n) = rotated_start(n), increasing in n, and reaches m_block at step
-    // (m - s(n)) mod m_blocks. The blocks there before this one are those whose starts lie after
-    // its own, up to m, cyclically; `reached` counts the starts at most m.
-    const int m_blocks = work.num_m_blocks();
-    const int m = m_block - work.m_block_begin;
-    const int own = work.tile.n_block;
-    const int reached = min(key_blocks, ((m + 1) * key_blocks + m_blocks - 1) / m_blocks);
-    return rotated_start(own, m_blocks, key_blocks) <= m ? reached - own - 1 : key_blocks - 1 - own + reached;
+    return rotated_walk_place(work.tile.n_block, m_block - work.m_block_begin, work.num_m_blocks(), key_blocks);
   }
 };
 

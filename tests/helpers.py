@@ -3,6 +3,9 @@ pass rule."""
 
 import importlib.util
 import math
+import runpy
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,25 +87,17 @@ def over_compiled_kernels(test):
 
 def host_tool(name: str, tmp_path: Path) -> Path:
     """tools/<name>.cu compiled for the host with nvcc against the CUTLASS headers the build would
-    use (setup.py's order); skips the test where nvcc or the headers are missing."""
-    import os
-    import shutil
-    import subprocess
-
+    use (setup.py's cutlass_include_dirs); skips the test where nvcc or the headers are missing."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not on PATH")
-    candidates = [Path(os.environ["CUTLASS_PATH"])] if os.environ.get("CUTLASS_PATH") else []
-    candidates.append(ROOT / "third_party" / "cutlass")
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is not None and spec.submodule_search_locations:
-        candidates.append(Path(list(spec.submodule_search_locations)[0]) / "source")
-    include = next((root / "include" for root in candidates if (root / "include" / "cute" / "tensor.hpp").exists()),
-                   None)
-    if include is None:
-        pytest.skip("CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0)")
+    setup_globals = runpy.run_path(str(ROOT / "setup.py"), run_name="flash_cutlass_setup")
+    try:
+        includes = setup_globals["cutlass_include_dirs"]()
+    except RuntimeError as error:
+        pytest.skip(str(error))
     binary = tmp_path / name
-    build = subprocess.run([nvcc, "-std=c++17", f"-I{include}", f"-I{ROOT / 'include'}",
+    build = subprocess.run([nvcc, "-std=c++17", *(f"-I{d}" for d in includes), f"-I{ROOT / 'include'}",
                             str(ROOT / "tools" / f"{name}.cu"), "-o", str(binary)], capture_output=True, text=True)
     assert build.returncode == 0, build.stdout + build.stderr
     return binary

@@ -46,6 +46,11 @@ Build options (environment variables; see README.md):
                             of the sm_90a code, where no Hopper GPU picks them (the sm80 backward
                             files' longest pass, 0.7x the time); 1 keeps them, for the tests that
                             force them on a Hopper GPU through FLASH_CUTLASS_SMEM_PER_BLOCK.
+  FLASH_CUTLASS_SM80_ON_HOPPER  0 (default) leaves the sm80 path's forward and backward kernels out of
+                            the sm_90a code at the head dims the Hopper path has, where a Hopper GPU
+                            runs them only when a call forces kernel="sm80" (the automatic choice takes
+                            the Hopper path there; head dim 32 keeps them); 1 keeps them, for the
+                            tests and A/B runs that force the sm80 path on a Hopper GPU.
 """
 
 import importlib.util
@@ -219,6 +224,7 @@ def build_selection(catalogue):
         timeline=feature_enabled("FLASH_CUTLASS_TIMELINE", default=False),
         ptx=feature_enabled("FLASH_CUTLASS_PTX", default=not local),
         sm90_small_tiles=feature_enabled("FLASH_CUTLASS_SM90_SMALL_TILES", default=False),
+        sm80_on_hopper=feature_enabled("FLASH_CUTLASS_SM80_ON_HOPPER", default=False),
     )
 
 

@@ -497,8 +497,14 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
       select_kernel<kDirection>(static_cast<int>(shape.head_dim), options.kernel, device.major, device.minor);
   FLASH_CHECK(selection.error.empty(), selection.error);
   if (selection.path == KernelPath::kSm80) {
-    // The first tier of tiles, the usual ones first, whose shared memory the GPU allows a block.
     const int hdim = selection.kernel_hdim;
+    // Only a forced kernel="sm80" reaches these (compiled_head_dims.h, sm80_kernel_on_hopper).
+    FLASH_CHECK(device.major != 9 || sm80_kernel_on_hopper<kDirection>(hdim), "kernel='sm80' at head dim ", hdim,
+                " on ", q.device(), ": this build leaves the sm80 path's ",
+                kDirection == Direction::kForward ? "forward" : "backward",
+                " at the Hopper path's head dims out of its sm_90a code, which Hopper GPUs run (the automatic choice "
+                "takes the Hopper path there); rebuild with FLASH_CUTLASS_SM80_ON_HOPPER=1");
+    // The first tier of tiles, the usual ones first, whose shared memory the GPU allows a block.
     int needed = 0;  // of the smallest tier, where none fits
     for (int tier = 0; tier < kSm80TileTiers; ++tier) {
       const int bytes = sm80::smem_bytes(kDirection, hdim, tier);
@@ -1191,6 +1197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("compiled_dropout") = fc::compiled::kDropout;
   m.attr("compiled_kvcache") = fc::compiled::kKVCache;
   m.attr("compiled_sm80_small_tiles_on_hopper") = fc::compiled::kSm80SmallTilesOnHopper;
+  m.attr("compiled_sm80_every_head_dim_on_hopper") = fc::compiled::kSm80EveryHeadDimOnHopper;
   m.attr("compiled_archs") = std::string(fc::compiled::kArchs);
   m.def("forward_timeline", &fc::forward_timeline,
         "The Hopper forward's developer timeline of one head dim's kernels (FLASH_CUTLASS_TIMELINE=1)",

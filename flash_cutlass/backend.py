@@ -75,6 +75,14 @@ def compiled_sm80_small_tiles_on_hopper() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_sm80_every_head_dim_on_hopper() -> bool:
+    """Whether a Hopper GPU can run the sm80 path at every compiled head dim, which only
+    kernel="sm80" asks of it where the Hopper path has the head dim: this build's sm_90a code holds
+    those only with FLASH_CUTLASS_SM80_ON_HOPPER=1 (code for sm_90 or PTX always)."""
+    return bool(_extension().compiled_sm80_every_head_dim_on_hopper)
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_window() -> bool:
     """Whether this build has the sliding-window kernels (window_size=; FLASH_CUTLASS_WINDOW)."""
     return bool(_extension().compiled_window)

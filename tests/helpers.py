@@ -127,6 +127,26 @@ def backward_left_out() -> str:
 requires_backward = pytest.mark.skipif(bool(backward_left_out()), reason=backward_left_out() or "the backward is built")
 
 
+# The extension's refusal of kernel="sm80" at a head dim that this build's sm_90a code leaves out
+# (csrc/flash_api.cpp); tests/conftest.py reports a test that meets it as skipped, with its message.
+SM80_ON_HOPPER_REFUSAL = "rebuild with FLASH_CUTLASS_SM80_ON_HOPPER=1"
+
+
+def sm80_left_out_on_hopper(head_dim: int, direction: str) -> str:
+    """Why this Hopper GPU cannot run the sm80 path's `direction` at `head_dim`, or '': the sm_90a code
+    holds it at the Hopper path's head dims only when built with FLASH_CUTLASS_SM80_ON_HOPPER=1."""
+    from flash_cutlass.backend import compiled_sm80_every_head_dim_on_hopper
+
+    if torch.cuda.get_device_capability() != (9, 0) or compiled_sm80_every_head_dim_on_hopper():
+        return ""
+    sm80_dim = min((d for d in COMPILED_HEAD_DIMS if d >= head_dim), default=0)
+    hopper_dims = COMPILED_SM90_HEAD_DIMS if direction == "forward" else COMPILED_SM90_BACKWARD_HEAD_DIMS
+    if sm80_dim not in hopper_dims:
+        return ""
+    return (f"this build leaves the sm80 {direction} at head dim {sm80_dim} out of its sm_90a code ("
+            "FLASH_CUTLASS_SM80_ON_HOPPER=1 keeps it)")
+
+
 def kernel_unavailable(kernel: str, head_dim: int, direction: str) -> str:
     """Why `kernel` ('sm80' or 'sm90') cannot run the `direction` ('forward' or 'backward') of a
     head dim on this GPU and build, or '' when it can."""
@@ -135,7 +155,7 @@ def kernel_unavailable(kernel: str, head_dim: int, direction: str) -> str:
         if left_out:
             return left_out
     if kernel == "sm80":
-        return ""
+        return sm80_left_out_on_hopper(head_dim, direction)
     if not COMPILED_SM90_HEAD_DIMS:
         return "the Hopper path was not built"
     if torch.cuda.get_device_capability() != (9, 0):

@@ -13,7 +13,7 @@ import flash_cutlass
 from flash_cutlass.reference import naive_attention
 from helpers import (COMPILED_DTYPES, COMPILED_HEAD_DIMS, COMPILED_SM90_HEAD_DIMS, SMEM_163_KIB, SMEM_99_KIB,
                      SMEM_PER_BLOCK_ENV, fa2_check, kernel_unavailable, off_16_bytes, requires_backward,
-                     requires_cuda, small_tiles_unavailable)
+                     requires_cuda, sm80_left_out_on_hopper, small_tiles_unavailable)
 
 pytestmark = [requires_cuda, requires_backward]
 
@@ -326,6 +326,26 @@ def test_smaller_tiles_left_out_of_the_sm90a_code_are_refused_before_any_launch(
                                            "this build leaves them out of its sm_90a code: rebuild with "
                                            "FLASH_CUTLASS_SM90_SMALL_TILES=1"):
         flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80")
+
+
+def test_sm80_path_left_out_of_the_sm90a_code_is_refused_before_any_launch(cuda_gen):
+    """kernel="sm80" on a Hopper GPU at a head dim the Hopper path has, in a build whose sm_90a code
+    leaves the sm80 path out there (FLASH_CUTLASS_SM80_ON_HOPPER=0): an error naming the build flag
+    for the forward and the backward, no launch; the automatic choice runs the call."""
+    head_dim = max(COMPILED_SM90_HEAD_DIMS, default=0)
+    if not head_dim or not sm80_left_out_on_hopper(head_dim, "forward"):
+        pytest.skip("this GPU runs the sm80 path at every head dim of this build")
+    q = torch.randn(1, 100, 2, head_dim, generator=cuda_gen, device="cuda").to(COMPILED_DTYPES[-1])
+    refusal = (f"kernel='sm80' at head dim {head_dim} on cuda:\\d+: this build leaves the sm80 path's {{}} at the "
+               "Hopper path's head dims out of its sm_90a code, .*rebuild with FLASH_CUTLASS_SM80_ON_HOPPER=1")
+    with pytest.raises(RuntimeError, match=refusal.format("forward")):
+        flash_cutlass.flash_forward(q, q, q, kernel="sm80")
+    out, lse = flash_cutlass.flash_forward(q, q, q)
+    assert sm80_left_out_on_hopper(head_dim, "backward")
+    with pytest.raises(RuntimeError, match=refusal.format("backward")):
+        flash_cutlass.flash_backward(out, q, q, q, out, lse, kernel="sm80")
+    dq, dk, dv = flash_cutlass.flash_backward(out, q, q, q, out, lse)
+    assert all(bool(t.isfinite().all()) for t in (dq, dk, dv))
 
 
 def sm80_backward_kernel_names(run) -> set:

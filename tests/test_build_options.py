@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
         ("FLASH_CUTLASS_TIMELINE", "yes", "FLASH_CUTLASS_TIMELINE='yes': accepted values are 0 and 1"),
         ("FLASH_CUTLASS_PTX", "on", "FLASH_CUTLASS_PTX='on': accepted values are 0 and 1"),
         ("FLASH_CUTLASS_SM90_SMALL_TILES", "2", "FLASH_CUTLASS_SM90_SMALL_TILES='2': accepted values are 0 and 1"),
+        ("FLASH_CUTLASS_SM80_ON_HOPPER", "yes", "FLASH_CUTLASS_SM80_ON_HOPPER='yes': accepted values are 0 and 1"),
     ],
 )
 def test_setup_rejects_bad_build_option(variable, value, message):

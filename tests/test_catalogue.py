@@ -63,6 +63,26 @@ def test_the_sm90a_code_keeps_the_sm80_backwards_smaller_tiles_only_when_asked(t
         assert f"inline constexpr bool kSm80SmallTilesOnHopper = {value};" in header
 
 
+def test_the_sm90a_code_keeps_the_sm80_path_at_the_hopper_paths_head_dims_only_when_asked(tmp_path):
+    # FLASH_CUTLASS_SM80_ON_HOPPER: only kernel="sm80" runs them on a Hopper GPU.
+    assert not catalogue.BuildSelection(archs=(80, 90)).hopper_has_every_sm80_head_dim()
+    assert catalogue.BuildSelection(archs=(80, 90), sm80_on_hopper=True).hopper_has_every_sm80_head_dim()
+    assert catalogue.BuildSelection(archs=(80, 90), sm90=False).hopper_has_every_sm80_head_dim()  # sm_90 code
+    assert catalogue.BuildSelection(archs=(80, 86), sm90=False).hopper_has_every_sm80_head_dim()  # PTX
+    for keep, value in ((False, "false"), (True, "true")):
+        catalogue.generate(catalogue.BuildSelection(archs=(90,), sm80_on_hopper=keep), tmp_path)
+        header = (tmp_path / "include" / "flash_cutlass" / "compiled.h").read_text()
+        assert f"inline constexpr bool kSm80EveryHeadDimOnHopper = {value};" in header
+
+
+def test_the_hopper_paths_head_dims_are_the_sm80_paths():
+    # compiled_head_dims.h's sm80_kernel_on_hopper asks whether the Hopper path has the sm80 path's
+    # kernel head dim, which equals select.h's test (the two paths' head dims for the call's) only
+    # while the Hopper path's head dims are among the sm80 path's.
+    for direction in ("forward", "backward"):
+        assert set(catalogue.HEAD_DIMS[(direction, "sm90")]) <= set(catalogue.HEAD_DIMS[(direction, "sm80")])
+
+
 def test_the_ptx_is_reported_only_where_the_build_embeds_it():
     # The PTX of the oldest target, for GPUs newer than the targets (FLASH_CUTLASS_PTX in setup.py).
     assert catalogue.BuildSelection(archs=(80, 90)).arch_names() == "sm_80,sm_90a,compute_80"

@@ -10,7 +10,8 @@
 #     (docs/DEVELOPING.md); on a Hopper GPU, the sm80 backward's smaller tiles need a build with
 #     FLASH_CUTLASS_SM90_SMALL_TILES=1
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
-#   MAX_JOBS, ...), BENCH_ARGS (extra benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's
+#   MAX_JOBS, ...; FLASH_CUTLASS_SM80_ON_HOPPER defaults to 1 here, so that a Hopper GPU runs the sm80
+#   path's tests and the flash_cutlass_sm80 benchmark at every head dim), BENCH_ARGS (extra benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's
 #   --impls, e.g. with flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's
 #   opt-ins), PYTEST_ARGS, PYTEST_WORKERS (test: pytest processes at once, default 8;
 #   tools/parallel_pytest.py, its logs pytest_<n>.log).
@@ -22,6 +23,7 @@ steps=${*:-build test bench profile}
 mkdir -p "$out_dir"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
+export FLASH_CUTLASS_SM80_ON_HOPPER=${FLASH_CUTLASS_SM80_ON_HOPPER:-1}
 
 summary() { echo "$*" | tee -a "$out_dir/summary.txt"; }
 

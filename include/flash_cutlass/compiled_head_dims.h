@@ -45,4 +45,26 @@ constexpr bool has_compiled_head_dims() {
   return kernel_head_dim<kDirection, kPath>(1) != 0;
 }
 
+// Whether the code a Hopper GPU runs holds the sm80 path's kernel of a direction at a compiled
+// head dim. The sm_90a code holds it only where the Hopper path lacks that head dim (the automatic
+// choice runs the sm80 path there: select.h) unless the build keeps every head dim
+// (FLASH_CUTLASS_SM80_ON_HOPPER=1), for calls that force kernel="sm80"; other code (sm_90, PTX)
+// holds them all. The sm80 kernels compile their bodies only where this holds (sm80/fwd_kernel.h,
+// sm80/bwd_kernel.h), and csrc/flash_api.cpp refuses a forced call to one left out.
+template <Direction kDirection>
+constexpr bool sm80_kernel_on_hopper(int kernel_hdim) {
+  return compiled::kSm80EveryHeadDimOnHopper || kernel_head_dim<kDirection, KernelPath::kSm90>(kernel_hdim) != kernel_hdim;
+}
+
+// Whether this compilation pass holds the sm80 path's kernel of a direction at a head dim: every
+// pass but sm_90a's (above).
+template <Direction kDirection, int kHeadDim>
+constexpr bool sm80_head_dim_in_this_pass() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  return sm80_kernel_on_hopper<kDirection>(kHeadDim);
+#else
+  return true;
+#endif
+}
+
 }  // namespace flash_cutlass

@@ -28,6 +28,7 @@
 #include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/common/utils.h"
 #include "flash_cutlass/compiled.h"
+#include "flash_cutlass/compiled_head_dims.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm80/gemm.h"
 #include "flash_cutlass/sm80/kernel_traits.h"
@@ -237,9 +238,13 @@ __device__ __forceinline__ void probabilities_and_ds(TensorS& s, TensorDP& dp, S
 // sm_90a's holds every tier; sm_90a's only tier 0 unless the build keeps the smaller ones
 // (FLASH_CUTLASS_SM90_SMALL_TILES): a Hopper GPU picks them only where FLASH_CUTLASS_SMEM_PER_BLOCK
 // says its blocks have less shared memory than they do, and csrc/flash_api.cpp refuses such a call
-// to a build without them before any launch.
+// to a build without them before any launch. sm_90a's holds a head dim at all only where
+// sm80_head_dim_in_this_pass says so (compiled_head_dims.h).
 template <class Traits>
 constexpr bool compiles_tiles_here() {
+  if constexpr (!sm80_head_dim_in_this_pass<Direction::kBackward, Traits::kHeadDim>()) {
+    return false;
+  }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   return compiled::kSm80SmallTilesOnHopper ||
          std::is_same_v<Traits, BwdTraitsFor<Traits::kHeadDim, typename Traits::Element>>;

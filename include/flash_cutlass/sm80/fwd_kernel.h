@@ -14,6 +14,7 @@
 #include "flash_cutlass/common/score_mods.h"
 #include "flash_cutlass/common/softmax.h"
 #include "flash_cutlass/common/utils.h"
+#include "flash_cutlass/compiled_head_dims.h"
 #include "flash_cutlass/params.h"
 #include "flash_cutlass/sm80/gemm.h"
 #include "flash_cutlass/sm80/kernel_traits.h"
@@ -224,14 +225,18 @@ __device__ __forceinline__ void fwd_query_block(FwdParams const& params, char* s
 // Grid: one CTA per (query block, head, batch), flattened into x: each (head, batch)'s query blocks
 // from the last to the first, and with a causal mask longest first across bands of (head, batch)
 // pairs (block_info.h), so that the CTAs the hardware starts last are the shortest (+1-5% at head
-// dims 64 and 128, 2k-8k, on the H200).
+// dims 64 and 128, 2k-8k, on the H200). Empty in the compilation passes that leave its head dim out
+// (sm80_head_dim_in_this_pass: the sm_90a code at the Hopper path's head dims).
 template <class Traits, MaskKind kMaskKind, Extension kExtension>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm80(__grid_constant__ const FwdParams params) {
-  extern __shared__ __align__(128) char smem[];
-  record_philox_state<carries_dropout(kExtension)>(params);
-  const QueryTile tile = kMaskKind == MaskKind::kCausal ? longest_first_query_tile_of_this_cta<Traits::kBlockM>(params)
-                                                       : query_tile_of_this_cta<Traits::kBlockM>(params);
-  fwd_query_block<Traits, kMaskKind, kExtension>(params, smem, tile.m_block, tile.batch, tile.head);
+  if constexpr (sm80_head_dim_in_this_pass<Direction::kForward, Traits::kHeadDim>()) {
+    extern __shared__ __align__(128) char smem[];
+    record_philox_state<carries_dropout(kExtension)>(params);
+    const QueryTile tile = kMaskKind == MaskKind::kCausal
+                               ? longest_first_query_tile_of_this_cta<Traits::kBlockM>(params)
+                               : query_tile_of_this_cta<Traits::kBlockM>(params);
+    fwd_query_block<Traits, kMaskKind, kExtension>(params, smem, tile.m_block, tile.batch, tile.head);
+  }
 }
 
 }  // namespace flash_cutlass::sm80

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from helpers import catalogue
 
 
@@ -51,28 +53,23 @@ def test_a_pruned_build_generates_only_what_it_asked_for(tmp_path):
     assert 'kArchs[] = "sm_90a,compute_90"' in header
 
 
-def test_the_sm90a_code_keeps_the_sm80_backwards_smaller_tiles_only_when_asked(tmp_path):
-    # FLASH_CUTLASS_SM90_SMALL_TILES: a Hopper GPU runs them only from code other than sm_90a's.
-    assert not catalogue.BuildSelection(archs=(80, 90)).hopper_has_small_tiles()
-    assert catalogue.BuildSelection(archs=(80, 90), sm90_small_tiles=True).hopper_has_small_tiles()
-    assert catalogue.BuildSelection(archs=(80, 90), sm90=False).hopper_has_small_tiles()  # sm_90 code
-    assert catalogue.BuildSelection(archs=(80, 86), sm90=False).hopper_has_small_tiles()  # PTX
-    for small_tiles, value in ((False, "false"), (True, "true")):
-        catalogue.generate(catalogue.BuildSelection(archs=(90,), sm90_small_tiles=small_tiles), tmp_path)
-        header = (tmp_path / "include" / "flash_cutlass" / "compiled.h").read_text()
-        assert f"inline constexpr bool kSm80SmallTilesOnHopper = {value};" in header
-
-
-def test_the_sm90a_code_keeps_the_sm80_path_at_the_hopper_paths_head_dims_only_when_asked(tmp_path):
-    # FLASH_CUTLASS_SM80_ON_HOPPER: only kernel="sm80" runs them on a Hopper GPU.
-    assert not catalogue.BuildSelection(archs=(80, 90)).hopper_has_every_sm80_head_dim()
-    assert catalogue.BuildSelection(archs=(80, 90), sm80_on_hopper=True).hopper_has_every_sm80_head_dim()
-    assert catalogue.BuildSelection(archs=(80, 90), sm90=False).hopper_has_every_sm80_head_dim()  # sm_90 code
-    assert catalogue.BuildSelection(archs=(80, 86), sm90=False).hopper_has_every_sm80_head_dim()  # PTX
+@pytest.mark.parametrize("field,holds,constant", [
+    # FLASH_CUTLASS_SM90_SMALL_TILES: the sm80 backward's smaller tiles, which a Hopper GPU picks only
+    # under FLASH_CUTLASS_SMEM_PER_BLOCK.
+    ("sm90_small_tiles", "hopper_has_small_tiles", "kSm80SmallTilesOnHopper"),
+    # FLASH_CUTLASS_SM80_ON_HOPPER: the sm80 path at the Hopper path's head dims (only kernel="sm80").
+    ("sm80_on_hopper", "hopper_has_every_sm80_head_dim", "kSm80EveryHeadDimOnHopper"),
+])
+def test_the_sm90a_code_keeps_sm80_kernels_that_hopper_does_not_pick_only_when_asked(tmp_path, field, holds, constant):
+    # A Hopper GPU runs them only from code other than sm_90a's, or where the build keeps them.
+    assert not getattr(catalogue.BuildSelection(archs=(80, 90)), holds)()
+    assert getattr(catalogue.BuildSelection(archs=(80, 90), **{field: True}), holds)()
+    assert getattr(catalogue.BuildSelection(archs=(80, 90), sm90=False), holds)()  # sm_90 code
+    assert getattr(catalogue.BuildSelection(archs=(80, 86), sm90=False), holds)()  # PTX
     for keep, value in ((False, "false"), (True, "true")):
-        catalogue.generate(catalogue.BuildSelection(archs=(90,), sm80_on_hopper=keep), tmp_path)
+        catalogue.generate(catalogue.BuildSelection(archs=(90,), **{field: keep}), tmp_path)
         header = (tmp_path / "include" / "flash_cutlass" / "compiled.h").read_text()
-        assert f"inline constexpr bool kSm80EveryHeadDimOnHopper = {value};" in header
+        assert f"inline constexpr bool {constant} = {value};" in header
 
 
 def test_the_hopper_paths_head_dims_are_the_sm80_paths():

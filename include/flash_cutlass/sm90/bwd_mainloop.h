@@ -200,19 +200,16 @@ __device__ __forceinline__ void probabilities_of_block(TensorS& st, Coords const
 // into P^T and dS^T: the exponentials while dP^T is still computed (the extended kernels, which
 // need both at once, wait for both). Both consumer layouts run it on their part of the tile;
 // wait_before_dp() runs between the two GEMMs' issue (dO's own barrier, where it has one, and V's
-// in a walk's first block where V comes after the first Q and dO). With
-// `rounded_pt` (a fragment in the inputs' dtype; not for the extended kernels), P^T goes there as
-// soon as it is final and dS^T is formed from it, rounded, so that the fp32 P^T is dead before
-// dP^T is waited for (fewer registers live across the wait).
+// in a walk's first block where V comes after the first Q and dO). dS^T is formed from the fp32
+// P^T: from P^T rounded to bf16 (fewer registers live across dP^T's wait at head dim 64), dQ and dK
+// went past FlashAttention-2's error rule on shapes of few keys a query.
 template <MaskKind kMaskKind, int kBlockM, int kBlockN, class TiledMma, class FragK, class FragQ, class FragV,
-          class FragdO, class Acc, class Coords, bool kExtended, bool kDropout, class WaitBeforeDp,
-          class RoundedPt = std::nullptr_t, class AfterPt = void (*)()>
+          class FragdO, class Acc, class Coords, bool kExtended, bool kDropout, class WaitBeforeDp>
 __device__ __forceinline__ void probabilities_and_ds_of_block(
     TiledMma& mma_sdp, FragK const& tSrK, FragQ const& tSrQ, FragV const& tdPrV, FragdO const& tdPrdO, Acc& acc_s,
     Acc& acc_dp, Coords const& tScS, BwdParams const& params, KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
     ScoreMods<kExtended> const& score_mods, Dropout<kDropout> const& dropout, int row_start,
-    QueryExponents const& exponents, const float* dsum, WaitBeforeDp&& wait_before_dp,
-    RoundedPt rounded_pt = nullptr, AfterPt&& after_pt = [] {}) {
+    QueryExponents const& exponents, const float* dsum, WaitBeforeDp&& wait_before_dp) {
   using namespace cute;
   issue_gemm_wgmma<true>(mma_sdp, tSrK, tSrQ, acc_s);
   wait_before_dp();
@@ -237,20 +234,9 @@ __device__ __forceinline__ void probabilities_and_ds_of_block(
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc_s);
     probabilities_of_block(st, tScS, work, row_start, exponents);
-    if constexpr (std::is_same_v<RoundedPt, std::nullptr_t>) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dp);
-      ds_transposed(st, dpt, tScS, dsum);
-    } else {
-      using Element = typename std::remove_pointer_t<RoundedPt>::value_type;
-      Tensor pt = convert_fragment<Element>(acc_s);
-      copy(pt, *rounded_pt);
-      after_pt();  // may issue a GEMM of P^T: dP^T is then the one but last in flight
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc_dp);
-      Tensor p = convert_fragment<float>(*rounded_pt);
-      ds_transposed(as_rows_cols(p), dpt, tScS, dsum);
-    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dp);
+    ds_transposed(st, dpt, tScS, dsum);
   }
 }
 
@@ -274,8 +260,6 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
   constexpr bool kDqInTurns = Traits::dq_in_turns(kExtended);
   constexpr int kDqThreads = Traits::dq_staging_threads(kExtended) + 32;  // with the dQ warp
   constexpr bool kDqUnderDk = Traits::kHeadDim > 64 && !kDqInTurns;
-  // dS^T from P^T rounded to the inputs' dtype where registers are short (head dim 64's 128-row blocks).
-  constexpr bool kDsFromRoundedP = Traits::kHeadDim <= 64 && !kExtended;
   static_assert(!(kDqUnderDk && kDqInTurns), "dQ in turns is written for dK issued before the dS barrier");
 
   // The extended kernels' tiles take one query head (BwdParams::query_heads_per_key_tile is 1 there).
@@ -334,32 +318,15 @@ __device__ __forceinline__ void consume_query_blocks(BwdKernelParams<Traits> con
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSt{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSt{});
     // P^T and dS^T in the inputs' dtype: the register A operands of dV and dK; dS^T also to shared
-    // memory for dQ. At head dim 64 P^T is rounded before dP^T is waited for (kDsFromRoundedP).
-    // (Past head dim 64, rounded only once dS^T is formed: rounding first, or into a fragment made
-    // ahead, changes ptxas's schedule there and measured 3-6% slower at 128.)
-    auto pt = [&] {
-      if constexpr (kDsFromRoundedP) {
-        return make_fragment_like<Element>(acc_s);
-      } else {
-        probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
-                                      acc_dp, tScS, params, work, score_mods, dropout, row_start,
-                                      query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
-                                      wait_for_v);
-        return convert_fragment<Element>(acc_s);
-      }
-    }();
-    auto issue_dv = [&] {
-      Tensor tdVrPt = make_tensor(pt.data(), acc_layout_as_operand_a(pt.layout()));
-      issue_gemm_wgmma<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
-    };
-    if constexpr (kDsFromRoundedP) {
-      probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s,
-                                    acc_dp, tScS, params, work, score_mods, dropout, row_start,
-                                    query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
-                                    wait_for_v, &pt, issue_dv);
-    } else {
-      issue_dv();
-    }
+    // memory for dQ. P^T is rounded once dS^T is formed (rounding first, or into a fragment made
+    // ahead, changes ptxas's schedule and measured 3-6% slower at 128).
+    probabilities_and_ds_of_block(mma_sdp, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), acc_s, acc_dp,
+                                  tScS, params, work, score_mods, dropout, row_start,
+                                  query_exponents(storage.pipeline, stage, params), storage.pipeline.dsum[stage],
+                                  wait_for_v);
+    Tensor pt = convert_fragment<Element>(acc_s);
+    Tensor tdVrPt = make_tensor(pt.data(), acc_layout_as_operand_a(pt.layout()));
+    issue_gemm_wgmma<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
     Tensor dst = convert_fragment<Element>(acc_dp);
     copy(smem_tiled_copy_ds, smem_thr_copy_ds.retile_S(dst), tdSsdS(_, _, _, ds_buffer));
     Tensor tdKrdSt = make_tensor(dst.data(), acc_layout_as_operand_a(dst.layout()));

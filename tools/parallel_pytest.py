@@ -19,12 +19,14 @@ from pathlib import Path
 
 def collected_counts(paths, pytest_args):
     """{test file's path: number of tests pytest collects from it}. The collection's rootdir is the
-    paths' common folder, so that each test id begins with its file's path below it."""
+    paths' common folder, so that each test id begins with its file's path below it. The verbosity
+    comes after the caller's options: their own -q would otherwise make pytest list counts, not ids."""
     base = Path(os.path.commonpath([os.path.abspath(p) for p in paths]))
     if base.is_file():
         base = base.parent
-    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             f"--rootdir={base}", *pytest_args, *paths], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider",
+                             f"--rootdir={base}", *pytest_args, "--verbosity=-1", *paths], capture_output=True,
+                            text=True)
     counts = {}
     for line in result.stdout.splitlines():
         if "::" in line:
@@ -71,12 +73,14 @@ def main(argv=None):
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
     groups = split_files(collected_counts(args.paths, pytest_args), args.workers)
+    # -q unless the caller set a verbosity (a second -q drops the summary line last_summary reads).
+    quiet = [] if any(a.startswith(("-q", "-v", "--quiet", "--verbose", "--verbosity")) for a in pytest_args) else ["-q"]
     start = time.monotonic()
     running = []
     for index, (total, files) in enumerate(groups):
         log = args.log_dir / f"pytest_{index}.log"
         with open(log, "w") as stream:
-            process = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            process = subprocess.Popen([sys.executable, "-m", "pytest", *quiet, "-p", "no:cacheprovider",
                                         *pytest_args, *files], stdout=stream, stderr=subprocess.STDOUT)
         running.append((process, log, total, files))
 

@@ -498,9 +498,11 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
   FLASH_CHECK(selection.error.empty(), selection.error);
   if (selection.path == KernelPath::kSm80) {
     const int hdim = selection.kernel_hdim;
+    const bool runs_sm90a = device.major == 9 && device.minor == 0;  // this build's sm_90a code, if any
     // Only a forced kernel="sm80" reaches these (compiled_head_dims.h, sm80_kernel_on_hopper).
-    FLASH_CHECK(device.major != 9 || sm80_kernel_on_hopper<kDirection>(hdim), "kernel='sm80' at head dim ", hdim,
-                " on ", q.device(), ": this build leaves the sm80 path's ",
+    FLASH_CHECK(!runs_sm90a || sm80_kernel_on_hopper<kDirection>(hdim), "kernel='sm80' at head dim ", hdim, " on ",
+                q.device(), " (the argument, or FLASH_CUTLASS_",
+                kDirection == Direction::kForward ? "FORWARD" : "BACKWARD", "_KERNEL): this build leaves the sm80 path's ",
                 kDirection == Direction::kForward ? "forward" : "backward",
                 " at the Hopper path's head dims out of its sm_90a code, which Hopper GPUs run (the automatic choice "
                 "takes the Hopper path there); rebuild with FLASH_CUTLASS_SM80_ON_HOPPER=1");
@@ -517,7 +519,7 @@ KernelSelection selected_kernel(AttentionShape const& shape, AttentionOptions co
                shape.head_dim, hdim, q);
     // The sm_90a code holds the backward's usual tiles only, unless built with
     // FLASH_CUTLASS_SM90_SMALL_TILES=1 (sm80/bwd_kernel.h, compiles_tiles_here).
-    FLASH_CHECK(kDirection == Direction::kForward || selection.sm80_tile_tier == 0 || device.major != 9 ||
+    FLASH_CHECK(kDirection == Direction::kForward || selection.sm80_tile_tier == 0 || !runs_sm90a ||
                     compiled::kSm80SmallTilesOnHopper,
                 "the sm80 backward at head dim ", hdim, " needs its smaller tiles on ", q.device(), ", which allows ",
                 device.smem_per_block / 1024, " KiB of shared memory a block",

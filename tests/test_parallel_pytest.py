@@ -47,9 +47,11 @@ def test_a_run_reports_every_process_and_fails_when_one_fails(tmp_path, capsys):
     assert "5 passed" in printed and "1 processes" in printed and "test_two.py" not in printed
 
     # The caller's own -q neither hides the collected tests nor the processes' summaries.
-    assert parallel_pytest.main(["--workers", "2", "--log-dir", str(logs), str(suite), "--", "-q", "-k", "not fails"]) == 0
-    printed = capsys.readouterr().out
-    assert "5 passed" in printed and "1 processes" in printed
+    for quiet in ("-q", "-xq"):
+        assert parallel_pytest.main(["--workers", "2", "--log-dir", str(logs), str(suite), "--", quiet, "-k",
+                                     "not fails"]) == 0
+        printed = capsys.readouterr().out
+        assert "5 passed" in printed and "1 processes" in printed
 
 
 def test_a_process_past_the_timeout_is_stopped_and_counts_as_failed(tmp_path, capsys):

@@ -17,7 +17,21 @@ else
   cutlass=$(python3 -c 'import importlib.util, pathlib; s = importlib.util.find_spec("cutlass_library"); print(pathlib.Path(list(s.submodule_search_locations)[0]) / "source" / "include")')
 fi
 mkdir -p "$root/build"
+# flash_cutlass/compiled.h of a Hopper build that keeps the sm80 path at every head dim
+# (FLASH_CUTLASS_SM80_ON_HOPPER=1): this tool runs both paths on the GPU.
+generated=$root/build/compare_paths_generated
+python3 - "$root" "$generated" <<'PY'
+import importlib.util, sys
+from pathlib import Path
+root, out = Path(sys.argv[1]), Path(sys.argv[2])
+spec = importlib.util.spec_from_file_location("flash_cutlass_catalogue", root / "csrc" / "catalogue.py")
+catalogue = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = catalogue
+spec.loader.exec_module(catalogue)
+catalogue.generate(catalogue.BuildSelection(archs=(90,), sm80_on_hopper=True), out)
+PY
 binary=$root/build/compare_paths_hdim$head_dim
-nvcc -gencode=arch=compute_90a,code=sm_90a -O3 --use_fast_math --expt-relaxed-constexpr -std=c++17 \
-  -I "$root/include" -I "$cutlass" -DHEAD_DIM="$head_dim" "$root/tools/compare_paths.cu" -o "$binary"
+nvcc -gencode=arch=compute_90a,code=sm_90a -O3 --use_fast_math --expt-relaxed-constexpr -std=c++20 \
+  -I "$root/include" -I "$generated/include" -I "$cutlass" -DHEAD_DIM="$head_dim" "$root/tools/compare_paths.cu" \
+  -o "$binary"
 "$binary"

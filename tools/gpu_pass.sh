@@ -8,7 +8,8 @@
 #   compact: the kernels of GPUs that allow a block less shared memory (FLASH_CUTLASS_SMEM_PER_BLOCK):
 #     their tests, then memcheck and racecheck over tools/sanitize_calls.py --kernel sm80 under 99 KiB
 #     (docs/DEVELOPING.md); on a Hopper GPU, the sm80 backward's smaller tiles need a build with
-#     FLASH_CUTLASS_SM90_SMALL_TILES=1
+#     FLASH_CUTLASS_SM90_SMALL_TILES=1 (and, at head dims 64-256, FLASH_CUTLASS_SM80_ON_HOPPER=1, this
+#     script's default)
 # Environment: the build variables of setup.py (FLASH_CUTLASS_CUDA_ARCHS, FLASH_CUTLASS_HEAD_DIMS,
 #   MAX_JOBS, ...; FLASH_CUTLASS_SM80_ON_HOPPER defaults to 1 here, so that a Hopper GPU runs the sm80
 #   path's tests and the flash_cutlass_sm80 benchmark at every head dim), BENCH_ARGS (extra benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's

@@ -73,8 +73,11 @@ def main(argv=None):
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
     groups = split_files(collected_counts(args.paths, pytest_args), args.workers)
-    # -q unless the caller set a verbosity (a second -q drops the summary line last_summary reads).
-    quiet = [] if any(a.startswith(("-q", "-v", "--quiet", "--verbose", "--verbosity")) for a in pytest_args) else ["-q"]
+    # -q unless the caller set a verbosity (a second -q drops the summary line last_summary reads),
+    # alone or among other short flags (-xq).
+    sets_verbosity = any(re.match(r"-[a-zA-Z]*[qv]", a) or a.startswith(("--quiet", "--verbose", "--verbosity"))
+                         for a in pytest_args)
+    quiet = [] if sets_verbosity else ["-q"]
     start = time.monotonic()
     running = []
     for index, (total, files) in enumerate(groups):

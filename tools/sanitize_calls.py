@@ -4,7 +4,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_calls.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_calls.py --head-dims 128,256
     FLASH_CUTLASS_SMEM_PER_BLOCK=101376 compute-sanitizer --tool racecheck python3 tools/sanitize_calls.py \
-        --kernel sm80     # the kernels of a GPU of 99 KiB a block (Hopper: FLASH_CUTLASS_SM90_SMALL_TILES=1 builds)
+        --kernel sm80     # the kernels of a GPU of 99 KiB a block (Hopper: builds with FLASH_CUTLASS_SM90_SMALL_TILES=1
+                          # and FLASH_CUTLASS_SM80_ON_HOPPER=1)
 
 For each compiled head dim (or --head-dims) and the first compiled dtype: the forward and backward
 of fixed-length calls with tails (seqlens that are no multiple of any tile, seqlen 1, more queries

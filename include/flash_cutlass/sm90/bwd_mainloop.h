@@ -200,9 +200,10 @@ __device__ __forceinline__ void probabilities_of_block(TensorS& st, Coords const
 // into P^T and dS^T: the exponentials while dP^T is still computed (the extended kernels, which
 // need both at once, wait for both). Both consumer layouts run it on their part of the tile;
 // wait_before_dp() runs between the two GEMMs' issue (dO's own barrier, where it has one, and V's
-// in a walk's first block where V comes after the first Q and dO). dS^T is formed from the fp32
-// P^T: from P^T rounded to bf16 (fewer registers live across dP^T's wait at head dim 64), dQ and dK
-// went past FlashAttention-2's error rule on shapes of few keys a query.
+// in a walk's first block where V comes after the first Q and dO). Here dS^T is formed from the
+// fp32 P^T (the 64 kernel once formed it from P^T rounded to the inputs' dtype, for fewer registers
+// live across dP^T's wait: in bf16, dQ and dK went past FlashAttention-2's error rule on shapes of
+// few keys a query).
 template <MaskKind kMaskKind, int kBlockM, int kBlockN, class TiledMma, class FragK, class FragQ, class FragV,
           class FragdO, class Acc, class Coords, bool kExtended, bool kDropout, class WaitBeforeDp>
 __device__ __forceinline__ void probabilities_and_ds_of_block(

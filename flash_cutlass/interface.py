@@ -192,7 +192,8 @@ def flash_forward(q, k, v, softmax_scale: Optional[float] = None, causal: bool =
     kernel is None) runs the Hopper path (TMA + wgmma) on compute capability 9.0 for the head dims
     it was built for (64, 96, 128, 192, 256, and the multiples of 8 below them that need no
     larger kernel), and the sm80 path otherwise; 'sm80' and 'sm90' force one (RuntimeError where the
-    forced one cannot run the call). CPU tensors ignore it.
+    forced one cannot run the call: 'sm80' on Hopper at those head dims needs a build with
+    FLASH_CUTLASS_SM80_ON_HOPPER=1). CPU tensors ignore it.
     """
     check_forward_tensors(q, k, v)
     options = forward_options(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,

@@ -21,14 +21,10 @@ mkdir -p "$root/build"
 # (FLASH_CUTLASS_SM80_ON_HOPPER=1): this tool runs both paths on the GPU.
 generated=$root/build/compare_paths_generated
 python3 - "$root" "$generated" <<'PY'
-import importlib.util, sys
+import runpy, sys
 from pathlib import Path
-root, out = Path(sys.argv[1]), Path(sys.argv[2])
-spec = importlib.util.spec_from_file_location("flash_cutlass_catalogue", root / "csrc" / "catalogue.py")
-catalogue = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = catalogue
-spec.loader.exec_module(catalogue)
-catalogue.generate(catalogue.BuildSelection(archs=(90,), sm80_on_hopper=True), out)
+catalogue = runpy.run_path(str(Path(sys.argv[1]) / "setup.py"), run_name="flash_cutlass_setup")["load_catalogue"]()
+catalogue.generate(catalogue.BuildSelection(archs=(90,), sm80_on_hopper=True), Path(sys.argv[2]))
 PY
 binary=$root/build/compare_paths_hdim$head_dim
 nvcc -gencode=arch=compute_90a,code=sm_90a -O3 --use_fast_math --expt-relaxed-constexpr -std=c++20 \

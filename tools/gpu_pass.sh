@@ -14,8 +14,9 @@
 #   MAX_JOBS, ...; FLASH_CUTLASS_SM80_ON_HOPPER defaults to 1 here, so that a Hopper GPU runs the sm80
 #   path's tests and the flash_cutlass_sm80 benchmark at every head dim), BENCH_ARGS (extra
 #   benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's --impls, e.g. with
-#   flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's opt-ins), PYTEST_ARGS, PYTEST_WORKERS (test: pytest processes at once, default 8;
-#   tools/parallel_pytest.py, its logs pytest_<n>.log).
+#   flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's opt-ins), PYTEST_ARGS,
+#   PYTEST_WORKERS (test: pytest processes at once, default 8; tools/parallel_pytest.py, its logs
+#   pytest_<n>.log).
 set -uo pipefail
 
 out_dir=${1:?usage: tools/gpu_pass.sh OUT_DIR [build|test|bench|profile...]}

@@ -15,8 +15,8 @@
 #   path's tests and the flash_cutlass_sm80 benchmark at every head dim), BENCH_ARGS (extra
 #   benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's --impls, e.g. with
 #   flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's opt-ins), PYTEST_ARGS,
-#   PYTEST_WORKERS (test: pytest processes at once, default 8; tools/parallel_pytest.py, its logs
-#   pytest_<n>.log).
+#   PYTEST_WORKERS (test: pytest processes at once, default 8; tools/parallel_pytest.py; the parts'
+#   logs in pytest_logs.tgz, their FAILED/ERROR lines in failures.txt).
 set -uo pipefail
 
 out_dir=${1:?usage: tools/gpu_pass.sh OUT_DIR [build|test|bench|profile...]}
@@ -60,10 +60,14 @@ for step in $steps; do
       grep -a -E "spill stores|Used [0-9]+ registers" "$out_dir/build.log" | sort | uniq -c >"$out_dir/ptxas.txt"
       ;;
     test)
-      python3 tools/parallel_pytest.py --workers "${PYTEST_WORKERS:-8}" --log-dir "$out_dir" tests \
+      python3 tools/parallel_pytest.py --workers "${PYTEST_WORKERS:-8}" --log-dir "$out_dir/pytest_logs" tests \
         -- ${PYTEST_ARGS:-} >"$out_dir/pytest.log" 2>&1
       status=$?
-      summary "pytest: $(grep -E "exit|processes" "$out_dir/pytest.log" | tr '\n' ' ')"
+      grep -h -a -E "^(FAILED|ERROR) " "$out_dir"/pytest_logs/pytest_*.log >"$out_dir/failures.txt"
+      tar czf "$out_dir/pytest_logs.tgz" -C "$out_dir" pytest_logs && rm -r "$out_dir/pytest_logs"
+      summary "pytest: exit $status; $(grep -c -E "exit 0:" "$out_dir/pytest.log") parts passed," \
+        "$(grep -c -E "exit " "$out_dir/pytest.log") run; $(tail -1 "$out_dir/pytest.log");" \
+        "$(wc -l <"$out_dir/failures.txt") FAILED/ERROR lines (failures.txt)"
       ;;
     bench)
       python3 benchmarks/benchmark_forward.py --check --memory ${BENCH_ARGS:-} \

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Runs a pytest suite in several pytest processes at once, test files split among them by their
-collected test counts, each process's log in its own file. On one GPU the suite's calls are small,
-so several processes share it: on an H100 (2026-12-06) the whole suite's processes took about
-1,600 s together, four at a time, no file failing for running beside the others.
+"""Runs a pytest suite in several pytest processes at once: the collected tests go in parts (a
+file whole, or a long file's test ids in parts of at most --part-size), the longest parts first,
+and each process that ends makes room for the next part, so that no one slow file bounds the wall
+time. One log a part. On one GPU the suite's calls are small, so several processes share it: on
+an H100 (2026-12-06) the whole suite's processes took about 1,600 s together, four at a time, no
+file failing for running beside the others.
 
   python3 tools/parallel_pytest.py --workers 8 --log-dir OUT tests [-- extra pytest options]
 
-Prints each process's files and its last pytest line; exits 0 only when every process passed (a
-process cut by --timeout counts as failed and says how far it got)."""
+Prints each part's files and its last pytest line; exits 0 only when every part passed (a part
+cut by --timeout, or never started before it, counts as failed and says how far it got)."""
 import argparse
 import os
 import re
@@ -17,35 +19,45 @@ import time
 from pathlib import Path
 
 
-def collected_counts(paths, pytest_args):
-    """{test file's path: number of tests pytest collects from it}. The collection's rootdir is the
-    paths' common folder, so that each test id begins with its file's path below it. The verbosity
-    comes after the caller's options: their own -q would otherwise make pytest list counts, not ids."""
+def collected_ids(paths, pytest_args):
+    """{test file's path: the ids of the tests pytest collects from it, each beginning with that
+    path}. The collection's rootdir is the paths' common folder, so that each test id begins with its
+    file's path below it. The verbosity comes after the caller's options: their own -q would
+    otherwise make pytest list counts, not ids."""
     base = Path(os.path.commonpath([os.path.abspath(p) for p in paths]))
     if base.is_file():
         base = base.parent
     result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider",
                              f"--rootdir={base}", *pytest_args, "--verbosity=-1", *paths], capture_output=True,
                             text=True)
-    counts = {}
+    ids = {}
     for line in result.stdout.splitlines():
         if "::" in line:
-            name = str(base / line.split("::", 1)[0])
-            counts[name] = counts.get(name, 0) + 1
-    if not counts:
+            file, rest = line.split("::", 1)
+            name = str(base / file)
+            ids.setdefault(name, []).append(f"{name}::{rest}")
+    if not ids:
         raise SystemExit(f"pytest collected no tests from {' '.join(paths)}:\n{result.stdout}{result.stderr}")
-    return counts
+    return ids
 
 
-def split_files(counts, workers):
-    """The files in `workers` groups of about equal test counts (largest first, each to the
-    lightest group); empty groups are dropped."""
-    groups = [[0, []] for _ in range(workers)]
-    for name, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
-        lightest = min(groups, key=lambda group: group[0])
-        lightest[0] += count
-        lightest[1].append(name)
-    return [(total, files) for total, files in groups if files]
+def split_tests(ids, part_size):
+    """The tests in parts of at most `part_size`, longest first, each a (count, pytest arguments)
+    pair: a file whole, as its path, when it holds no more; else its test ids in parts of about
+    equal size."""
+    parts = []
+    for name, tests in ids.items():
+        if len(tests) <= part_size:
+            parts.append((len(tests), [name]))
+        else:
+            count = -(-len(tests) // part_size)
+            bounds = [len(tests) * i // count for i in range(count + 1)]
+            parts += [(end - begin, tests[begin:end]) for begin, end in zip(bounds, bounds[1:])]
+    return sorted(parts, key=lambda part: (-part[0], part[1][0]))
+
+
+def shown_path(path: str) -> str:
+    return os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
 
 
 def last_summary(log: Path) -> str:
@@ -63,6 +75,8 @@ def main(argv=None):
     parser.add_argument("paths", nargs="+", help="test files or directories (pytest's own options after --)")
     parser.add_argument("--workers", type=int, default=8, help="pytest processes at once (default: 8)")
     parser.add_argument("--log-dir", type=Path, required=True, help="where pytest_<n>.log go")
+    parser.add_argument("--part-size", type=int, default=150,
+                        help="most tests of one file in one pytest process (default: 150)")
     parser.add_argument("--timeout", type=float, default=0,
                         help="seconds after which unfinished processes are stopped (default: 0, none)")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -70,36 +84,49 @@ def main(argv=None):
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.part_size < 1:
+        parser.error("--part-size must be at least 1")
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
-    groups = split_files(collected_counts(args.paths, pytest_args), args.workers)
+    parts = split_tests(collected_ids(args.paths, pytest_args), args.part_size)
     # -q unless the caller set a verbosity (a second -q drops the summary line last_summary reads),
     # alone or among other short flags (-xq).
     sets_verbosity = any(re.match(r"-[a-zA-Z]*[qv]", a) or a.startswith(("--quiet", "--verbose", "--verbosity"))
                          for a in pytest_args)
     quiet = [] if sets_verbosity else ["-q"]
     start = time.monotonic()
+    waiting = list(enumerate(parts))
     running = []
-    for index, (total, files) in enumerate(groups):
-        log = args.log_dir / f"pytest_{index}.log"
-        with open(log, "w") as stream:
-            process = subprocess.Popen([sys.executable, "-m", "pytest", *quiet, "-p", "no:cacheprovider",
-                                        *pytest_args, *files], stdout=stream, stderr=subprocess.STDOUT)
-        running.append((process, log, total, files))
-
     failed = False
-    for process, log, total, files in running:
-        remaining = None if args.timeout <= 0 else max(0.0, args.timeout - (time.monotonic() - start))
-        try:
-            status = process.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            status = "timed out"
-        failed |= status != 0
-        shown = " ".join(os.path.relpath(f) if f.startswith(os.getcwd() + os.sep) else f for f in files)
-        print(f"{log.name}: {total} tests in {shown}\n  exit {status}: {last_summary(log)}")
-    print(f"{len(running)} processes, {time.monotonic() - start:.0f} s")
+
+    def report(index, status):
+        count, arguments = parts[index]
+        log = args.log_dir / f"pytest_{index}.log"
+        shown = " ".join(sorted({shown_path(a.split("::", 1)[0]) for a in arguments}))
+        print(f"{log.name}: {count} tests in {shown}\n  exit {status}: {last_summary(log)}", flush=True)
+        return status != 0
+
+    while waiting or running:
+        timed_out = args.timeout > 0 and time.monotonic() - start > args.timeout
+        while waiting and len(running) < args.workers and not timed_out:
+            index, (_, arguments) = waiting.pop(0)
+            with open(args.log_dir / f"pytest_{index}.log", "w") as stream:
+                running.append((index, subprocess.Popen(
+                    [sys.executable, "-m", "pytest", *quiet, "-p", "no:cacheprovider", *pytest_args, *arguments],
+                    stdout=stream, stderr=subprocess.STDOUT)))
+        if timed_out:
+            for index, process in running:
+                process.kill()
+                process.wait()
+                failed |= report(index, "timed out")
+            for index, _ in waiting:
+                failed |= report(index, "not started before the timeout")
+            break
+        for entry in [entry for entry in running if entry[1].poll() is not None]:
+            running.remove(entry)
+            failed |= report(entry[0], entry[1].returncode)
+        time.sleep(0.2)
+    print(f"{len(parts)} parts, {min(args.workers, len(parts))} processes at once, {time.monotonic() - start:.0f} s")
     return 1 if failed else 0
 
 

@@ -54,6 +54,12 @@ def test_a_run_reports_every_process_and_fails_when_one_fails(tmp_path, capsys):
     assert printed.count("2 passed") == 2 and "1 passed" in printed and "1 failed" in printed
     assert "4 parts, 1 processes at once" in printed
 
+    # Tests named by id run alone, not their whole file.
+    assert parallel_pytest.main(["--workers", "2", "--log-dir", str(logs), str(suite / "test_one.py") + "::test_passes[3]",
+                                 str(suite / "test_two.py")]) == 1
+    printed = capsys.readouterr().out
+    assert "1 passed" in printed and "1 failed" in printed and "2 parts" in printed
+
     # pytest's own options after --, in the collection too: here one that deselects the failing test.
     assert parallel_pytest.main(["--workers", "3", "--log-dir", str(logs), str(suite), "--", "-k", "not fails"]) == 0
     printed = capsys.readouterr().out

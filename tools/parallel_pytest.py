@@ -2,9 +2,10 @@
 """Runs a pytest suite in several pytest processes at once: the collected tests go in parts (a
 file whole, or a long file's test ids in parts of at most --part-size), the longest parts first,
 and each process that ends makes room for the next part, so that no one slow file bounds the wall
-time. One log a part. On one GPU the suite's calls are small, so several processes share it: on
-an H100 (2026-12-06) the whole suite's processes took about 1,600 s together, four at a time, no
-file failing for running beside the others.
+time. One log a part; OMP_NUM_THREADS, unless set, shares the CPU's cores among the processes. On
+one GPU the suite's calls are small, so several processes share it: on an H100 (2026-12-06) the
+whole suite's processes took about 1,600 s together, four at a time, no file failing for running
+beside the others.
 
   python3 tools/parallel_pytest.py --workers 8 --log-dir OUT tests [-- extra pytest options]
 
@@ -41,13 +42,13 @@ def collected_ids(paths, pytest_args):
     return ids
 
 
-def split_tests(ids, part_size):
+def split_tests(ids, part_size, named_by_id=()):
     """The tests in parts of at most `part_size`, longest first, each a (count, pytest arguments)
-    pair: a file whole, as its path, when it holds no more; else its test ids in parts of about
-    equal size."""
+    pair: a file whole, as its path, when it holds no more and the caller did not name some of its
+    tests by id (files in `named_by_id`); else its test ids in parts of about equal size."""
     parts = []
     for name, tests in ids.items():
-        if len(tests) <= part_size:
+        if len(tests) <= part_size and name not in named_by_id:
             parts.append((len(tests), [name]))
         else:
             count = -(-len(tests) // part_size)
@@ -72,7 +73,8 @@ def last_summary(log: Path) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", help="test files or directories (pytest's own options after --)")
+    parser.add_argument("paths", nargs="+",
+                        help="test files, directories or test ids (pytest's own options after --)")
     parser.add_argument("--workers", type=int, default=8, help="pytest processes at once (default: 8)")
     parser.add_argument("--log-dir", type=Path, required=True, help="where pytest_<n>.log go")
     parser.add_argument("--part-size", type=int, default=150,
@@ -88,12 +90,17 @@ def main(argv=None):
         parser.error("--part-size must be at least 1")
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
-    parts = split_tests(collected_ids(args.paths, pytest_args), args.part_size)
+    named_by_id = {os.path.abspath(path.split("::", 1)[0]) for path in args.paths if "::" in path}
+    parts = split_tests(collected_ids(args.paths, pytest_args), args.part_size, named_by_id)
     # -q unless the caller set a verbosity (a second -q drops the summary line last_summary reads),
     # alone or among other short flags (-xq).
     sets_verbosity = any(re.match(r"-[a-zA-Z]*[qv]", a) or a.startswith(("--quiet", "--verbose", "--verbosity"))
                          for a in pytest_args)
     quiet = [] if sets_verbosity else ["-q"]
+    # The CPU's cores shared among the processes (unless the caller set it): each torch process would
+    # otherwise start a thread a core, and the CPU-bound tests (the fp64 oracles) crawl.
+    environment = dict(os.environ)
+    environment.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.workers)))
     start = time.monotonic()
     waiting = list(enumerate(parts))
     running = []
@@ -113,7 +120,7 @@ def main(argv=None):
             with open(args.log_dir / f"pytest_{index}.log", "w") as stream:
                 running.append((index, subprocess.Popen(
                     [sys.executable, "-m", "pytest", *quiet, "-p", "no:cacheprovider", *pytest_args, *arguments],
-                    stdout=stream, stderr=subprocess.STDOUT)))
+                    stdout=stream, stderr=subprocess.STDOUT, env=environment)))
         if timed_out:
             for index, process in running:
                 process.kill()

@@ -1,6 +1,6 @@
 """Test setup: make ``helpers`` importable, give each test its own seeded generators, keep
-parallel (pytest-xdist) workers from oversubscribing the CPU, and report a test that forces the sm80
-path where this build's Hopper code leaves it out as skipped."""
+parallel (pytest-xdist) workers from oversubscribing the CPU, and report a test whose call meets a
+piece this build left out (an option's kernels, the sm80 path in the Hopper code) as skipped."""
 
 import os
 import sys
@@ -38,16 +38,17 @@ def cuda_gen(request) -> torch.Generator:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A test whose call the extension refused because it forces kernel="sm80" on a Hopper GPU at a
-    head dim this build's sm_90a code leaves out (FLASH_CUTLASS_SM80_ON_HOPPER=0, the default) is
-    skipped with the refusal as its reason, not failed: the test cannot run in this build. Any other
-    error stays a failure."""
+    """A test whose call the extension refused because this build left out what the call needs (its
+    message ends "rebuild with FLASH_CUTLASS_...": an option's kernels built with FLASH_CUTLASS_<OPTION>=0,
+    kernel="sm80" forced on a Hopper GPU at a head dim the sm_90a code leaves out, ...) is skipped with
+    the refusal as its reason, not failed: the test cannot run in this build. Any other error stays a
+    failure."""
     outcome = yield
     report = outcome.get_result()
-    from helpers import SM80_ON_HOPPER_REFUSAL
+    from helpers import BUILD_LEAVE_OUT_MARK
 
     error = call.excinfo
     if (report.when == "call" and error is not None and error.errisinstance(RuntimeError)
-            and SM80_ON_HOPPER_REFUSAL in str(error.value)):
+            and BUILD_LEAVE_OUT_MARK in str(error.value)):
         report.outcome = "skipped"
         report.longrepr = (str(item.path), (item.location[1] or 0) + 1, f"Skipped: {error.value}")

@@ -80,7 +80,8 @@ def main(argv=None):
     parser.add_argument("--part-size", type=int, default=150,
                         help="most tests of one file in one pytest process (default: 150)")
     parser.add_argument("--timeout", type=float, default=0,
-                        help="seconds after which unfinished processes are stopped (default: 0, none)")
+                        help="seconds from the start (the collection included) after which unfinished "
+                             "processes are stopped (default: 0, none)")
     argv = sys.argv[1:] if argv is None else list(argv)
     pytest_args = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -90,6 +91,7 @@ def main(argv=None):
         parser.error("--part-size must be at least 1")
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
+    start = time.monotonic()  # --timeout counts the collection too
     named_by_id = {os.path.abspath(path.split("::", 1)[0]) for path in args.paths if "::" in path}
     parts = split_tests(collected_ids(args.paths, pytest_args), args.part_size, named_by_id)
     # -q unless the caller set a verbosity (a second -q drops the summary line last_summary reads),
@@ -101,7 +103,6 @@ def main(argv=None):
     # otherwise start a thread a core, and the CPU-bound tests (the fp64 oracles) crawl.
     environment = dict(os.environ)
     environment.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.workers)))
-    start = time.monotonic()
     waiting = list(enumerate(parts))
     running = []
     failed = False

@@ -57,18 +57,12 @@ def cloned(call, dtype=None, device=None):
 def reference_of(call, **options):
     """The reference's (out, lse) of a call on the CPU in fp64 (the oracle) and in the call's dtype
     (computed in fp32, rounded to the dtype: the baseline of the pass rule), each on fresh copies of
-    the caches."""
-    oracle = reference.attention_with_kvcache(**cloned(call, torch.float64, "cpu"), **_on_cpu(options, torch.float64))
-    baseline = reference.attention_with_kvcache(**cloned(call, None, "cpu"), **_on_cpu(options, None))
-    return oracle, baseline
-
-
-def reference_caches(call, **options):
-    """The caches (k_cache, v_cache) after the reference's append of a call, on the CPU in the
+    the caches; and the caches (k_cache, v_cache) after the baseline's append, on the CPU in the
     call's dtype: a kernel's append must write them bitwise."""
-    expected = cloned(call, None, "cpu")
-    reference.attention_with_kvcache(**expected, **_on_cpu(options, None))
-    return expected["k_cache"], expected["v_cache"]
+    oracle = reference.attention_with_kvcache(**cloned(call, torch.float64, "cpu"), **_on_cpu(options, torch.float64))
+    in_dtype = cloned(call, None, "cpu")
+    baseline = reference.attention_with_kvcache(**in_dtype, **_on_cpu(options, None))
+    return oracle, baseline, (in_dtype["k_cache"], in_dtype["v_cache"])
 
 
 # The log-sum-exp against the reference in the input dtype, which computes it in fp32 from the same

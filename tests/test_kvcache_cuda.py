@@ -14,7 +14,7 @@ import flash_cutlass
 from flash_cutlass import reference
 from helpers import (COMPILED_DTYPES, SMEM_99_KIB, SMEM_PER_BLOCK_ENV, fa2_check, has_kernels, kernel_unavailable,
                      options_left_out, requires_cuda)
-from kvcache_cases import check_lse, cloned, make_call, reference_caches, reference_of, rotary_tables
+from kvcache_cases import check_lse, cloned, make_call, reference_of, rotary_tables
 
 pytestmark = [requires_cuda, pytest.mark.skipif(not has_kernels(flash_cutlass.compiled_kvcache),
                                                 reason="the build left the KV-cache kernels out")]
@@ -44,8 +44,7 @@ def run(call, **options):
 def check_against_reference(call, dtype, num_splits=0, **options):
     """The kernels' out and lse against the reference's, and the caches they leave bitwise the
     reference's (the append, rotated with rotary)."""
-    oracle, baseline = reference_of(call, **options)
-    expected_caches = reference_caches(call, **options)
+    oracle, baseline, expected_caches = reference_of(call, **options)
     actual = cloned(call)
     out, lse = run(actual, num_splits=num_splits, **options)
     fa2_check(out, oracle[0].float(), baseline[0], "out", eps=EPS[dtype])

@@ -16,7 +16,8 @@
 #   benchmark_forward.py options), BENCH_BWD_IMPLS (bench_bwd's --impls, e.g. with
 #   flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's opt-ins), PYTEST_ARGS,
 #   PYTEST_WORKERS (test: pytest processes at once, default 8; tools/parallel_pytest.py; the parts'
-#   logs in pytest_logs.tgz, their FAILED/ERROR lines in failures.txt).
+#   logs in pytest_logs.tgz, their FAILED/ERROR lines in failures.txt), PYTEST_PATHS (test: the
+#   files, default tests/; the whole suite takes more than one 600 s device call, so split it).
 set -uo pipefail
 
 out_dir=${1:?usage: tools/gpu_pass.sh OUT_DIR [build|test|bench|profile...]}
@@ -60,7 +61,7 @@ for step in $steps; do
       grep -a -E "spill stores|Used [0-9]+ registers" "$out_dir/build.log" | sort | uniq -c >"$out_dir/ptxas.txt"
       ;;
     test)
-      python3 tools/parallel_pytest.py --workers "${PYTEST_WORKERS:-8}" --log-dir "$out_dir/pytest_logs" tests \
+      python3 tools/parallel_pytest.py --workers "${PYTEST_WORKERS:-8}" --log-dir "$out_dir/pytest_logs" ${PYTEST_PATHS:-tests} \
         -- ${PYTEST_ARGS:-} >"$out_dir/pytest.log" 2>&1
       status=$?
       grep -h -a -E "^(FAILED|ERROR) " "$out_dir"/pytest_logs/pytest_*.log >"$out_dir/failures.txt"

@@ -351,7 +351,7 @@ def replay_mismatch(replay, replayed_out, eager_out, step, rng_state):
     again = step(rng_state=rng_state)[0]
     seed, offset = rng_state.tolist()
     matching = [delta for delta in range(-16, 17, 4)
-                if torch.equal(step(rng_state=state(seed, offset + delta))[0], replayed_out)]
+                if offset + delta >= 0 and torch.equal(step(rng_state=state(seed, offset + delta))[0], replayed_out)]
     return (f"replay {replay}: out differs from the eager call's at (seed, offset) ({seed}, {offset}) in "
             f"{rows_differing:.1%} of its rows; a second eager call {'agrees' if torch.equal(again, eager_out) else 'differs'}; "
             f"eager calls equal the replay at offset deltas {matching}")

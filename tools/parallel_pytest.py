@@ -6,7 +6,7 @@ time. One log a part; OMP_NUM_THREADS, unless set, shares the CPU's cores among 
 one GPU the suite's calls are small, so several processes share it: on an H100 (2026-12-06) the
 whole suite's processes took about 1,600 s together, four at a time. One test has failed beside 7
 other processes and passed alone (test_dropout's captured flash_attention: docs/PERFORMANCE.md,
-Next steps); rerun a failure alone before trusting it.
+Next steps); rerun a failure alone to see whether it depends on the load.
 
   python3 tools/parallel_pytest.py --workers 8 --log-dir OUT tests [-- extra pytest options]
 

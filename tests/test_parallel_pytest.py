@@ -1,6 +1,8 @@
-"""tools/parallel_pytest.py (the whole suite in several pytest processes at once): how it splits
-the files, and a run over a small suite with a failing file and a stalled one."""
+"""tools/parallel_pytest.py (the whole suite in several pytest processes at once): how it cuts the
+tests into parts, runs over a small suite with a failing file and a stalled one, and the CPU
+threads it gives each process."""
 
+import os
 import textwrap
 
 from helpers import load_script
@@ -93,3 +95,18 @@ def test_a_process_past_the_timeout_is_stopped_and_counts_as_failed(tmp_path, ca
                                  str(tmp_path / "test_slow.py"), str(tmp_path / "test_slow_too.py")]) == 1
     printed = capsys.readouterr().out
     assert "exit timed out" in printed and "exit not started before the timeout" in printed
+
+
+def test_the_processes_share_the_cores_unless_the_caller_set_omp_num_threads(tmp_path, capsys, monkeypatch):
+    (tmp_path / "test_threads_seen.py").write_text(textwrap.dedent("""
+        import os
+        def test_sees(request):
+            assert os.environ["OMP_NUM_THREADS"] == os.environ["EXPECTED_THREADS"]
+    """))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("EXPECTED_THREADS", str(max(1, (os.cpu_count() or 1) // 3)))
+    assert parallel_pytest.main(["--workers", "3", "--log-dir", str(tmp_path / "logs"), str(tmp_path)]) == 0
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    monkeypatch.setenv("EXPECTED_THREADS", "5")
+    assert parallel_pytest.main(["--workers", "3", "--log-dir", str(tmp_path / "logs"), str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("1 passed") == 2

@@ -131,8 +131,6 @@ requires_backward = pytest.mark.skipif(bool(backward_left_out()), reason=backwar
 # an option's kernels, the sm80 path at the Hopper path's head dims, the smaller sm80 tiles, ...);
 # tests/conftest.py reports a test that meets one as skipped, with its message.
 BUILD_LEAVE_OUT_MARK = "rebuild with FLASH_CUTLASS_"
-# The refusal of kernel="sm80" at a head dim that this build's sm_90a code leaves out.
-SM80_ON_HOPPER_REFUSAL = BUILD_LEAVE_OUT_MARK + "SM80_ON_HOPPER=1"
 
 
 def sm80_left_out_on_hopper(head_dim: int, direction: str) -> str:

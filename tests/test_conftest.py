@@ -3,16 +3,16 @@ left out (the sm80 path in the Hopper code, an option's kernels) is skipped with
 message; every other error still fails."""
 
 import os
+import re
 import subprocess
 import sys
 
-import re
+from helpers import BUILD_LEAVE_OUT_MARK, ROOT
 
-from helpers import BUILD_LEAVE_OUT_MARK, ROOT, SM80_ON_HOPPER_REFUSAL
+SM80_ON_HOPPER_REFUSAL = f"{BUILD_LEAVE_OUT_MARK}SM80_ON_HOPPER=1"
 
 REFUSAL = ("kernel='sm80' at head dim 64 on cuda:0: this build leaves the sm80 path's backward at the Hopper path's "
            f"head dims out of its sm_90a code, which Hopper GPUs run; {SM80_ON_HOPPER_REFUSAL}")
-
 
 OPTION_REFUSAL = ("alibi_slopes needs ALiBi in the extended kernels, which this build left out "
                   f"(FLASH_CUTLASS_ALIBI=0); {BUILD_LEAVE_OUT_MARK}ALIBI=1")

@@ -52,7 +52,7 @@ def main(argv=None):
             ratios = {kernel: [] for kernel in args.kernels}
             for seed in range(args.seeds):
                 gen = torch.Generator(device=args.device).manual_seed(seed)
-                heads, heads_k = 8, 2 if (seqlen_q + seqlen_k) % 2 else 8
+                heads, heads_k = 8, (2 if (seqlen_q + seqlen_k) % 2 else 8)  # GQA on odd totals, as test_window
                 q, k, v, dout = (torch.randn(1, s, h, head_dim, generator=gen, device=args.device).to(dtype)
                                  for s, h in ((seqlen_q, heads), (seqlen_k, heads_k), (seqlen_k, heads_k),
                                               (seqlen_q, heads)))

@@ -343,18 +343,28 @@ def test_captured_flash_forward_and_backward_draw_a_fresh_mask_per_replay(cuda_g
                                    dropout_p=GRAPH_DROPOUT_P, rng_state=first_state)
 
 
-def replay_mismatch(replay, replayed_out, eager_out, step, rng_state):
+def replay_mismatch(replay, replayed_out, eager_out, step, rng_state, q, k, v, causal):
     """What a replay's out that differs from the eager call's at its state is: the share of (batch,
-    row, head) rows that differ, whether a second eager call agrees with the first, and the offsets
-    near the state (if any) at which an eager call gives the replay's out."""
+    row, head) rows that differ, whether a second eager call agrees with the first, the offsets
+    near the state (if any) at which an eager call gives the replay's out, and which of the two
+    passes the oracle at the state (the wrong one is the one that does not)."""
     rows_differing = (replayed_out != eager_out).any(dim=-1).float().mean().item()
     again = step(rng_state=rng_state)[0]
     seed, offset = rng_state.tolist()
     matching = [delta for delta in range(-16, 17, 4)
                 if offset + delta >= 0 and torch.equal(step(rng_state=state(seed, offset + delta))[0], replayed_out)]
+
+    def verdict(out):
+        try:
+            check_out_against_oracle("", out, q.detach(), k.detach(), v.detach(), causal, rng_state)
+            return "passes"
+        except AssertionError:
+            return "fails"
+
     return (f"replay {replay}: out differs from the eager call's at (seed, offset) ({seed}, {offset}) in "
             f"{rows_differing:.1%} of its rows; a second eager call {'agrees' if torch.equal(again, eager_out) else 'differs'}; "
-            f"eager calls equal the replay at offset deltas {matching}")
+            f"eager calls equal the replay at offset deltas {matching}; against the oracle at the state the "
+            f"replay {verdict(replayed_out)}, the eager call {verdict(eager_out)}")
 
 
 @requires_cuda
@@ -385,7 +395,7 @@ def test_captured_flash_attention_draws_what_eager_draws(cuda_gen, monkeypatch, 
         results.append(result)
         expected = step(rng_state=states[-1])
         assert torch.equal(result[0], expected[0]), replay_mismatch(len(results), result[0], expected[0], step,
-                                                                    states[-1])
+                                                                    states[-1], q, k, v, causal)
         for name, grad, expected_grad in zip(("dq", "dk", "dv"), result[1:], expected[1:]):
             torch.testing.assert_close(grad, expected_grad, msg=lambda m, name=name: f"{name}: {m}")
     assert not torch.equal(results[0][0], results[1][0])

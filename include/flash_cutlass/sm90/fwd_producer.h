@@ -72,10 +72,13 @@ struct FwdProducer {
     const int v_row_origin = per_sequence_v ? value_row_origin(params, work.sequence) : work.sequence.k_start;
     Tensor gV = local_tile(domain_offset(make_coord(v_row_origin, _0{}), mV(_, _, head_k, tma_batch)),
                            select<1, 2>(TileShape{}), make_coord(_, _0{}));
-    auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                      group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                      group_modes<0, 2>(gV));
+    // Named views, not structured bindings: the loaders' lambdas capture them (C++17).
+    auto k_copy = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    Tensor tKgK = get<0>(k_copy);
+    Tensor tKsK = get<1>(k_copy);
+    auto v_copy = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    Tensor tVgV = get<0>(v_copy);
+    Tensor tVsV = get<1>(v_copy);
     load_blocks(
         work, [](int n_block) { return n_block; },
         [&](int block, int, int stage, uint64_t& barrier) {
@@ -104,10 +107,13 @@ struct FwdProducer {
     Tensor gV = local_tile(mV(_, _, head_k, _0{}), select<1, 2>(TileShape{}), make_coord(_, _0{}));
     Tensor gVLast = local_tile(domain_offset(make_coord(last_shift, _0{}), mV(_, _, head_k, _0{})),
                                select<1, 2>(TileShape{}), make_coord(_, _0{}));
-    auto [tKgK, tKsK] = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                      group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                      group_modes<0, 2>(gV));
+    // Named views, not structured bindings: the loaders' lambdas capture them (C++17).
+    auto k_copy = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    Tensor tKgK = get<0>(k_copy);
+    Tensor tKsK = get<1>(k_copy);
+    auto v_copy = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    Tensor tVgV = get<0>(v_copy);
+    Tensor tVsV = get<1>(v_copy);
     Tensor tVgVLast = get<0>(tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                            group_modes<0, 2>(gVLast)));
     // The page rows of the tile's key blocks, visited from the last (step 0) to the first, 32 at a

@@ -44,6 +44,15 @@ struct FwdProducer {
   int& q_loads;
   PipelineKV& pipeline_v;
 
+  // A TMA copy's views of a global tensor's blocks and of their shared-memory stages, (global,
+  // shared) as a tuple: the loaders' lambdas capture it whole (C++17 lambdas capture no
+  // structured bindings).
+  template <class Tma, class SmemTensor, class GmemTensor>
+  __device__ __forceinline__ static auto tma_views(Tma const& tma, SmemTensor const& smem, GmemTensor const& gmem) {
+    using namespace cute;
+    return tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(smem), group_modes<0, 2>(gmem));
+  }
+
   // The tile's key blocks from the last to the first, the order the consumers visit them in; none
   // for a tile past its sequence's end or without keys (its consumers only store its epilogue).
   __device__ __forceinline__ void load_tile(QueryTile tile) {
@@ -72,20 +81,15 @@ struct FwdProducer {
     const int v_row_origin = per_sequence_v ? value_row_origin(params, work.sequence) : work.sequence.k_start;
     Tensor gV = local_tile(domain_offset(make_coord(v_row_origin, _0{}), mV(_, _, head_k, tma_batch)),
                            select<1, 2>(TileShape{}), make_coord(_, _0{}));
-    // Named views, not structured bindings: the loaders' lambdas capture them (C++17).
-    auto k_copy = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    Tensor tKgK = get<0>(k_copy);
-    Tensor tKsK = get<1>(k_copy);
-    auto v_copy = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    Tensor tVgV = get<0>(v_copy);
-    Tensor tVsV = get<1>(v_copy);
+    auto k_views = tma_views(kernel_params.tma_k, sK, gK);
+    auto v_views = tma_views(kernel_params.tma_v, sV, gV);
     load_blocks(
         work, [](int n_block) { return n_block; },
         [&](int block, int, int stage, uint64_t& barrier) {
-          copy(kernel_params.tma_k.with(barrier), tKgK(_, block), tKsK(_, stage));
+          copy(kernel_params.tma_k.with(barrier), get<0>(k_views)(_, block), get<1>(k_views)(_, stage));
         },
         [&](int block, int, int stage, uint64_t& barrier) {
-          copy(kernel_params.tma_v.with(v_descriptor, barrier), tVgV(_, block), tVsV(_, stage));
+          copy(kernel_params.tma_v.with(v_descriptor, barrier), get<0>(v_views)(_, block), get<1>(v_views)(_, stage));
         });
   }
 
@@ -107,15 +111,9 @@ struct FwdProducer {
     Tensor gV = local_tile(mV(_, _, head_k, _0{}), select<1, 2>(TileShape{}), make_coord(_, _0{}));
     Tensor gVLast = local_tile(domain_offset(make_coord(last_shift, _0{}), mV(_, _, head_k, _0{})),
                                select<1, 2>(TileShape{}), make_coord(_, _0{}));
-    // Named views, not structured bindings: the loaders' lambdas capture them (C++17).
-    auto k_copy = tma_partition(kernel_params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    Tensor tKgK = get<0>(k_copy);
-    Tensor tKsK = get<1>(k_copy);
-    auto v_copy = tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    Tensor tVgV = get<0>(v_copy);
-    Tensor tVsV = get<1>(v_copy);
-    Tensor tVgVLast = get<0>(tma_partition(kernel_params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                           group_modes<0, 2>(gVLast)));
+    auto k_views = tma_views(kernel_params.tma_k, sK, gK);
+    auto v_views = tma_views(kernel_params.tma_v, sV, gV);
+    Tensor tVgVLast = get<0>(tma_views(kernel_params.tma_v, sV, gVLast));
     // The page rows of the tile's key blocks, visited from the last (step 0) to the first, 32 at a
     // time: lane l of the producer warp holds the row of step 32 c + l of chunk c, the chunk read
     // together by the warp's lanes one chunk ahead, and lane 0, which issues the loads, takes each
@@ -142,14 +140,14 @@ struct FwdProducer {
           return __shfl_sync(0xffffffffu, chunk_rows, step % 32) / kBlockN;
         },
         [&](int block, int, int stage, uint64_t& barrier) {
-          if (lane == 0) copy(kernel_params.tma_k.with(barrier), tKgK(_, block), tKsK(_, stage));
+          if (lane == 0) copy(kernel_params.tma_k.with(barrier), get<0>(k_views)(_, block), get<1>(k_views)(_, stage));
         },
         [&](int block, int n_block, int stage, uint64_t& barrier) {
           if (lane != 0) return;
           if ((n_block + 1) * kBlockN > seqlen_k) {
-            copy(kernel_params.tma_v.with(last_descriptor, barrier), tVgVLast(_, block), tVsV(_, stage));
+            copy(kernel_params.tma_v.with(last_descriptor, barrier), tVgVLast(_, block), get<1>(v_views)(_, stage));
           } else {
-            copy(kernel_params.tma_v.with(barrier), tVgV(_, block), tVsV(_, stage));
+            copy(kernel_params.tma_v.with(barrier), get<0>(v_views)(_, block), get<1>(v_views)(_, stage));
           }
         });
   }

@@ -17,7 +17,7 @@
 #   flash_cutlass_gqa_walk or flash_cutlass_v_after_q: docs/DEVELOPING.md's opt-ins), PYTEST_ARGS,
 #   PYTEST_WORKERS (test: pytest processes at once, default 8; tools/parallel_pytest.py; the parts'
 #   logs in pytest_logs.tgz, their FAILED/ERROR lines in failures.txt), PYTEST_PATHS (test: the
-#   files, default tests/; the whole suite takes more than one 600 s device call, so split it).
+#   files, default tests/; to run the suite in turns over device calls, the build kept warm).
 set -uo pipefail
 
 out_dir=${1:?usage: tools/gpu_pass.sh OUT_DIR [build|test|bench|profile...]}

@@ -171,11 +171,13 @@ __device__ __forceinline__ auto smem_operands(typename Traits::SharedStorage& st
                           make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutdS{}));
 }
 
-// f(apply_mask, per_query_scale) with both as compile-time bools (cute::true_type/false_type).
-template <class F>
+// f(apply_mask, per_query_scale) with both as compile-time bools (cute::true_type/false_type). With
+// kMaskWithQueryScale, a block of per-query scales (rare: exact_rows) always takes the mask, which
+// is then a no-op where the block needs none: three copies of the exponentials instead of four.
+template <bool kMaskWithQueryScale, class F>
 __device__ __forceinline__ void with_exponent_variant(bool apply_mask, bool per_query_scale, F&& f) {
   if (per_query_scale) {
-    if (apply_mask) f(cute::true_type{}, cute::true_type{});
+    if (kMaskWithQueryScale || apply_mask) f(cute::true_type{}, cute::true_type{});
     else f(cute::false_type{}, cute::true_type{});
   } else {
     if (apply_mask) f(cute::true_type{}, cute::false_type{});
@@ -184,13 +186,16 @@ __device__ __forceinline__ void with_exponent_variant(bool apply_mask, bool per_
 }
 
 // A query block's S^T (st, rows x columns view; coords: each element's (key, query) in the tile)
-// turned in place into P^T, with the mask only where the block needs it.
+// turned in place into P^T, with the mask only where the block needs it. The 128-row blocks (head
+// dim 64) keep three copies of the exponentials: the fourth cost ptxas 27 spill stores and 13
+// loads in the consumer loop there (1 and 13 with three), while at 64 rows (128) three add one.
 template <int kBlockM, int kBlockN, MaskKind kMaskKind, class TensorS, class Coords>
 __device__ __forceinline__ void probabilities_of_block(TensorS& st, Coords const& coords,
                                                        KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,
                                                        int row_start, QueryExponents const& exponents) {
   const bool needs_mask = work.mask.tile_needs_mask(row_start, kBlockM, work.key_start, kBlockN);
-  with_exponent_variant(needs_mask, exponents.exact_rows, [&](auto apply_mask, auto per_query_scale) {
+  with_exponent_variant<(kBlockM >= 128)>(needs_mask, exponents.exact_rows, [&](auto apply_mask,
+                                                                                  auto per_query_scale) {
     probabilities_transposed<decltype(apply_mask)::value, decltype(per_query_scale)::value>(
         st, coords, work.key_start, row_start, work.mask, exponents);
   });

@@ -4,10 +4,9 @@ whole, or a long file's test ids in parts of at most --part-size), the longest p
 process that ends makes room for the next part, so that no one slow file bounds the wall time. One
 log a part; OMP_NUM_THREADS, unless set, shares the CPU's cores among the processes. On one GPU the
 suite's calls are small, so several processes share it: on an H100 (2026-12-06) the whole suite's
-processes took about 1,600 s together, four at a time. One test has failed once beside 7 other
-processes, each then running a CPU thread a core, and passed since, alone and under load
-(test_dropout's captured flash_attention: docs/PERFORMANCE.md, Next steps); rerun a failure alone to
-see whether it depends on the load.
+processes took about 1,600 s together, four at a time. test_dropout's CUDA-graph tests fail now
+and then under load, never alone (a suspect in torch before 2.13: docs/PERFORMANCE.md, Next steps;
+tools/graph_dropout_replays.py); rerun a failure alone to see whether it depends on the load.
 
   python3 tools/parallel_pytest.py --workers 8 --log-dir OUT tests [-- extra pytest options]
 

@@ -470,10 +470,11 @@ def check_rejected_by_every_entry_point(error, match, backward_options=None, **o
         flash_cutlass.flash_attention(q, q, q, **options)
 
 
-def capture_graph(function, generators=()):
+def capture_graph(function, generators=(), synchronize=True):
     """function() run once on a side stream (the warm-up that capturing autograd needs), then
     captured: (the graph, function's outputs, which each replay rewrites). `generators` other than
-    the default one are registered with the graph."""
+    the default one are registered with the graph. `synchronize`: wait for the device after the
+    capture (below)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -484,4 +485,11 @@ def capture_graph(function, generators=()):
         graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
         outputs = function()
+    # torch before 2.13 resets each registered generator's graph offset with a fill on the capture
+    # stream before capturing, which nothing orders before the first replay's fill of the real
+    # offset on the replaying stream. Under load, first replays have differed from the eager call
+    # in part of their dropout mask: the suspected cause (tools/graph_dropout_replays.py, which
+    # captures without this wait, tells). Waiting here orders the two, as the README asks users.
+    if synchronize:
+        torch.cuda.synchronize()
     return graph, outputs

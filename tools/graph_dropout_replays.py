@@ -10,7 +10,8 @@ eager repeats were bitwise equal. One suspect lies outside the kernel: before 2.
 capture_begin resets a registered generator's graph offset with a fill on the capture stream,
 uncaptured, and nothing orders that fill before the first replay's own fill of the offset on the
 replaying stream; a kernel reading the offset meanwhile draws at offset 0. --sync-after-capture
-waits for the device after each capture: if that removes the mismatches, the suspect is confirmed.
+waits for the device after each capture, as the tests' capture_graph and the README's advice do:
+if that removes the mismatches, the suspect is confirmed.
 
 For a differing replay the probe prints the rows that differ, whether they were left unwritten
 (each replay's output is filled with NaN first), and which (seed, offset) from 0 to the recorded
@@ -32,22 +33,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 import flash_cutlass  # noqa: E402
 
 DROPOUT_P = 0.2
-
-
-def capture(step, generator, sync_after_capture):
-    """step() once eagerly on a side stream (the warm-up), then captured with generator registered."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    graph.register_generator_state(generator)
-    with torch.cuda.graph(graph):
-        outputs = step()
-    if sync_after_capture:
-        torch.cuda.synchronize()
-    return graph, outputs
 
 
 def explain(q, k, v, causal, replay_out, eager_out, state):
@@ -85,7 +70,7 @@ def main(argv=None):
     head_dim = args.head_dim or min(flash_cutlass.compiled_head_dims())
     if head_dim not in flash_cutlass.compiled_head_dims():
         parser.error(f"--head-dim {head_dim} is not in this build ({flash_cutlass.compiled_head_dims()})")
-    from helpers import cuda_inputs  # the graph tests' inputs: GQA, odd lengths
+    from helpers import capture_graph, cuda_inputs  # as the graph tests capture, with their inputs
 
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     q, k, v, _ = cuda_inputs(gen, torch.bfloat16, 255, 320, 4, 2, head_dim)
@@ -97,7 +82,8 @@ def main(argv=None):
         def step():
             return flash_cutlass.flash_forward(q, k, v, dropout_p=DROPOUT_P, causal=causal, generator=generator)
 
-        graph, (out, _, rng_state) = capture(step, generator, args.sync_after_capture)
+        graph, (out, _, rng_state) = capture_graph(step, generators=(generator,),
+                                                   synchronize=args.sync_after_capture)
         for replay in range(args.replays):
             out.fill_(float("nan"))
             graph.replay()

@@ -4,9 +4,9 @@
 graph tests do; a replay must compute bitwise what `flash_forward(..., rng_state=recorded)` computes.
 
 Why: under 8 pytest processes on one H100, test_dropout's graph tests have failed now and then
-(2026-12-06/07), and a first form of this probe caught one: the first replay of a fresh capture differed from the
-eager call in one whole query block (8,105 of 130,560 elements), where later replays and 3,200
-eager repeats were bitwise equal. One suspect lies outside the kernel: before 2.13, torch's
+(2026-12-06/07), and a first form of this probe caught one: the first replay of a fresh capture
+differed from the eager call in one whole query block (8,105 of 130,560 elements), where later
+replays and 3,200 eager repeats were bitwise equal. One suspect lies outside the kernel: before 2.13, torch's
 capture_begin resets a registered generator's graph offset with a fill on the capture stream,
 uncaptured, and nothing orders that fill before the first replay's own fill of the offset on the
 replaying stream; a kernel reading the offset meanwhile draws at offset 0. --sync-after-capture

@@ -187,8 +187,9 @@ __device__ __forceinline__ void with_exponent_variant(bool apply_mask, bool per_
 
 // A query block's S^T (st, rows x columns view; coords: each element's (key, query) in the tile)
 // turned in place into P^T, with the mask only where the block needs it. The 128-row blocks (head
-// dim 64) keep three copies of the exponentials: the fourth cost ptxas 27 spill stores and 13
-// loads in the consumer loop there (1 and 13 with three), while at 64 rows (128) three add one.
+// dim 64) keep three copies of the exponentials: with the fourth, ptxas left 28 local-memory
+// stores and 26 loads in the consumer loop there (1 and 13 with three; +2-4% on an H100), while at
+// 64 rows (head dim 128) three would add one.
 template <int kBlockM, int kBlockN, MaskKind kMaskKind, class TensorS, class Coords>
 __device__ __forceinline__ void probabilities_of_block(TensorS& st, Coords const& coords,
                                                        KeyBlockWork<kBlockM, kBlockN, kMaskKind> const& work,

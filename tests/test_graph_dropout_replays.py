@@ -19,7 +19,8 @@ def test_refuses_without_a_gpu(capsys):
 
 
 @requires_cuda
-@pytest.mark.skipif(not has_kernels(flash_cutlass.compiled_dropout), reason="this build has no dropout kernels (FLASH_CUTLASS_DROPOUT=0)")
+@pytest.mark.skipif(not has_kernels(flash_cutlass.compiled_dropout),
+                    reason="this build has no dropout kernels (FLASH_CUTLASS_DROPOUT=0)")
 def test_reports_differing_replays_by_replay_index(capsys):
     status = graph_dropout_replays.main(["--captures", "2", "--replays", "2", "--sync-after-capture"])
     summary = capsys.readouterr().out.splitlines()[-1]
